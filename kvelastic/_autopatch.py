@@ -1,0 +1,50 @@
+"""Runs from ``kvelastic-autopatch.pth`` at every interpreter start.
+
+It must be nearly free when kvelastic is off: it reads one environment
+variable and returns. When ``KVELASTIC`` is on, it registers a ``wrapt``
+post-import hook so the patches are applied the moment vLLM is imported,
+in the front end, the engine core and every worker process alike.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def enabled(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
+    """Whether ``KVELASTIC`` asks for the patches; garbage is an error, not a guess."""
+    value = environ.get("KVELASTIC", "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    from kvelastic.errors import ConfigError
+
+    raise ConfigError(f"KVELASTIC={environ.get('KVELASTIC')!r} is not a switch: use 1 or 0")
+
+
+def install_if_enabled() -> None:
+    """Register the vLLM import hook when ``KVELASTIC`` is on; never raise at site import."""
+    try:
+        if not enabled():
+            return
+    except Exception as exc:  # noqa: BLE001 - a .pth must not kill the interpreter
+        print(f"kvelastic: {exc}", file=sys.stderr)
+        return
+    try:
+        import wrapt
+    except ImportError:
+        print("kvelastic: KVELASTIC is set but wrapt is not installed; vLLM stays unpatched",
+              file=sys.stderr)
+        return
+    wrapt.register_post_import_hook(_on_vllm_import, "vllm")
+
+
+def _on_vllm_import(module: object) -> None:
+    from kvelastic.integration.activate import activate_from_hook
+
+    activate_from_hook()

@@ -1,0 +1,32 @@
+"""Elastic page pool: virtual tensors backed by physical pages mapped on demand.
+
+``PagePool`` is backend-agnostic; ``HostBackend`` (process memory) runs
+anywhere, ``CudaBackend`` (CUDA virtual memory management) needs a GPU and is
+imported only when asked for, so importing this package never touches CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvelastic.pool.backend import DoneFence, Fence, MapRun, PhysicalBackend
+from kvelastic.pool.host import HostBackend
+from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
+from kvelastic.pool.page_pool import DEFAULT_PAGE_BYTES, PagePool
+from kvelastic.pool.stats import PoolStats
+
+if TYPE_CHECKING:
+    from kvelastic.pool.cuda import CudaBackend
+
+__all__ = [
+    "CudaBackend", "DEFAULT_PAGE_BYTES", "DoneFence", "Fence", "GroupLayout", "HostBackend",
+    "MapRun", "PagePool", "PageRef", "PhysicalBackend", "PoolStats", "UniformLayout",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CudaBackend":
+        from kvelastic.pool.cuda import CudaBackend
+
+        return CudaBackend
+    raise AttributeError(name)

@@ -1,0 +1,334 @@
+"""The elastic page pool: virtual tensors whose physical pages come and go.
+
+Tensors are reserved up front; physical pages are mapped a group at a time
+(group g = the pages the layout assigns to g, by default page g of every
+tensor) and unmapped when the caller is done with them. Unmapping can wait on
+a fence so pages the GPU may still read are never pulled from under a kernel.
+Physical pages come from a reserve, so the hot path maps without creating, and
+the whole pool honours a byte limit that can change while it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any, Iterable
+
+from kvelastic.errors import PoolClosedError, PoolError
+from kvelastic.pool.backend import Fence, MapRun, PhysicalBackend
+from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
+from kvelastic.pool.region import Region, RegionLease
+from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
+from kvelastic.pool.stats import PoolStats
+from kvelastic.units import align_up
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_PAGE_BYTES = 2 * 1024 * 1024
+
+
+class PagePool:
+    """Tensors over reserved virtual memory, backed page group by page group."""
+
+    def __init__(self, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
+                 limit_bytes: int | None = None, zero_on_map: bool = True):
+        if page_bytes <= 0 or page_bytes % backend.granularity:
+            raise PoolError(f"page size {page_bytes} is not a positive multiple of the "
+                            f"{backend.name} granularity {backend.granularity}")
+        self.backend = backend
+        self.page_bytes = page_bytes
+        self.zero_on_map = zero_on_map
+        self._device = DeviceSource(backend, page_bytes)
+        self._limited = LimitedSource(self._device, limit_bytes)
+        self._reserve = ReserveSource(self._limited)
+        self._lock = threading.RLock()
+        self._regions: dict[int, Region] = {}
+        self._next_region_id = 0
+        self._layout: GroupLayout | None = None
+        self._mapped_groups: set[int] = set()
+        self._page_refs: dict[PageRef, int] = {}
+        self._handles: dict[PageRef, Any] = {}
+        self._pending: dict[PageRef, Fence] = {}
+        self._dead_regions: deque[int] = deque()
+        self._closed = False
+
+    # ----------------------------------------------------------------- tensors
+    def add_tensor(self, nbytes: int) -> "torch.Tensor":
+        """Reserve ``nbytes`` of virtual memory and return a flat int8 tensor over it.
+
+        Nothing is mapped yet: touching the tensor before its groups are mapped
+        faults, exactly like reading freed device memory.
+        """
+        if nbytes <= 0:
+            raise PoolError(f"tensor size must be positive, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            reserved = align_up(nbytes, self.page_bytes)
+            address = self.backend.reserve_address(reserved)
+            region = Region(self._next_region_id, address, nbytes, reserved, self.page_bytes)
+            self._next_region_id += 1
+            lease = RegionLease(region.region_id)
+            tensor = self.backend.tensor_view(address, nbytes, lease)
+            region.watch(lease, self._dead_regions.append)
+            self._regions[region.region_id] = region
+            return tensor
+
+    def region_of(self, tensor: "torch.Tensor") -> Region:
+        """The region a tensor (or a view of it) lives in."""
+        pointer = tensor.data_ptr()
+        with self._lock:
+            for region in self._regions.values():
+                if region.address <= pointer < region.address + region.reserved_bytes:
+                    return region
+        raise PoolError(f"address {pointer:#x} is not in any region of this pool")
+
+    @property
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions.values())
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def layout(self) -> GroupLayout:
+        with self._lock:
+            if self._layout is not None:
+                return self._layout
+            return UniformLayout({r.region_id: r.num_pages for r in self._regions.values()})
+
+    def set_layout(self, layout: GroupLayout) -> None:
+        """Replace the group layout; allowed only while no group is mapped."""
+        with self._lock:
+            if self._mapped_groups:
+                raise PoolError("the layout can change only while no group is mapped")
+            self._layout = layout
+
+    # ----------------------------------------------------------- map / unmap
+    def map_groups(self, groups: Iterable[int]) -> int:
+        """Map every group in ``groups`` that is not mapped yet; return how many were new.
+
+        All or nothing: if the limit or the device refuses, nothing changes and
+        :class:`PoolExhausted` (or a subclass) is raised.
+        """
+        with self._lock:
+            self._check_open()
+            self._collect_locked(wait=False)
+            layout = self.layout
+            new_groups = sorted({g for g in groups if g not in self._mapped_groups})
+            if not new_groups:
+                return 0
+            wanted = self._pages_to_back(layout, new_groups)
+            fresh = [ref for ref in wanted if ref not in self._handles]
+            handles = self._reserve.acquire(len(fresh))
+            try:
+                self.backend.map_runs(self._runs(fresh, handles), self.page_bytes,
+                                      zero=self.zero_on_map)
+            except BaseException:
+                self._reserve.release(handles)
+                raise
+            self._handles.update(zip(fresh, handles))
+            for ref in wanted:
+                self._pending.pop(ref, None)
+            for group in new_groups:
+                for ref in self._live_pages(layout, group):
+                    self._page_refs[ref] = self._page_refs.get(ref, 0) + 1
+            self._mapped_groups.update(new_groups)
+            return len(new_groups)
+
+    def unmap_groups(self, groups: Iterable[int], fence: Fence | None = None) -> int:
+        """Give back the pages of mapped ``groups``; return how many groups were unmapped.
+
+        With a ``fence``, pages stay physically mapped (and counted) until the
+        fence passes; :meth:`collect` or any later pool call finishes the job.
+        """
+        with self._lock:
+            self._check_open()
+            layout = self.layout
+            released: list[PageRef] = []
+            count = 0
+            for group in set(groups):
+                if group not in self._mapped_groups:
+                    continue
+                self._mapped_groups.discard(group)
+                count += 1
+                for ref in self._live_pages(layout, group):
+                    left = self._page_refs[ref] - 1
+                    if left:
+                        self._page_refs[ref] = left
+                    else:
+                        del self._page_refs[ref]
+                        released.append(ref)
+            if fence is None or fence.is_done():
+                self._unmap_pages(released)
+            else:
+                for ref in released:
+                    self._pending[ref] = fence
+            self._collect_locked(wait=False)
+            return count
+
+    def is_mapped(self, group: int) -> bool:
+        with self._lock:
+            return group in self._mapped_groups
+
+    def mapped_groups(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._mapped_groups)
+
+    def collect(self, wait: bool = False) -> int:
+        """Finish fenced unmaps whose fence has passed (all of them if ``wait``)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            return self._collect_locked(wait)
+
+    # ------------------------------------------------------- limit, reserve
+    def set_limit(self, limit_bytes: int | None) -> int:
+        """Change the physical-byte limit; return the bytes still over it after trimming the reserve."""
+        with self._lock:
+            self._limited.limit_bytes = limit_bytes
+            self._collect_locked(wait=False)
+            self._trim_reserve_to_limit()
+            return self.stats().over_limit_bytes
+
+    def grow_reserve(self, pages: int) -> int:
+        """Create up to ``pages`` warm pages ahead of demand, within the limit."""
+        with self._lock:
+            self._check_open()
+            return self._reserve.grow(pages)
+
+    def trim_reserve(self, keep_pages: int = 0) -> int:
+        """Give warm pages beyond ``keep_pages`` back to the device."""
+        with self._lock:
+            return self._reserve.trim(keep_pages)
+
+    def available_bytes(self) -> int | None:
+        """Bytes that could be mapped right now: the reserve plus limit and device headroom."""
+        with self._lock:
+            self._collect_locked(wait=False)
+            warm = self._reserve.cached_pages * self.page_bytes
+            limit_room = self._limited.headroom_bytes()
+            device_room = self.backend.device_free_bytes()
+            rooms = [r for r in (limit_room, device_room) if r is not None]
+            if not rooms:
+                return None
+            return warm + min(rooms)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            pending = len(self._pending) * self.page_bytes
+            mapped = len(self._handles) * self.page_bytes - pending
+            layout = self.layout
+            return PoolStats(
+                page_bytes=self.page_bytes,
+                virtual_bytes=sum(r.reserved_bytes for r in self._regions.values()),
+                mapped_bytes=mapped, pending_unmap_bytes=pending,
+                reserve_bytes=self._reserve.cached_pages * self.page_bytes,
+                held_bytes=self._limited.outstanding_bytes,
+                limit_bytes=self._limited.limit_bytes,
+                groups_mapped=len(self._mapped_groups), num_groups=layout.num_groups,
+                pages_created=self._device.created_total,
+                reserve_hits=self._reserve.hits, reserve_misses=self._reserve.misses)
+
+    # --------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Unmap everything, release every page and every reservation."""
+        with self._lock:
+            if self._closed:
+                return
+            self.backend.synchronize()
+            self._unmap_pages(list(self._handles))
+            self._pending.clear()
+            self._page_refs.clear()
+            self._mapped_groups.clear()
+            self._reserve.trim(0)
+            for region in self._regions.values():
+                self.backend.free_address(region.address, region.reserved_bytes)
+                region.alive = False
+            self._regions.clear()
+            self._closed = True
+
+    def leak_report(self) -> list[str]:
+        """What a closed pool still holds; an empty list means nothing leaked."""
+        with self._lock:
+            problems = []
+            if self._device.outstanding_bytes:
+                problems.append(f"{self._device.outstanding_bytes} bytes of pages not released")
+            if self._regions:
+                problems.append(f"{len(self._regions)} reservations not freed")
+            if self._handles:
+                problems.append(f"{len(self._handles)} pages still mapped")
+            return problems
+
+    # ---------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the page pool is closed")
+        while self._dead_regions:
+            self._drop_region(self._dead_regions.popleft())
+
+    def _live_pages(self, layout: GroupLayout, group: int) -> list[PageRef]:
+        return [ref for ref in layout.pages(group) if ref.region in self._regions]
+
+    def _pages_to_back(self, layout: GroupLayout, groups: list[int]) -> list[PageRef]:
+        """Pages the groups need that no mapped group holds yet (fresh or pending unmap)."""
+        wanted: dict[PageRef, None] = {}
+        for group in groups:
+            for ref in self._live_pages(layout, group):
+                if ref not in self._page_refs:
+                    wanted[ref] = None
+        return list(wanted)
+
+    def _runs(self, refs: list[PageRef], handles: list[Any]) -> list[MapRun]:
+        """Coalesce pages into runs of consecutive pages in one region."""
+        runs: list[MapRun] = []
+        start: PageRef | None = None
+        batch: list[Any] = []
+        for ref, handle in sorted(zip(refs, handles), key=lambda item: item[0]):
+            if start is not None and ref.region == start.region and ref.page == start.page + len(batch):
+                batch.append(handle)
+                continue
+            if start is not None:
+                runs.append(MapRun(self._regions[start.region].page_address(start.page), tuple(batch)))
+            start, batch = ref, [handle]
+        if start is not None:
+            runs.append(MapRun(self._regions[start.region].page_address(start.page), tuple(batch)))
+        return runs
+
+    def _unmap_pages(self, refs: list[PageRef]) -> None:
+        handles = [self._handles.pop(ref) for ref in refs]
+        for run in self._runs(refs, handles):
+            self.backend.unmap(run.address, len(run.handles) * self.page_bytes)
+        for ref in refs:
+            self._pending.pop(ref, None)
+        if handles:
+            self._reserve.release(handles)
+            self._trim_reserve_to_limit()
+
+    def _trim_reserve_to_limit(self) -> None:
+        """Warm pages never keep the pool above its limit."""
+        limit = self._limited.limit_bytes
+        if limit is not None and self._limited.outstanding_bytes > limit:
+            excess_pages = -(-(self._limited.outstanding_bytes - limit) // self.page_bytes)
+            self._reserve.trim(max(0, self._reserve.cached_pages - excess_pages))
+
+    def _collect_locked(self, wait: bool) -> int:
+        ready = [ref for ref, fence in self._pending.items() if wait or fence.is_done()]
+        if wait:
+            for fence in {id(f): f for f in self._pending.values()}.values():
+                fence.wait()
+        self._unmap_pages(ready)
+        return len(ready)
+
+    def _drop_region(self, region_id: int) -> None:
+        """The region's tensor died: wait for in-flight work, then free its pages and range."""
+        region = self._regions.get(region_id)
+        if region is None:
+            return
+        self.backend.record_fence().wait()
+        refs = [ref for ref in self._handles if ref.region == region_id]
+        self._unmap_pages(refs)
+        for ref in refs:
+            self._page_refs.pop(ref, None)
+        self.backend.free_address(region.address, region.reserved_bytes)
+        region.alive = False
+        del self._regions[region_id]

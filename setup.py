@@ -1,0 +1,55 @@
+"""Installs ``kvelastic-autopatch.pth`` beside the package, for wheels and editable installs.
+
+The ``.pth`` line runs at interpreter start in every process that has
+kvelastic installed; it checks ``KVELASTIC`` and, only when set, registers a
+post-import hook on vLLM. setuptools has no declarative way to place a file at
+the root of site-packages, hence these two small command overrides.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+PTH = "kvelastic-autopatch.pth"
+HERE = Path(__file__).resolve().parent
+
+
+class BuildPyWithPth(build_py):
+    """Regular wheels: copy the .pth to the root of the build tree (site-packages)."""
+
+    def run(self) -> None:
+        super().run()
+        self.copy_file(str(HERE / PTH), str(Path(self.build_lib) / PTH), preserve_mode=0)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]
+
+
+class _StrategyAddingPth:
+    """Wraps setuptools' editable strategy so the editable wheel carries our .pth too."""
+
+    def __init__(self, inner):  # noqa: ANN001 - setuptools' private strategy type
+        self.inner = inner
+
+    def __call__(self, wheel, files, mapping):  # noqa: ANN001
+        self.inner(wheel, files, mapping)
+        wheel.writestr(PTH, (HERE / PTH).read_text())
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):  # noqa: ANN002
+        return self.inner.__exit__(*exc)
+
+
+class EditableWheelWithPth(editable_wheel):
+    """Editable installs (PEP 660): same .pth, added through the wheel strategy."""
+
+    def _select_strategy(self, name, tag, build_lib):  # noqa: ANN001
+        return _StrategyAddingPth(super()._select_strategy(name, tag, build_lib))
+
+
+setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})
