@@ -84,12 +84,17 @@ def _timed(samples: list[float], call: Callable[[], Any]) -> Any:
     return result
 
 
-def _one_round(backend: CudaBackend, base: int, npages: int, page: int, s: dict[str, list[float]]) -> None:
-    """One create/map/access/unmap/release cycle over ``npages`` pages, per page and per run."""
+def _one_round(backend: CudaBackend, base: int, npages: int, page: int, s: dict[str, list[float]],
+               handles: list[int]) -> None:
+    """One create/map/access/unmap/release cycle over ``npages`` pages, per page and per run.
+
+    ``handles`` is the caller's list so that it can clean up after a failure.
+    """
     d, acc = backend._driver, backend._access
     total = npages * page
-    handles = [int(check("cuMemCreate", _timed(s["cuMemCreate"], lambda: d.cuMemCreate(page, backend._prop, 0))))
-               for _ in range(npages)]
+    for _ in range(npages):
+        handle = check("cuMemCreate", _timed(s["cuMemCreate"], lambda: d.cuMemCreate(page, backend._prop, 0)))
+        handles.append(int(handle))
     addrs = [base + i * page for i in range(npages)]
     for a, h in zip(addrs, handles):
         check("cuMemMap", _timed(s["cuMemMap"], lambda: d.cuMemMap(a, page, 0, h, 0)))
@@ -111,8 +116,29 @@ def _one_round(backend: CudaBackend, base: int, npages: int, page: int, s: dict[
     _timed(s["backend.unmap (range)"], lambda: backend.unmap(base, total))
     _timed(s["backend.map_runs zero=True"], lambda: backend.map_runs(run, page, zero=True))
     backend.unmap(base, total)
-    for h in handles:
+    while handles:
+        h = handles.pop()
         check("cuMemRelease", _timed(s["cuMemRelease"], lambda: d.cuMemRelease(h)))
+
+
+def _cleanup(backend: CudaBackend, base: int, npages: int, page: int, handles: list[int]) -> None:
+    """Best effort after a failed round: unmap every page, release handles, free the range.
+
+    Driver errors are ignored here: some pages are not mapped, and the original
+    failure is the one worth reporting.
+    """
+    d = backend._driver
+    with contextlib.suppress(Exception):
+        backend.synchronize()
+    for i in range(npages):
+        with contextlib.suppress(Exception):
+            d.cuMemUnmap(base + i * page, page)
+    for h in handles:
+        with contextlib.suppress(Exception):
+            d.cuMemRelease(h)
+    handles.clear()
+    with contextlib.suppress(Exception):
+        backend.free_address(base, npages * page)
 
 
 def bench_driver_steps(bench: Bench, backend: CudaBackend, npages: int, rounds: int) -> None:
@@ -123,11 +149,14 @@ def bench_driver_steps(bench: Bench, backend: CudaBackend, npages: int, rounds: 
     samples: dict[str, list[float]] = {k: [] for k in per_call + per_run}
     backend.page_bytes = page
     base = backend.reserve_address(npages * page)
+    handles: list[int] = []
     try:
         for _ in range(rounds):
-            _one_round(backend, base, npages, page, samples)
-    finally:
-        backend.free_address(base, npages * page)
+            _one_round(backend, base, npages, page, samples, handles)
+    except BaseException:
+        _cleanup(backend, base, npages, page, handles)
+        raise
+    backend.free_address(base, npages * page)
     rows, out = [], {"page_bytes": page, "pages_per_run": npages, "rounds": rounds}
     for key in per_call + per_run:
         if not samples[key]:
@@ -156,7 +185,8 @@ def vmm_buffer(backend: CudaBackend, nbytes: int, handle_bytes: int) -> Iterator
     handles: list[int] = []
     mapped = False
     try:
-        handles = [backend.create_page(handle_bytes) for _ in range(npages)]
+        for _ in range(npages):
+            handles.append(backend.create_page(handle_bytes))
         backend.map_runs([MapRun(base, tuple(handles))], handle_bytes, zero=True)
         mapped = True
         yield backend.tensor_view(base, nbytes, None)
@@ -199,10 +229,12 @@ def bench_bandwidth(bench: Bench, backend: CudaBackend, size: int, handle_mibs: 
         size = max(GIB, (free - GIB) // 3 // (128 * MIB) * (128 * MIB))
         print(f"   not enough free memory for 3 buffers; using {size / GIB:.2f} GiB")
     src = torch.ones(size, dtype=torch.int8, device="cuda")
+    bw_w = bw_r = float("nan")  # ratios read as nan if the baseline itself fails
     with bench.step("(b) cudaMalloc baseline"):
         base = torch.empty(size, dtype=torch.int8, device="cuda")
         bw_w, bw_r = _write_read(base, src, reps)
         del base
+        torch.cuda.empty_cache()  # give the bytes back to the driver for the VMM buffers
     out: dict[str, Any] = {"buffer_bytes": size, "reps": reps, "cudaMalloc": {"copy_GBps": bw_w, "sum_GBps": bw_r}}
     rows = [["cudaMalloc", bw_w, 1.0, bw_r, 1.0]]
     for mib in handle_mibs:
@@ -279,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=default_json, help="where to write results (default %(default)s)")
     p.add_argument("--pages", type=int, default=512, help="pages per run in (a)")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of (a); each gives pages samples per step")
+    p.add_argument("--rounds", type=int, default=10, help="rounds of (a); each gives pages samples per step")
     p.add_argument("--size-gib", type=float, default=4.0, help="buffer size for (b)")
     p.add_argument("--handle-mib", default="2,8,32,128", help="physical handle sizes for (b)")
     p.add_argument("--reps", type=int, default=15, help="timed repetitions per measurement in (b)")

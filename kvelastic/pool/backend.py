@@ -92,6 +92,9 @@ class PhysicalBackend(ABC):
     def tensor_view(self, address: int, nbytes: int, owner: object) -> "torch.Tensor":
         """A flat int8 tensor over ``[address, address + nbytes)`` that keeps ``owner`` alive."""
 
+    def use_page_size(self, page_bytes: int) -> None:
+        """Told once by the pool before any reservation, so ranges can be aligned to pages."""
+
     def record_fence(self) -> Fence:
         """A fence after all work queued so far; the default has nothing to wait for."""
         return DoneFence()

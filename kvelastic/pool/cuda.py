@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Idle events kept for reuse; more than this many idle at once are destroyed.
+_LEGACY_DEFAULT_STREAM = 0  # the NULL stream handle: legacy default stream semantics
 _MAX_POOLED_EVENTS = 256
 
 
@@ -53,8 +54,6 @@ class _DeviceBytes:
 
 class _EventFence(Fence):
     """A CUDA event recorded on torch's current stream; its event is recycled when collected."""
-
-    __slots__ = ("_backend", "_event", "_done")
 
     def __init__(self, backend: "CudaBackend", event: Any):
         self._backend = backend
@@ -181,6 +180,9 @@ class CudaBackend(PhysicalBackend):
 
     # -- mapping ---------------------------------------------------------------------------
 
+    def use_page_size(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+
     def map_runs(self, runs: Sequence[MapRun], page_bytes: int, *, zero: bool) -> None:
         """Map, grant read/write and optionally zero every run; all or nothing.
 
@@ -279,9 +281,13 @@ class CudaBackend(PhysicalBackend):
         return torch.as_tensor(_DeviceBytes(address, nbytes, owner), device=device)
 
     def record_fence(self) -> Fence:
-        """An event after all work queued so far on torch's current stream of this device."""
-        import torch
+        """An event after all work queued so far on the device.
 
+        It is recorded on the legacy default stream, which waits for all work
+        already queued on every blocking stream: vLLM's compute stream and its
+        side streams are covered whichever of them last touched a page.
+        Non-blocking streams (our own copy streams) must be fenced by their owner.
+        """
         self._bind()
         d = self._driver
         try:
@@ -289,9 +295,8 @@ class CudaBackend(PhysicalBackend):
         except IndexError:
             flags = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
             event = check("cuEventCreate", d.cuEventCreate(flags))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
         try:
-            check("cuEventRecord", d.cuEventRecord(event, stream))
+            check("cuEventRecord", d.cuEventRecord(event, _LEGACY_DEFAULT_STREAM))
         except BaseException:
             self._recycle_event(event)
             raise

@@ -38,6 +38,7 @@ class PagePool:
                             f"{backend.name} granularity {backend.granularity}")
         self.backend = backend
         self.page_bytes = page_bytes
+        backend.use_page_size(page_bytes)
         self.zero_on_map = zero_on_map
         self._device = DeviceSource(backend, page_bytes)
         self._limited = LimitedSource(self._device, limit_bytes)

@@ -1,0 +1,122 @@
+"""Which bytes of a raw KV tensor a vLLM block occupies, read off the views vLLM built.
+
+vLLM allocates one flat int8 tensor per layer and reshapes it per attention
+backend: (2, num_blocks, ...) for FlashAttention, (num_blocks, 2, ...) for
+FlashInfer, strided views for packed or hybrid layouts. Rather than know every
+backend, we look at the final views: the dimension of length num_blocks (times
+the kernel split) and its stride give the block stride; the dimensions with a
+larger stride give the separate runs a block is split into (K and V halves).
+The result is a :class:`KVGroupLayout` that tells the pool which pages a group
+of blocks needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterable, Sequence
+
+from kvelastic.errors import LayoutError
+from kvelastic.pool.layout import GroupLayout, PageRef
+
+
+@dataclass(frozen=True)
+class BlockRuns:
+    """In one region, block b occupies ``[start + b*block_stride, +length)`` for each run."""
+
+    region: int
+    block_stride: int
+    runs: tuple[tuple[int, int], ...]
+
+
+def runs_of_view(shape: Sequence[int], stride: Sequence[int], element_size: int,
+                 byte_offset: int, num_blocks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries."""
+    candidates = [d for d, n in enumerate(shape) if n >= num_blocks and n % num_blocks == 0]
+    if len(candidates) != 1:
+        raise LayoutError(f"cannot tell the block dimension of a KV view of shape {tuple(shape)} "
+                          f"for {num_blocks} blocks (candidates: {candidates})")
+    dim = candidates[0]
+    split = shape[dim] // num_blocks
+    block_stride = stride[dim] * split * element_size
+    outer = [d for d in range(len(shape)) if d != dim and stride[d] > stride[dim]]
+    inner = [d for d in range(len(shape)) if d != dim and stride[d] <= stride[dim]]
+    inner_extent = 1 + sum((shape[d] - 1) * stride[d] for d in inner if shape[d] > 0)
+    length = ((split - 1) * stride[dim] + inner_extent) * element_size
+    if length > block_stride and outer:
+        raise LayoutError(f"blocks of a KV view of shape {tuple(shape)} overlap each other")
+    starts = []
+    for index in product(*(range(shape[d]) for d in outer)):
+        starts.append(byte_offset + sum(i * stride[d] * element_size for i, d in zip(index, outer)))
+    return block_stride, tuple((start, length) for start in sorted(starts))
+
+
+def merge_runs(per_view: Iterable[tuple[int, int, tuple[tuple[int, int], ...]]]) -> list[BlockRuns]:
+    """Combine views of the same region; every view of a region must share one block stride."""
+    strides: dict[int, int] = {}
+    runs: dict[int, set[tuple[int, int]]] = {}
+    for region, block_stride, view_runs in per_view:
+        if strides.setdefault(region, block_stride) != block_stride:
+            raise LayoutError(f"views of one KV tensor disagree on the block stride "
+                              f"({strides[region]} vs {block_stride} bytes)")
+        runs.setdefault(region, set()).update(view_runs)
+    return [BlockRuns(region, strides[region], _coalesce(sorted(runs[region]))) for region in sorted(runs)]
+
+
+def _coalesce(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[list[int]] = []
+    for start, length in runs:
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], start + length - merged[-1][0])
+        else:
+            merged.append([start, length])
+    return tuple((s, n) for s, n in merged)
+
+
+class KVGroupLayout(GroupLayout):
+    """Group g is blocks ``[g*k, (g+1)*k)``; its pages are those those blocks touch."""
+
+    def __init__(self, regions: Sequence[BlockRuns], num_blocks: int, page_bytes: int,
+                 blocks_per_group: int | None = None):
+        if not regions:
+            raise LayoutError("no KV tensor to lay out")
+        self.regions = list(regions)
+        self.num_blocks = num_blocks
+        self.page_bytes = page_bytes
+        smallest = min(r.block_stride for r in self.regions)
+        self.blocks_per_group = blocks_per_group or max(1, page_bytes // smallest)
+        self._cache: dict[int, list[PageRef]] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.num_blocks // self.blocks_per_group)
+
+    def group_of_block(self, block_id: int) -> int:
+        return block_id // self.blocks_per_group
+
+    def blocks_of_group(self, group: int) -> range:
+        first = group * self.blocks_per_group
+        return range(first, min(first + self.blocks_per_group, self.num_blocks))
+
+    def pages(self, group: int) -> Sequence[PageRef]:
+        cached = self._cache.get(group)
+        if cached is not None:
+            return cached
+        blocks = self.blocks_of_group(group)
+        if not blocks:
+            raise IndexError(f"group {group} outside 0..{self.num_groups - 1}")
+        pages: list[PageRef] = []
+        for region in self.regions:
+            seen: set[int] = set()
+            for start, length in region.runs:
+                low = start + blocks.start * region.block_stride
+                high = start + (blocks.stop - 1) * region.block_stride + length
+                seen.update(range(low // self.page_bytes, (high - 1) // self.page_bytes + 1))
+            pages.extend(PageRef(region.region, p) for p in sorted(seen))
+        if len(self._cache) < 65536:
+            self._cache[group] = pages
+        return pages
+
+    def bytes_per_group(self) -> int:
+        """Upper bound on the physical bytes one more group costs."""
+        return max((len(self.pages(g)) for g in range(min(self.num_groups, 2))), default=0) * self.page_bytes

@@ -1,0 +1,102 @@
+"""kvelastic's settings, read once from ``KVELASTIC_*`` environment variables.
+
+Every variable is validated here, and a bad value stops start-up with a
+message that names the variable and the accepted form, before vLLM is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping
+
+from kvelastic.errors import ConfigError
+from kvelastic.units import parse_size
+
+MIB = 1024 * 1024
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _switch(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a switch: use 1 or 0 (also true/false, yes/no, on/off)")
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds (for example 10 or 0.5)") from None
+    if value < 0 or value != value:
+        raise ConfigError(f"{name}={text!r} must be a non-negative number of seconds")
+    return value
+
+
+def _chunk(name: str, text: str) -> int:
+    value = parse_size(text, name=name)
+    if value <= 0 or value % (2 * MIB):
+        raise ConfigError(f"{name}={text!r} must be a positive multiple of 2MiB (for example 2MiB, 8MiB, 32MiB)")
+    return value
+
+
+def _size(name: str, text: str) -> int:
+    value = parse_size(text, name=name)
+    if value <= 0:
+        raise ConfigError(f"{name}={text!r} must be larger than zero")
+    return value
+
+
+def _name(name: str, text: str) -> str:
+    value = text.strip()
+    if not value or not all(c.isalnum() or c in "-_." for c in value) or len(value) > 64:
+        raise ConfigError(f"{name}={text!r} must be 1-64 characters of letters, digits, '-', '_' or '.'")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings. Field metadata names the environment variable of each."""
+
+    enabled: bool = False
+    strict: bool = True
+    chunk_bytes: int = 2 * MIB
+    virtual_bytes: int | None = None
+    limit_bytes: int | None = None
+    reserve_bytes: int = 256 * MIB
+    cache_ttl_s: float = 10.0
+    cpu_bytes: int | None = None
+    name: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            variable, parse = _VARIABLES[field.name]
+            text = env.get(variable)
+            if text is not None and text.strip() != "":
+                values[field.name] = parse(variable, text)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @staticmethod
+    def variables() -> dict[str, str]:
+        """Variable name -> field name, for documentation and the CLI."""
+        return {variable: field for field, (variable, _) in _VARIABLES.items()}
+
+
+_VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
+    "enabled": ("KVELASTIC", _switch),
+    "strict": ("KVELASTIC_STRICT", _switch),
+    "chunk_bytes": ("KVELASTIC_CHUNK_SIZE", _chunk),
+    "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
+    "limit_bytes": ("KVELASTIC_LIMIT", _size),
+    "reserve_bytes": ("KVELASTIC_RESERVE", lambda n, t: parse_size(t, name=n)),
+    "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
+    "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
+    "name": ("KVELASTIC_NAME", _name),
+}
