@@ -171,6 +171,10 @@ class PagePool:
         with self._lock:
             return group in self._mapped_groups
 
+    def num_mapped_groups(self) -> int:
+        with self._lock:
+            return len(self._mapped_groups)
+
     def mapped_groups(self) -> frozenset[int]:
         with self._lock:
             return frozenset(self._mapped_groups)
@@ -202,13 +206,17 @@ class PagePool:
         with self._lock:
             return self._reserve.trim(keep_pages)
 
-    def available_bytes(self) -> int | None:
-        """Bytes that could be mapped right now: the reserve plus limit and device headroom."""
+    def available_bytes(self, device_free: int | None = None) -> int | None:
+        """Bytes that could be mapped right now: the reserve plus limit and device headroom.
+
+        ``device_free`` lets a caller pass a recent reading of the device's free
+        memory instead of asking the driver again.
+        """
         with self._lock:
             self._collect_locked(wait=False)
             warm = self._reserve.cached_pages * self.page_bytes
             limit_room = self._limited.headroom_bytes()
-            device_room = self.backend.device_free_bytes()
+            device_room = self.backend.device_free_bytes() if device_free is None else device_free
             rooms = [r for r in (limit_room, device_room) if r is not None]
             if not rooms:
                 return None

@@ -1,0 +1,81 @@
+"""One engine's elastic KV cache: the pool, its tensors, and the block-to-group layout.
+
+The worker side creates it when vLLM allocates KV tensors; the scheduler side
+looks it up to map a group before handing out its blocks and to unmap a group
+once its blocks are free. Both run in the engine-core process on one GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from kvelastic.integration.kv_layout import KVGroupLayout
+from kvelastic.pool import PagePool
+
+if TYPE_CHECKING:
+    from kvelastic.pool.stats import PoolStats
+
+NULL_GROUP = 0  # holds vLLM's null block (block 0), read by dummy and padded runs
+
+
+class ElasticKVCache:
+    """The KV tensors of one engine, mapped a group of blocks at a time."""
+
+    def __init__(self, pool: PagePool, layout: KVGroupLayout):
+        self.pool = pool
+        self.layout = layout
+        pool.set_layout(layout)
+        self.group_bytes = layout.bytes_per_group()
+        self._device_free_cache: tuple[float, int | None] = (0.0, None)
+        pool.map_groups([NULL_GROUP])
+
+    @property
+    def blocks_per_group(self) -> int:
+        return self.layout.blocks_per_group
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def group_of_block(self, block_id: int) -> int:
+        return self.layout.group_of_block(block_id)
+
+    def blocks_of_group(self, group: int) -> range:
+        return self.layout.blocks_of_group(group)
+
+    def map_groups(self, groups: Iterable[int]) -> None:
+        """Map groups before their blocks are handed out; raises PoolExhausted."""
+        self.pool.map_groups(groups)
+        self._device_free_cache = (0.0, None)
+
+    def unmap_groups(self, groups: Iterable[int]) -> None:
+        """Unmap groups whose blocks are all free, once the GPU is done with them."""
+        groups = [g for g in groups if g != NULL_GROUP]
+        if groups:
+            self.pool.unmap_groups(groups, fence=self.pool.backend.record_fence())
+            self._device_free_cache = (0.0, None)
+
+    def mappable_groups(self) -> int:
+        """How many more groups could be mapped now, within the limit and the device's free memory.
+
+        The device's free memory is read at most every 50 ms (the scheduler asks
+        several times per step); the limit and the reserve are always current.
+        """
+        stamp, device_free = self._device_free_cache
+        now = time.monotonic()
+        if now - stamp > 0.05:
+            device_free = self.pool.backend.device_free_bytes()
+            self._device_free_cache = (now, device_free)
+        available = self.pool.available_bytes(device_free=device_free)
+        unmapped = self.num_groups - self.pool.num_mapped_groups()
+        if available is None:
+            return unmapped
+        return max(0, min(unmapped, available // max(1, self.group_bytes)))
+
+    def stats(self) -> "PoolStats":
+        return self.pool.stats()
