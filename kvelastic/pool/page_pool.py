@@ -84,6 +84,14 @@ class PagePool:
                     return region
         raise PoolError(f"address {pointer:#x} is not in any region of this pool")
 
+    def regions_alive(self) -> int:
+        """How many regions still have a live tensor (dead ones are retired first)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            self._check_open()
+            return len(self._regions)
+
     @property
     def regions(self) -> list[Region]:
         with self._lock:

@@ -1,0 +1,103 @@
+"""Switching kvelastic on in a vLLM process: settings, gate, patches, one log line.
+
+Both entry points (the ``.pth`` import hook and vLLM's ``general_plugins``
+entry point) end here; whichever comes first activates, the other finds it
+done. Activation is all or nothing: a failed check or patch leaves vLLM as it
+was and, unless ``KVELASTIC_STRICT=0``, stops start-up with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvelastic import __version__
+from kvelastic.errors import PatchError
+from kvelastic.integration.runtime import Runtime, default_backend
+from kvelastic.patching.apply import Patcher, apply_all
+from kvelastic.patching.gate import check
+from kvelastic.patching.spec import Patch
+from kvelastic.patching.versions import Version, installed_vllm_version
+from kvelastic.settings import Settings
+
+log = logging.getLogger("kvelastic")
+
+
+@dataclass
+class Activation:
+    """What activation did in this process."""
+
+    runtime: Runtime
+    patcher: Patcher
+    version: Version
+    band: str
+
+
+class _Once:
+    """Holds this process's activation; the lock makes the two entry points race-free."""
+
+    lock = threading.Lock()
+    current: Activation | None = None
+    failed: bool = False
+
+
+def current() -> Activation | None:
+    return _Once.current
+
+
+def _configure_logging() -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | None = None,
+             version: Version | None = None,
+             backend_factory: Callable = default_backend) -> Activation | None:
+    """Check and apply every patch for the running vLLM; None when kvelastic is off."""
+    settings = settings or Settings.from_env()
+    if not settings.enabled:
+        return None
+    with _Once.lock:
+        if _Once.current is not None or _Once.failed:
+            return _Once.current
+        _configure_logging()
+        if patches is None:
+            from kvelastic.patches import ALL_PATCHES
+
+            patches = ALL_PATCHES
+        version = version or installed_vllm_version()
+        try:
+            result = check(patches, version)
+            runtime = Runtime(settings, backend_factory)
+            patcher = apply_all(list(result.patches), runtime)
+        except PatchError as exc:
+            _Once.failed = True
+            if settings.strict:
+                raise
+            log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
+            return None
+        _Once.current = Activation(runtime, patcher, version, result.band)
+        log.info("kvelastic %s on vLLM %s (band %s): patches applied: %s", __version__, version,
+                 result.band, ", ".join(p.name for p in result.patches))
+        return _Once.current
+
+
+def deactivate() -> None:
+    """Undo the patches (tests, or a process that wants vanilla vLLM back)."""
+    with _Once.lock:
+        if _Once.current is not None:
+            _Once.current.patcher.revert()
+        _Once.current = None
+        _Once.failed = False
+
+
+def activate_from_hook() -> None:
+    """Entry for the import hook and the vLLM plugin: activate from the environment."""
+    activate()

@@ -1,0 +1,71 @@
+"""KV tensor allocation over the page pool, and publishing the result to the scheduler.
+
+``allocate_kv_tensors`` does what vLLM's own allocators do (one int8 tensor of
+``KVCacheTensor.size`` bytes per entry, shared by the layers in ``shared_by``;
+one packed backing for entries with a ``block_stride``), except that the bytes
+are virtual. ``publish_views`` runs after vLLM has reshaped them: it reads the
+block layout off the views and hands the scheduler an :class:`ElasticKVCache`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.integration.runtime import Runtime
+from kvelastic.pool import PagePool
+from kvelastic.units import format_size
+
+log = logging.getLogger("kvelastic")
+
+
+def allocate_kv_tensors(runtime: Runtime, kv_cache_config: Any) -> dict[str, Any]:
+    pool = runtime.new_pool()
+    raw: dict[str, Any] = {}
+    packed = None
+    for entry in kv_cache_config.kv_cache_tensors:
+        if getattr(entry, "block_stride", 0) > 0:
+            if packed is None:
+                packed = pool.add_tensor(entry.size)
+            tensor = packed
+        else:
+            tensor = pool.add_tensor(entry.size)
+        for layer_name in entry.shared_by:
+            raw[layer_name] = tensor
+    return raw
+
+
+def _flatten(values: Iterable[Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            out.extend(_flatten(value))
+        elif value is not None and hasattr(value, "data_ptr"):
+            out.append(value)
+    return out
+
+
+def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_blocks: int) -> ElasticKVCache:
+    """Derive the group layout from vLLM's views of the pool's tensors and publish the cache."""
+    per_view = []
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for view in _flatten(views):
+        key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        region = pool.region_of(view)
+        stride, runs = runs_of_view(view.shape, view.stride(), view.element_size(),
+                                    view.data_ptr() - region.address, num_blocks)
+        per_view.append((region.region_id, stride, runs))
+    layout = KVGroupLayout(merge_runs(per_view), num_blocks, pool.page_bytes)
+    cache = ElasticKVCache(pool, layout)
+    runtime.publish(cache)
+    stats = pool.stats()
+    log.info("kvelastic: %d KV tensors, %s virtual, %d blocks in %d groups of %d (%s per group), "
+             "%s mapped at start", len(pool.regions), format_size(stats.virtual_bytes), num_blocks,
+             layout.num_groups, layout.blocks_per_group, format_size(cache.group_bytes),
+             format_size(stats.mapped_bytes))
+    return cache

@@ -1,0 +1,56 @@
+"""Attach a vLLM scheduler to the elastic KV cache of its process.
+
+Called right after ``Scheduler.__init__``: the GPU block pool becomes
+page-aware, the scheduler's entry points that touch the block pool take one
+lock (shared with the reclaimer thread), and the reclaimer starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any
+
+from kvelastic.errors import PatchError
+from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.reclaimer import Reclaimer
+from kvelastic.integration.runtime import Runtime
+
+log = logging.getLogger("kvelastic")
+
+#: Scheduler methods that read or change the GPU block pool, called by the engine thread.
+LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
+
+
+def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
+    cache = runtime.cache
+    if cache is None:
+        raise PatchError(
+            "kvelastic: the scheduler found no elastic KV cache in its process. The model worker "
+            "runs in another process (tensor/pipeline parallelism or a multiprocess executor), "
+            "which this kvelastic version does not support; run with one GPU, or set KVELASTIC=0")
+    block_pool = scheduler.kv_cache_manager.block_pool
+    queue = make_page_aware(block_pool, cache)
+    lock = threading.RLock()
+    for name in LOCKED_METHODS:
+        method = getattr(scheduler, name, None)
+        if method is not None:
+            setattr(scheduler, name, _locked(lock, method))
+    settings = runtime.settings
+    reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
+                          reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
+    reclaimer.start()
+    scheduler.kvelastic_reclaimer = reclaimer
+    log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
+             cache.num_blocks, cache.num_groups, cache.blocks_per_group)
+    return reclaimer
+
+
+def _locked(lock: threading.RLock, method: Any) -> Any:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return method(*args, **kwargs)
+
+    return call

@@ -1,0 +1,34 @@
+"""V2 runner: once vLLM has shaped the KV tensors, publish their layout to the scheduler."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kvelastic.integration.allocation import publish_views
+from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patches._common import ALL, argument
+
+TARGET = Target(
+    module="vllm.v1.worker.gpu.model_runner",
+    qualname="GPUModelRunner.initialize_kv_cache",
+    kind="method",
+    signatures=(Signature(ALL, ("self", "kv_cache_config")),),
+)
+
+
+def _initialize(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    pool = runtime.finish_allocation()
+    if pool is not None:
+        config = argument(wrapped, args, kwargs, "kv_cache_config")
+        publish_views(runtime, pool, instance.kv_caches, config.num_blocks)
+    return result
+
+
+def apply(patcher: Any, runtime: Any) -> None:
+    patcher.wrap(TARGET, functools.partial(_initialize, runtime))
+
+
+PATCH = Patch("v2_initialize_kv_cache", "V2 runner: publish the KV block layout to the scheduler",
+              ALL, (TARGET,), apply)

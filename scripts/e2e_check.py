@@ -1,0 +1,83 @@
+"""Compare vLLM runs with and without kvelastic: greedy outputs must be token-identical.
+
+Runs ``scripts/vllm_run.py`` once per configuration (each in its own process),
+then prints a table of configurations, token agreement, timings and peak GPU
+memory, and writes every run's JSON under --outdir.
+
+    python scripts/e2e_check.py --model scripts/models/llama-1b --outdir $OUT/e2e --matrix v2 v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = {
+    "v2": [],
+    "v1": ["--v1"],
+    "v2-offload": ["--offload"],
+    "v1-offload": ["--v1", "--offload"],
+    "v2-eager": ["--eager"],
+}
+
+
+def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], env_extra: dict) -> dict:
+    out = outdir / f"{Path(model).name}-{name}-{'kve' if kvelastic else 'vanilla'}.json"
+    env = dict(os.environ, KVELASTIC="1" if kvelastic else "0", **env_extra)
+    cmd = [sys.executable, str(HERE / "vllm_run.py"), "--model", model, "--out", str(out), *CONFIGS[name], *extra]
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        return {"error": f"exit {proc.returncode}", "log_tail": tail}
+    return json.loads(out.read_text())
+
+
+def compare(a: dict, b: dict) -> tuple[int, int]:
+    same = total = 0
+    for pa, pb in zip(a["passes"], b["passes"]):
+        for oa, ob in zip(pa["outputs"], pb["outputs"]):
+            total += 1
+            same += oa == ob
+    return same, total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--outdir", required=True)
+    p.add_argument("--matrix", nargs="+", default=["v2"], choices=sorted(CONFIGS))
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
+    args = p.parse_args()
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    rows, failed = [], False
+    for name in args.matrix:
+        vanilla = run(name, False, args.model, outdir, args.extra, {})
+        elastic = run(name, True, args.model, outdir, args.extra, {})
+        for label, r in (("vanilla", vanilla), ("kvelastic", elastic)):
+            if "error" in r:
+                print(f"== {name} {label} FAILED: {r['error']}\n{r['log_tail']}")
+                failed = True
+        if "error" in vanilla or "error" in elastic:
+            rows.append((name, "error", "", "", "", ""))
+            continue
+        same, total = compare(vanilla, elastic)
+        failed |= same != total
+        peak = lambda r: max(m for _, m in r["memory"]) / 2**30  # noqa: E731
+        rows.append((name, f"{same}/{total}", f"{vanilla['passes'][0]['seconds']:.2f}",
+                     f"{elastic['passes'][0]['seconds']:.2f}", f"{peak(vanilla):.1f}", f"{peak(elastic):.1f}"))
+    print(f"\n{'config':<12} {'identical':>10} {'vanilla s':>10} {'kvelastic s':>12} {'peak GiB van':>13} {'peak GiB kve':>13}")
+    for row in rows:
+        print(f"{row[0]:<12} {row[1]:>10} {row[2]:>10} {row[3]:>12} {row[4]:>13} {row[5]:>13}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

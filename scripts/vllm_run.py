@@ -1,0 +1,147 @@
+"""One vLLM engine run on dummy weights: greedy outputs, timings and GPU memory over time.
+
+Run it twice, with and without ``KVELASTIC=1``, and compare the JSON files:
+``scripts/e2e_check.py`` does exactly that for a matrix of configurations.
+
+    python scripts/vllm_run.py --model scripts/models/llama-1b --out run.json [--v1] [--offload]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import threading
+import time
+
+MIB = 1024 * 1024
+
+
+class GpuMemorySampler:
+    """Samples the GPU's used memory (all processes) with nvidia-smi, every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.2):
+        self.period = period
+        self.samples: list[tuple[float, int]] = []
+        self.marks: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> int:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=True).stdout
+        return int(text.split()[0]) * MIB
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - self._t0, self._read()))
+            self._stop.wait(self.period)
+
+    def mark(self, label: str) -> None:
+        self.marks.append((time.monotonic() - self._t0, label))
+
+    def __enter__(self) -> "GpuMemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def make_prompts(seed: int, count: int, min_len: int, max_len: int, shared_prefix: int) -> list[list[int]]:
+    """Random token ids; a quarter of them share one prefix, so prefix caching has hits."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000, 100000) for _ in range(shared_prefix)]
+    prompts = []
+    for i in range(count):
+        body = [rng.randrange(1000, 100000) for _ in range(rng.randint(min_len, max_len))]
+        prompts.append(prefix + body if i % 4 == 0 and shared_prefix else body)
+    return prompts
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--v1", action="store_true", help="force the V1 model runner")
+    p.add_argument("--offload", action="store_true", help="vLLM OffloadingConnector (4 GiB CPU)")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--min-len", type=int, default=50)
+    p.add_argument("--max-len", type=int, default=1500)
+    p.add_argument("--shared-prefix", type=int, default=700)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--passes", type=int, default=2, help="generate the same prompts this many times")
+    p.add_argument("--gpu-util", type=float, default=0.5)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--idle-after", type=float, default=0.0, help="seconds to keep sampling memory at the end")
+    p.add_argument("--kv-bytes", type=str, default=None, help="--kv-cache-memory-bytes for vLLM")
+    return p.parse_args()
+
+
+def build_llm(args: argparse.Namespace):
+    from vllm import LLM
+
+    kwargs = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
+                  gpu_memory_utilization=args.gpu_util, max_model_len=args.max_model_len,
+                  enable_prefix_caching=True, enforce_eager=args.eager, disable_log_stats=False)
+    if args.kv_bytes:
+        kwargs["kv_cache_memory_bytes"] = args.kv_bytes
+    if args.offload:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"block_size": 64, "cpu_bytes_to_use": 4 << 30})
+    return LLM(**kwargs)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.v1:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm import SamplingParams, TokensPrompt
+
+    result: dict = {"args": vars(args), "kvelastic": os.environ.get("KVELASTIC", "0"), "passes": []}
+    with GpuMemorySampler() as sampler:
+        t0 = time.perf_counter()
+        llm = build_llm(args)
+        result["startup_s"] = time.perf_counter() - t0
+        sampler.mark("engine ready")
+        prompts = make_prompts(1234, args.prompts, args.min_len, args.max_len, args.shared_prefix)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        for index in range(args.passes):
+            sampler.mark(f"pass {index} start")
+            t = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            elapsed = time.perf_counter() - t
+            sampler.mark(f"pass {index} end")
+            ttft = [o.metrics.first_token_latency for o in outs if getattr(o, "metrics", None)]
+            result["passes"].append({
+                "seconds": elapsed,
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "prompt_tokens": sum(len(p) for p in prompts),
+                "ttft_s": ttft,
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outs],
+            })
+        if args.idle_after:
+            time.sleep(args.idle_after)
+            sampler.mark("idle end")
+    result["memory"] = sampler.samples
+    result["marks"] = sampler.marks
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    p0 = result["passes"][0]
+    print(f"RUN kvelastic={result['kvelastic']} v1={args.v1} offload={args.offload} "
+          f"startup={result['startup_s']:.1f}s pass0={p0['seconds']:.2f}s "
+          f"peak_mem={max(m for _, m in sampler.samples) / 2**30:.2f}GiB "
+          f"cached={sum(c or 0 for c in result['passes'][-1]['cached_tokens'])}")
+
+
+if __name__ == "__main__":
+    main()
