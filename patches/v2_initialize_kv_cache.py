@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import publish_views
+from kvelastic.integration.allocation import publish_views, startup_blocks
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import ALL, argument
 
@@ -22,7 +22,8 @@ def _initialize(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: 
     pool = runtime.finish_allocation()
     if pool is not None:
         config = argument(wrapped, args, kwargs, "kv_cache_config")
-        publish_views(runtime, pool, instance.kv_caches, config.num_blocks)
+        publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
+                      premap_blocks=startup_blocks(instance, config))
     return result
 
 

@@ -39,6 +39,14 @@ def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], 
     return json.loads(out.read_text())
 
 
+def summary(r: dict) -> dict:
+    first = r["passes"][0]
+    ttft = sorted(first["ttft_s"]) or [float("nan")]
+    return {"seconds": first["seconds"], "tok_s": (first["output_tokens"] + first["prompt_tokens"]) / first["seconds"],
+            "out_tok_s": first["output_tokens"] / first["seconds"], "ttft_p50": ttft[len(ttft) // 2],
+            "peak_gib": max(m for _, m in r["memory"]) / 2**30}
+
+
 def compare(a: dict, b: dict) -> tuple[int, int]:
     same = total = 0
     for pa, pb in zip(a["passes"], b["passes"]):
@@ -53,6 +61,8 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--outdir", required=True)
     p.add_argument("--matrix", nargs="+", default=["v2"], choices=sorted(CONFIGS))
+    p.add_argument("--kve-env", nargs="*", default=[], help="KEY=VALUE set for the kvelastic runs only")
+    p.add_argument("--summary", default=None, help="write the table as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
     outdir = Path(args.outdir)
@@ -60,22 +70,27 @@ def main() -> int:
     rows, failed = [], False
     for name in args.matrix:
         vanilla = run(name, False, args.model, outdir, args.extra, {})
-        elastic = run(name, True, args.model, outdir, args.extra, {})
+        kve_env = dict(item.split("=", 1) for item in args.kve_env)
+        elastic = run(name, True, args.model, outdir, args.extra, kve_env)
         for label, r in (("vanilla", vanilla), ("kvelastic", elastic)):
             if "error" in r:
                 print(f"== {name} {label} FAILED: {r['error']}\n{r['log_tail']}")
                 failed = True
         if "error" in vanilla or "error" in elastic:
-            rows.append((name, "error", "", "", "", ""))
             continue
         same, total = compare(vanilla, elastic)
         failed |= same != total
-        peak = lambda r: max(m for _, m in r["memory"]) / 2**30  # noqa: E731
-        rows.append((name, f"{same}/{total}", f"{vanilla['passes'][0]['seconds']:.2f}",
-                     f"{elastic['passes'][0]['seconds']:.2f}", f"{peak(vanilla):.1f}", f"{peak(elastic):.1f}"))
-    print(f"\n{'config':<12} {'identical':>10} {'vanilla s':>10} {'kvelastic s':>12} {'peak GiB van':>13} {'peak GiB kve':>13}")
+        rows.append({"config": name, "identical": same, "total": total,
+                     "vanilla": summary(vanilla), "kvelastic": summary(elastic)})
+    print(f"\n{'config':<12} {'identical':>9} {'tok/s van':>10} {'tok/s kve':>10} {'ratio':>6} "
+          f"{'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'peak GiB kve':>13}")
     for row in rows:
-        print(f"{row[0]:<12} {row[1]:>10} {row[2]:>10} {row[3]:>12} {row[4]:>13} {row[5]:>13}")
+        v, k = row["vanilla"], row["kvelastic"]
+        print(f"{row['config']:<12} {row['identical']:>4}/{row['total']:<4} {v['tok_s']:>10.0f} {k['tok_s']:>10.0f} "
+              f"{k['tok_s'] / v['tok_s']:>6.3f} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
+              f"{v['peak_gib']:>13.1f} {k['peak_gib']:>13.1f}")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(rows, indent=2))
     return 1 if failed else 0
 
 

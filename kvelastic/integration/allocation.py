@@ -47,8 +47,25 @@ def _flatten(values: Iterable[Any]) -> list[Any]:
     return out
 
 
-def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_blocks: int) -> ElasticKVCache:
-    """Derive the group layout from vLLM's views of the pool's tensors and publish the cache."""
+def startup_blocks(runner: Any, kv_cache_config: Any) -> int:
+    """Blocks that start-up warm-up may touch before the scheduler exists.
+
+    vLLM's V2 runner warms up kernels with made-up requests whose blocks are
+    numbered from 1 up to one batch's worth of tokens; those pages must be
+    mapped before the scheduler (which normally maps them) is even built.
+    """
+    tokens = getattr(getattr(runner, "scheduler_config", None), "max_num_batched_tokens", None) or 8192
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups] or [16]
+    return 2 * (-(-int(tokens) // min(sizes))) + 2 * len(sizes)
+
+
+def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_blocks: int,
+                  premap_blocks: int = 1) -> ElasticKVCache:
+    """Derive the group layout from vLLM's views of the pool's tensors and publish the cache.
+
+    The groups holding blocks ``0 .. premap_blocks - 1`` are mapped at once:
+    block 0 is vLLM's null block, the rest serve start-up warm-up.
+    """
     per_view = []
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for view in _flatten(views):
@@ -62,6 +79,8 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
         per_view.append((region.region_id, stride, runs))
     layout = KVGroupLayout(merge_runs(per_view), num_blocks, pool.page_bytes)
     cache = ElasticKVCache(pool, layout)
+    last = layout.group_of_block(min(num_blocks, max(1, premap_blocks)) - 1)
+    cache.map_groups(range(last + 1))
     runtime.publish(cache)
     stats = pool.stats()
     log.info("kvelastic: %d KV tensors, %s virtual, %d blocks in %d groups of %d (%s per group), "

@@ -66,6 +66,7 @@ class PageAwareFreeQueue:
                 self._to_free(block)
         self.num_total = len(blocks)
         self.num_in_use = sum(self._in_use)
+        self._release_empty(set(self._free_uncached))  # groups mapped for start-up warm-up
 
     # ------------------------------------------------------------ vLLM interface
     @property
