@@ -26,9 +26,10 @@ CONFIGS = {
 }
 
 
-def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], env_extra: dict) -> dict:
-    out = outdir / f"{Path(model).name}-{name}-{'kve' if kvelastic else 'vanilla'}.json"
-    env = dict(os.environ, KVELASTIC="1" if kvelastic else "0", **env_extra)
+def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], env_extra: dict,
+        label: str = "") -> dict:
+    out = outdir / f"{Path(model).name}-{name}-{'kve' if kvelastic else 'vanilla'}{label}.json"
+    env = dict(os.environ, KVELASTIC="1" if kvelastic else "0", PYTHONFAULTHANDLER="1", **env_extra)
     cmd = [sys.executable, str(HERE / "vllm_run.py"), "--model", model, "--out", str(out), *CONFIGS[name], *extra]
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -61,6 +62,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--outdir", required=True)
     p.add_argument("--matrix", nargs="+", default=["v2"], choices=sorted(CONFIGS))
+    p.add_argument("--label", default="", help="suffix for output file names")
     p.add_argument("--kve-env", nargs="*", default=[], help="KEY=VALUE set for the kvelastic runs only")
     p.add_argument("--summary", default=None, help="write the table as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
@@ -69,9 +71,9 @@ def main() -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     rows, failed = [], False
     for name in args.matrix:
-        vanilla = run(name, False, args.model, outdir, args.extra, {})
+        vanilla = run(name, False, args.model, outdir, args.extra, {}, args.label)
         kve_env = dict(item.split("=", 1) for item in args.kve_env)
-        elastic = run(name, True, args.model, outdir, args.extra, kve_env)
+        elastic = run(name, True, args.model, outdir, args.extra, kve_env, args.label)
         for label, r in (("vanilla", vanilla), ("kvelastic", elastic)):
             if "error" in r:
                 print(f"== {name} {label} FAILED: {r['error']}\n{r['log_tail']}")

@@ -249,3 +249,23 @@ def test_concurrent_map_and_unmap_from_threads(host_pool):
     stats = host_pool.stats()
     assert stats.mapped_bytes == stats.groups_mapped * 4 * SMALL_PAGE
     assert stats.held_bytes == stats.mapped_bytes + stats.reserve_bytes
+
+
+def test_fresh_zero_policy_zeroes_new_pages_only():
+    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="fresh")
+    try:
+        t = pool.add_tensor(4 * SMALL_PAGE)
+        pool.map_groups([0, 1])
+        assert torch.count_nonzero(t[:2 * SMALL_PAGE]) == 0
+        t[:2 * SMALL_PAGE] = 7
+        pool.unmap_groups([0, 1])
+        pool.map_groups([2, 3])  # recycled pages keep the pool's own old data
+        assert torch.all(t[2 * SMALL_PAGE:] == 7)
+        pool.unmap_groups([2, 3])
+        pool.trim_reserve(0)  # pages given back: a new page with a reused handle is fresh again
+        pool.map_groups([0])
+        assert torch.count_nonzero(t[:SMALL_PAGE]) == 0
+    finally:
+        pool.close()
+    with pytest.raises(PoolError):
+        PagePool(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="sometimes")

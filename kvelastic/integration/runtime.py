@@ -68,7 +68,8 @@ class Runtime:
         from kvelastic.pool import PagePool
 
         limit = self.plan.limit_bytes if self.plan else self.settings.limit_bytes
-        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, limit_bytes=limit)
+        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, limit_bytes=limit,
+                        zero_on_map="fresh")
         with self._lock:
             self._pools.append(pool)
         self._allocating.pool = pool

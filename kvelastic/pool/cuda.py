@@ -186,9 +186,10 @@ class CudaBackend(PhysicalBackend):
     def map_runs(self, runs: Sequence[MapRun], page_bytes: int, *, zero: bool) -> None:
         """Map, grant read/write and optionally zero every run; all or nothing.
 
-        Zeroing runs on a private non-blocking stream that is synchronised
-        before returning, so any later kernel on any stream sees the zeros
-        without an extra dependency.
+        Zeroing is queued on the legacy default stream and not waited for: by
+        that stream's semantics every later kernel on a blocking stream (vLLM's
+        compute and side streams) runs after it, so the host never stalls on a
+        busy GPU. A reader on a non-blocking stream must wait on a fence first.
         """
         self._bind()
         self.page_bytes = page_bytes
@@ -196,8 +197,6 @@ class CudaBackend(PhysicalBackend):
         try:
             for run in runs:
                 self._map_run(run, page_bytes, zero, mapped)
-            if zero and mapped:
-                check("cuStreamSynchronize", self._driver.cuStreamSynchronize(self._stream))
         except BaseException:
             self._rollback(mapped, page_bytes)
             raise
@@ -215,7 +214,7 @@ class CudaBackend(PhysicalBackend):
             return
         check("cuMemSetAccess", d.cuMemSetAccess(run.address, nbytes, self._access, 1))
         if zero:
-            check("cuMemsetD8Async", d.cuMemsetD8Async(run.address, 0, nbytes, self._stream))
+            check("cuMemsetD8Async", d.cuMemsetD8Async(run.address, 0, nbytes, _LEGACY_DEFAULT_STREAM))
 
     def _rollback(self, mapped: list[int], page_bytes: int) -> None:
         """Undo a failed :meth:`map_runs`: wait for queued zero-fills, then unmap page by page.
@@ -226,7 +225,7 @@ class CudaBackend(PhysicalBackend):
             return
         d = self._driver
         try:
-            check("cuStreamSynchronize", d.cuStreamSynchronize(self._stream))
+            check("cuStreamSynchronize", d.cuStreamSynchronize(_LEGACY_DEFAULT_STREAM))
         except Exception as exc:
             log.warning("kvelastic: synchronising before rollback failed: %s", exc)
         for address in mapped:

@@ -32,7 +32,13 @@ class PagePool:
     """Tensors over reserved virtual memory, backed page group by page group."""
 
     def __init__(self, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 limit_bytes: int | None = None, zero_on_map: bool = True):
+                 limit_bytes: int | None = None, zero_on_map: bool | str = True):
+        """``zero_on_map``: True zeroes every page as it is mapped (torch.zeros semantics);
+        ``"fresh"`` zeroes only pages never mapped before by this pool (recycled pages
+        keep this pool's own old data, as reused vLLM blocks do); False never zeroes.
+        """
+        if zero_on_map not in (True, False, "fresh"):
+            raise PoolError(f"zero_on_map must be True, False or 'fresh', not {zero_on_map!r}")
         if page_bytes <= 0 or page_bytes % backend.granularity:
             raise PoolError(f"page size {page_bytes} is not a positive multiple of the "
                             f"{backend.name} granularity {backend.granularity}")
@@ -42,7 +48,7 @@ class PagePool:
         self.zero_on_map = zero_on_map
         self._device = DeviceSource(backend, page_bytes)
         self._limited = LimitedSource(self._device, limit_bytes)
-        self._reserve = ReserveSource(self._limited)
+        self._reserve = ReserveSource(self._limited, on_drop=self._forget_handles)
         self._lock = threading.RLock()
         self._regions: dict[int, Region] = {}
         self._next_region_id = 0
@@ -52,6 +58,7 @@ class PagePool:
         self._handles: dict[PageRef, Any] = {}
         self._pending: dict[PageRef, Fence] = {}
         self._dead_regions: deque[int] = deque()
+        self._zeroed: set[Any] = set()
         self._closed = False
 
     # ----------------------------------------------------------------- tensors
@@ -130,8 +137,7 @@ class PagePool:
             fresh = [ref for ref in wanted if ref not in self._handles]
             handles = self._reserve.acquire(len(fresh))
             try:
-                self.backend.map_runs(self._runs(fresh, handles), self.page_bytes,
-                                      zero=self.zero_on_map)
+                self._map_fresh(fresh, handles)
             except BaseException:
                 self._reserve.release(handles)
                 raise
@@ -310,6 +316,26 @@ class PagePool:
         if start is not None:
             runs.append(MapRun(self._regions[start.region].page_address(start.page), tuple(batch)))
         return runs
+
+    def _forget_handles(self, handles: list[Any]) -> None:
+        self._zeroed.difference_update(handles)
+
+    def _map_fresh(self, refs: list[PageRef], handles: list[Any]) -> None:
+        """Map pages, zeroing those the zero policy says must read as zero."""
+        if self.zero_on_map != "fresh":
+            self.backend.map_runs(self._runs(refs, handles), self.page_bytes, zero=bool(self.zero_on_map))
+            return
+        new = [(r, h) for r, h in zip(refs, handles) if h not in self._zeroed]
+        old = [(r, h) for r, h in zip(refs, handles) if h in self._zeroed]
+        self.backend.map_runs(self._runs([r for r, _ in new], [h for _, h in new]), self.page_bytes, zero=True)
+        try:
+            self.backend.map_runs(self._runs([r for r, _ in old], [h for _, h in old]), self.page_bytes,
+                                  zero=False)
+        except BaseException:
+            for run in self._runs([r for r, _ in new], [h for _, h in new]):
+                self.backend.unmap(run.address, len(run.handles) * self.page_bytes)
+            raise
+        self._zeroed.update(h for _, h in new)
 
     def _unmap_pages(self, refs: list[PageRef]) -> None:
         handles = [self._handles.pop(ref) for ref in refs]

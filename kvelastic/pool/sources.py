@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from kvelastic.errors import PoolLimitExceeded
 from kvelastic.pool.backend import PhysicalBackend
@@ -110,9 +110,11 @@ class LimitedSource(PageSource):
 class ReserveSource(PageSource):
     """Keeps released pages for reuse so mapping rarely has to create one."""
 
-    def __init__(self, upstream: PageSource):
+    def __init__(self, upstream: PageSource, on_drop: Callable[[list[Any]], None] | None = None):
+        """``on_drop(handles)`` hears of pages given back upstream (their handles may be reused)."""
         super().__init__(upstream.page_bytes)
         self.upstream = upstream
+        self.on_drop = on_drop
         self._cached: deque[Any] = deque()
         self._outstanding = 0
         self.hits = 0
@@ -152,7 +154,10 @@ class ReserveSource(PageSource):
         """Give cached pages beyond ``keep_pages`` back upstream; return how many went."""
         surplus = max(0, len(self._cached) - keep_pages)
         if surplus:
-            self.upstream.release([self._cached.pop() for _ in range(surplus)])
+            dropped = [self._cached.pop() for _ in range(surplus)]
+            self.upstream.release(dropped)
+            if self.on_drop is not None:
+                self.on_drop(dropped)
         return surplus
 
     @property
