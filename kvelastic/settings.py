@@ -68,6 +68,7 @@ class Settings:
     virtual_bytes: int | None = None
     limit_bytes: int | None = None
     reserve_bytes: int = 256 * MIB
+    prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
     name: str | None = None
@@ -96,6 +97,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),
     "reserve_bytes": ("KVELASTIC_RESERVE", lambda n, t: parse_size(t, name=n)),
+    "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "name": ("KVELASTIC_NAME", _name),

@@ -153,7 +153,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         busy = {self.cache.group_of_block(b.block_id) for b in self.bp.blocks
                 if (b.ref_cnt > 0 or b.block_hash is not None) and not b.is_null}
         idle_mapped = self.pool.mapped_groups() - busy - {0}
-        assert len(idle_mapped) <= self.queue.warm_groups
+        assert len(idle_mapped) <= self.queue.ahead_groups + len(self.queue.mapper.mapped)
 
     def teardown(self) -> None:
         self.pool.close()
@@ -182,9 +182,10 @@ def test_reset_prefix_cache_and_usage_follow_physical_memory():
     bp.cache_full_blocks(StandInRequest([bytes([i]) * 32 for i in range(40)]), blocks, 0, 40, BS, 0)
     assert 0.3 < bp.get_usage() < 0.35  # 40 of the 127 blocks four groups can hold
     bp.free_blocks(blocks)
-    assert pool.num_mapped_groups() == 2  # the cached blocks keep their groups
+    assert queue.ahead_groups == 1  # one empty group is kept mapped ahead of need
+    assert pool.num_mapped_groups() == 2 + 1  # the cached blocks keep groups 0 and 1
     assert bp.reset_prefix_cache()
-    assert pool.num_mapped_groups() == 2  # group 0 (null block) and one warm group
+    assert pool.num_mapped_groups() == 1 + 1  # group 0 (null block) and the one ahead
     assert bp.get_cached_block(bytes([3]) * 32, [0]) is None
     pool.close()
 
@@ -200,12 +201,13 @@ def test_idle_cached_groups_are_reclaimed_oldest_first():
     late = bp.get_new_blocks(40)
     bp.cache_full_blocks(StandInRequest([b"b%d" % i for i in range(40)]), late, 0, 40, BS, 0)
     bp.free_blocks(late)
-    assert pool.mapped_groups() == {0, 1, 2, 3}  # cached blocks keep their groups mapped
+    assert pool.mapped_groups() == {0, 1, 2, 3, 4}  # cached blocks keep 0-3; 4 is mapped ahead
     assert queue.reclaim_cached(idle_before=150.0) == 1
-    assert pool.mapped_groups() == {0, 2, 3}  # group 0 holds the null block and is never released
+    assert pool.mapped_groups() == {0, 2, 3, 4}  # group 0 holds the null block and is never released
     assert bp.get_cached_block(b"a62", [0]) is None  # block 63 lived in group 1
     assert bp.get_cached_block(b"a0", [0]) is not None  # block 1 lives in group 0
     assert bp.get_cached_block(b"b39", [0]) is not None
     assert queue.reclaim_cached(idle_before=250.0) == 2
+    queue.set_idle()
     assert pool.mapped_groups() == {0}
     pool.close()

@@ -14,16 +14,19 @@ from typing import Any
 from kvelastic.errors import PatchError
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.integration.mapper import GroupMapper
 
 
-def make_page_aware(block_pool: Any, cache: ElasticKVCache, *, warm_groups: int = 1) -> PageAwareFreeQueue:
+def make_page_aware(block_pool: Any, cache: ElasticKVCache, mapper: GroupMapper | None = None, *,
+                    max_ahead_groups: int = 1) -> PageAwareFreeQueue:
     """Swap ``block_pool``'s free queue for a page-aware one over ``cache``; return it."""
     if block_pool.num_gpu_blocks != cache.num_blocks:
         raise PatchError(f"the scheduler's block pool has {block_pool.num_gpu_blocks} blocks but the "
                          f"elastic KV tensors hold {cache.num_blocks}: they were sized from different configs")
     old_queue = block_pool.free_block_queue
     queue = PageAwareFreeQueue(cache, block_pool.blocks, old_queue.get_all_free_blocks(),
-                               block_pool._maybe_evict_cached_block, warm_groups=warm_groups)
+                               block_pool._maybe_evict_cached_block, mapper,
+                               max_ahead_groups=max_ahead_groups)
     block_pool.free_block_queue = queue
     _wrap_instance(block_pool, "reset_prefix_cache", _reset_prefix_cache)
     _wrap_instance(block_pool, "get_usage", _get_usage)

@@ -16,6 +16,7 @@ from kvelastic.pool import PagePool
 if TYPE_CHECKING:
     from kvelastic.pool.stats import PoolStats
 
+DEVICE_MARGIN_BYTES = 256 * 1024 * 1024  # left free on the GPU for others' allocations
 NULL_GROUP = 0  # holds vLLM's null block (block 0), read by dummy and padded runs
 
 
@@ -28,6 +29,7 @@ class ElasticKVCache:
         pool.set_layout(layout)
         self.group_bytes = layout.bytes_per_group()
         self._device_free_cache: tuple[float, int | None] = (0.0, None)
+        self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
         pool.map_groups([NULL_GROUP])
 
     @property
@@ -60,19 +62,21 @@ class ElasticKVCache:
             self.pool.unmap_groups(groups, fence=self.pool.backend.record_fence())
             self._device_free_cache = (0.0, None)
 
-    def mappable_groups(self) -> int:
-        """How many more groups could be mapped now, within the limit and the device's free memory.
+    def mappable_groups(self, unmapped: int) -> int:
+        """How many of ``unmapped`` groups could be mapped now, within the limit and the device.
 
-        The device's free memory is read at most every 50 ms (the scheduler asks
-        several times per step); the limit and the reserve are always current.
+        Called several times per scheduling step, so it takes no lock and reads
+        the device's free memory at most every 50 ms, keeping a safety margin
+        for what others allocate in between.
         """
         stamp, device_free = self._device_free_cache
         now = time.monotonic()
         if now - stamp > 0.05:
             device_free = self.pool.backend.device_free_bytes()
+            if device_free is not None:
+                device_free = max(0, device_free - self.device_margin)
             self._device_free_cache = (now, device_free)
-        available = self.pool.available_bytes(device_free=device_free)
-        unmapped = self.num_groups - self.pool.num_mapped_groups()
+        available = self.pool.headroom_estimate(device_free)
         if available is None:
             return unmapped
         return max(0, min(unmapped, available // max(1, self.group_bytes)))

@@ -5,12 +5,14 @@ Here free blocks are kept per page group, so that:
 
 - blocks are handed out only from mapped groups, lowest group first, which
   packs live blocks together and leaves high groups empty;
-- when mapped groups run out, new groups are mapped (within the pool's limit);
-  only when no group can be mapped are cached prefix blocks evicted, in LRU
-  order, exactly as vLLM would evict them;
-- a group whose blocks are all free and hold no cached prefix is unmapped
-  (after the GPU is done with it); groups holding only cached blocks are
-  released by :meth:`reclaim_cached` when they idle or memory is needed.
+- a few empty groups are kept mapped ahead of need (as many as recent
+  allocation bursts used), mapped and unmapped by a worker thread so the
+  scheduler rarely waits on the driver;
+- when mapped groups run out, more are mapped (within the pool's limit); only
+  when none can be mapped are cached prefix blocks evicted, in LRU order,
+  exactly as vLLM would evict them;
+- groups holding only cached blocks are released by :meth:`reclaim_cached`
+  when they idle past the TTL or when memory is needed.
 
 ``num_free_blocks`` counts what can really be had: free blocks in mapped
 groups plus the groups the pool can still map. vLLM compares it with what a
@@ -21,26 +23,32 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable
 
-from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
+from kvelastic.integration.mapper import GroupMapper
+
+BURST_WINDOW_S = 2.0
+MAPPABLE_TTL_S = 0.001
 
 
 class PageAwareFreeQueue:
     """Implements the interface of vLLM's ``FreeKVCacheBlockQueue`` over page groups."""
 
     def __init__(self, cache: ElasticKVCache, blocks: list[Any], free_blocks: Iterable[Any],
-                 evict_cached: Callable[[Any], Any], *, warm_groups: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+                 evict_cached: Callable[[Any], Any], mapper: GroupMapper | None = None, *,
+                 max_ahead_groups: int = 1, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
+        self.mapper = mapper or GroupMapper(cache)
         self._blocks = blocks
         self._evict_cached = evict_cached
         self._clock = clock
-        self.warm_groups = warm_groups
+        self.max_ahead_groups = max_ahead_groups
+        self.ahead_groups = 1
         self.report_all_free = False
         self.last_allocation = clock()
+        self._bursts: deque[tuple[float, int]] = deque()
         groups = cache.num_groups
         self._in_use = [len(cache.blocks_of_group(g)) for g in range(groups)]
         self._cached_count = [0] * groups
@@ -50,8 +58,11 @@ class PageAwareFreeQueue:
         self._cached: OrderedDict[int, Any] = OrderedDict()
         self._open: list[int] = []
         self._unmapped = [g for g in range(groups) if not cache.pool.is_mapped(g)]
+        self._requested: set[int] = set()
         self._empty: set[int] = set()
         self._mapped_blocks = 0
+        self._mappable_until = 0.0
+        self._mappable_value = 0
         for g in range(groups):
             if cache.pool.is_mapped(g):
                 self._adopt_group(g, free=False)
@@ -66,16 +77,17 @@ class PageAwareFreeQueue:
                 self._to_free(block)
         self.num_total = len(blocks)
         self.num_in_use = sum(self._in_use)
-        self._release_empty(set(self._free_uncached))  # groups mapped for start-up warm-up
+        self._note_empty(set(self._free_uncached))  # groups mapped for start-up warm-up
+        self._balance()
 
     # ------------------------------------------------------------ vLLM interface
     @property
     def num_free_blocks(self) -> int:
         if self.report_all_free:
             return self.num_total - self.num_in_use
-        unmapped_blocks = self.cache.num_blocks - self._mapped_blocks
-        mappable = min(unmapped_blocks, self.cache.mappable_groups() * self.cache.blocks_per_group)
-        return self._free_uncached_total + len(self._cached) + mappable
+        if self.mapper.mapped or self.mapper.refused:
+            self._adopt_mapped()
+        return self._free_uncached_total + len(self._cached) + self._mappable_blocks()
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
@@ -85,10 +97,11 @@ class PageAwareFreeQueue:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Any]:
+        self._adopt_mapped()
         taken: list[Any] = []
         self._take_uncached(n, taken)
         if len(taken) < n:
-            self._map_more(n - len(taken))
+            self._map_now(n - len(taken))
             self._take_uncached(n, taken)
         while len(taken) < n and self._cached:
             _, block = self._cached.popitem(last=False)
@@ -107,6 +120,8 @@ class PageAwareFreeQueue:
             self._in_use[g] += 1
             self._last_used[g] = now
             self._empty.discard(g)
+        self._note_burst(now, n)
+        self._balance()
         return taken
 
     def remove(self, block: Any) -> None:
@@ -134,7 +149,8 @@ class PageAwareFreeQueue:
     def get_all_free_blocks(self) -> list[Any]:
         """Every free block in eviction order: uncached first, then cached LRU, then unmapped."""
         uncached = [self._blocks[b] for g in sorted(self._free_uncached) for b in sorted(self._free_uncached[g])]
-        unmapped = [self._blocks[b] for g in sorted(self._unmapped_set()) for b in self.cache.blocks_of_group(g)]
+        unmapped = [self._blocks[b] for g in range(self.cache.num_groups) if g not in self._free_uncached
+                    for b in self.cache.blocks_of_group(g)]
         return uncached + list(self._cached.values()) + unmapped
 
     # ------------------------------------------------------------- maintenance
@@ -147,7 +163,8 @@ class PageAwareFreeQueue:
             g = self.cache.group_of_block(block.block_id)
             self._cached_count[g] -= 1
             self._add_uncached(g, block.block_id)
-        self._release_empty({self.cache.group_of_block(b.block_id) for b in dropped})
+        self._note_empty({self.cache.group_of_block(b.block_id) for b in dropped})
+        self._balance()
 
     def reclaim_cached(self, *, idle_before: float | None = None, groups_wanted: int | None = None) -> int:
         """Evict the cached blocks of cache-only groups and unmap them; return groups released.
@@ -167,21 +184,54 @@ class PageAwareFreeQueue:
                     self._evict_cached(block)
                     self._add_uncached(g, block_id)
             self._cached_count[g] = 0
-        self._release_empty(set(chosen), keep_warm=False)
+        self._note_empty(set(chosen))
+        self._release_groups(chosen)
         return len(chosen)
+
+    def set_idle(self) -> None:
+        """No allocation lately: keep no empty group mapped ahead."""
+        self._bursts.clear()
+        self.ahead_groups = 0
+        self._balance()
 
     def cached_groups(self) -> int:
         return sum(1 for g, n in enumerate(self._cached_count) if n and not self._in_use[g])
 
     # ----------------------------------------------------------------- helpers
+    def _mappable_blocks(self) -> int:
+        """Blocks in groups the pool could still map; recomputed at most every millisecond."""
+        now = self._clock()
+        if now < self._mappable_until:
+            return self._mappable_value
+        unmapped_blocks = self.cache.num_blocks - self._mapped_blocks
+        groups = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))
+        self._mappable_value = min(unmapped_blocks, groups * self.cache.blocks_per_group)
+        self._mappable_until = now + MAPPABLE_TTL_S
+        return self._mappable_value
+
+    def _forget_mappable(self) -> None:
+        self._mappable_until = 0.0
+
     def _adopt_group(self, g: int, *, free: bool) -> None:
         """Start tracking a newly mapped group; with ``free`` all its blocks are free."""
         self._mapped_blocks += len(self.cache.blocks_of_group(g))
+        self._forget_mappable()
         self._free_uncached[g] = set()
         if free:
             for block_id in self.cache.blocks_of_group(g):
                 self._add_uncached(g, block_id)
             self._empty.add(g)
+
+    def _adopt_mapped(self) -> None:
+        mapper = self.mapper
+        while mapper.mapped:
+            g = mapper.mapped.popleft()
+            self._requested.discard(g)
+            self._adopt_group(g, free=True)
+        while mapper.refused:
+            g = mapper.refused.popleft()
+            self._requested.discard(g)
+            heapq.heappush(self._unmapped, g)
 
     def _add_uncached(self, g: int, block_id: int) -> None:
         members = self._free_uncached[g]
@@ -209,28 +259,20 @@ class PageAwareFreeQueue:
                 taken.append(self._blocks[members.pop()])
                 self._free_uncached_total -= 1
 
-    def _map_more(self, blocks_short: int) -> None:
-        wanted = -(-blocks_short // self.cache.blocks_per_group)
+    def _pop_unmapped(self, count: int) -> list[int]:
         groups: list[int] = []
-        while self._unmapped and len(groups) < wanted:
+        while self._unmapped and len(groups) < count:
             g = heapq.heappop(self._unmapped)
-            if not self.cache.pool.is_mapped(g):
+            if g not in self._free_uncached and g not in self._requested:
                 groups.append(g)
-        try:
-            self.cache.map_groups(groups)
-            mapped = groups
-        except PoolExhausted:
-            mapped = []
-            for g in groups:
-                try:
-                    self.cache.map_groups([g])
-                except PoolExhausted:
-                    break
-                mapped.append(g)
-        for g in groups[len(mapped):]:
-            heapq.heappush(self._unmapped, g)
-        for g in mapped:
-            self._adopt_group(g, free=True)
+        return groups
+
+    def _map_now(self, blocks_short: int) -> None:
+        """A burst outran the prefetch: map what is missing and wait for it."""
+        groups = self._pop_unmapped(-(-blocks_short // self.cache.blocks_per_group))
+        self._requested.update(groups)
+        self.mapper.map_now(groups)
+        self._adopt_mapped()
 
     def _release(self, blocks: list[Any]) -> None:
         now = self._clock()
@@ -242,24 +284,50 @@ class PageAwareFreeQueue:
             self._to_free(block)
             touched.add(g)
         self.num_in_use -= len(blocks)
-        self._release_empty(touched)
+        self._note_empty(touched)
+        self._balance()
 
-    def _release_empty(self, groups: set[int], keep_warm: bool = True) -> None:
-        """Unmap groups with no live and no cached block, keeping a few warm for the next burst."""
+    def _note_empty(self, groups: set[int]) -> None:
         for g in groups:
-            if g != NULL_GROUP and not self._in_use[g] and not self._cached_count[g]:
+            if g != NULL_GROUP and g in self._free_uncached and not self._in_use[g] \
+                    and not self._cached_count[g]:
                 self._empty.add(g)
-        warm = self.warm_groups if keep_warm else 0
-        if len(self._empty) <= warm:
+
+    def _note_burst(self, now: float, blocks: int) -> None:
+        """Size the prefetch to the largest allocation of the last few seconds."""
+        bursts = self._bursts  # decreasing in size: the head is the window's maximum
+        while bursts and bursts[-1][1] <= blocks:
+            bursts.pop()
+        bursts.append((now, blocks))
+        while bursts[0][0] < now - BURST_WINDOW_S:
+            bursts.popleft()
+        peak = bursts[0][1]
+        self.ahead_groups = min(self.max_ahead_groups, -(-peak // self.cache.blocks_per_group) + 1)
+
+    def _balance(self) -> None:
+        """Keep ``ahead_groups`` empty groups mapped: request more, or release the surplus."""
+        self._adopt_mapped()
+        want = self.ahead_groups
+        have = len(self._empty) + len(self._requested)
+        if have < want:
+            room = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))
+            groups = self._pop_unmapped(min(want - have, room))
+            if groups:
+                self._requested.update(groups)
+                self.mapper.request_map(groups)
+        elif len(self._empty) > want:
+            self._release_groups(sorted(self._empty)[want:] if want else sorted(self._empty))
+
+    def _release_groups(self, groups: list[int]) -> None:
+        """Stop using empty groups and have the worker unmap them once the GPU is done."""
+        groups = [g for g in groups if g in self._empty]
+        if not groups:
             return
-        release = sorted(self._empty)[warm:] if warm else sorted(self._empty)
-        self._empty.difference_update(release)
-        for g in release:
+        self._empty.difference_update(groups)
+        for g in groups:
             members = self._free_uncached.pop(g)
             self._free_uncached_total -= len(members)
             self._mapped_blocks -= len(self.cache.blocks_of_group(g))
             heapq.heappush(self._unmapped, g)
-        self.cache.unmap_groups(release)
-
-    def _unmapped_set(self) -> set[int]:
-        return {g for g in self._unmapped if g not in self._free_uncached}
+        self._forget_mappable()
+        self.mapper.request_unmap(groups)

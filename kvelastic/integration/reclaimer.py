@@ -62,12 +62,14 @@ class Reclaimer:
         with self.lock:
             if math.isfinite(self.cache_ttl_s):
                 self.queue.reclaim_cached(idle_before=now - self.cache_ttl_s)
+            busy = now - self.queue.last_allocation < max(self.cache_ttl_s, 1.0)
+            if not busy:
+                self.queue.set_idle()
             over = pool.stats().over_limit_bytes
             if over:
                 groups = -(-over // max(1, self.cache.group_bytes))
                 self.queue.reclaim_cached(groups_wanted=groups)
         pool.collect()
-        busy = now - self.queue.last_allocation < max(self.cache_ttl_s, 1.0)
         if busy:
             missing = self.reserve_pages - pool.stats().reserve_bytes // pool.page_bytes
             if missing > 0:

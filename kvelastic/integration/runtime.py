@@ -67,9 +67,8 @@ class Runtime:
         """A pool for the allocation in progress; earlier pools retire once their tensors die."""
         from kvelastic.pool import PagePool
 
-        limit = self.plan.limit_bytes if self.plan else self.settings.limit_bytes
-        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, limit_bytes=limit,
-                        zero_on_map="fresh")
+        # No limit yet: start-up warm-up maps what it needs; the scheduler applies the limit.
+        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, zero_on_map="fresh")
         with self._lock:
             self._pools.append(pool)
         self._allocating.pool = pool

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvelastic.errors import PatchError
 from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
 
@@ -30,14 +31,19 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
             "kvelastic: the scheduler found no elastic KV cache in its process. The model worker "
             "runs in another process (tensor/pipeline parallelism or a multiprocess executor), "
             "which this kvelastic version does not support; run with one GPU, or set KVELASTIC=0")
+    settings = runtime.settings
+    limit = runtime.plan.limit_bytes if runtime.plan else settings.limit_bytes
+    cache.pool.set_limit(limit)  # start-up warm-up ran unlimited; from here the limit holds
+    mapper = GroupMapper(cache)
+    mapper.start()
     block_pool = scheduler.kv_cache_manager.block_pool
-    queue = make_page_aware(block_pool, cache)
+    ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
+    queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
     lock = threading.RLock()
     for name in LOCKED_METHODS:
         method = getattr(scheduler, name, None)
         if method is not None:
             setattr(scheduler, name, _locked(lock, method))
-    settings = runtime.settings
     reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
     reclaimer.start()

@@ -57,6 +57,7 @@ class PagePool:
         self._page_refs: dict[PageRef, int] = {}
         self._handles: dict[PageRef, Any] = {}
         self._pending: dict[PageRef, Fence] = {}
+        self._pending_batches: deque[tuple[Fence, list[PageRef]]] = deque()
         self._dead_regions: deque[int] = deque()
         self._zeroed: set[Any] = set()
         self._closed = False
@@ -175,9 +176,10 @@ class PagePool:
                         released.append(ref)
             if fence is None or fence.is_done():
                 self._unmap_pages(released)
-            else:
+            elif released:
                 for ref in released:
                     self._pending[ref] = fence
+                self._pending_batches.append((fence, released))
             self._collect_locked(wait=False)
             return count
 
@@ -236,6 +238,12 @@ class PagePool:
                 return None
             return warm + min(rooms)
 
+    def headroom_estimate(self, device_free: int | None) -> int | None:
+        """Like :meth:`available_bytes` but lock-free, for hot paths that tolerate a stale answer."""
+        warm = self._reserve.cached_pages * self.page_bytes
+        rooms = [r for r in (self._limited.headroom_bytes(), device_free) if r is not None]
+        return warm + min(rooms) if rooms else None
+
     def stats(self) -> PoolStats:
         with self._lock:
             pending = len(self._pending) * self.page_bytes
@@ -261,6 +269,7 @@ class PagePool:
             self.backend.synchronize()
             self._unmap_pages(list(self._handles))
             self._pending.clear()
+            self._pending_batches.clear()
             self._page_refs.clear()
             self._mapped_groups.clear()
             self._reserve.trim(0)
@@ -355,10 +364,19 @@ class PagePool:
             self._reserve.trim(max(0, self._reserve.cached_pages - excess_pages))
 
     def _collect_locked(self, wait: bool) -> int:
-        ready = [ref for ref, fence in self._pending.items() if wait or fence.is_done()]
-        if wait:
-            for fence in {id(f): f for f in self._pending.values()}.values():
+        """Unmap pages whose fence has passed; one fence query per batch, not per page."""
+        if not self._pending_batches:
+            return 0
+        ready: list[PageRef] = []
+        waiting: deque[tuple[Fence, list[PageRef]]] = deque()
+        for fence, refs in self._pending_batches:
+            if wait:
                 fence.wait()
+            if wait or fence.is_done():
+                ready.extend(r for r in refs if self._pending.get(r) is fence)
+            else:
+                waiting.append((fence, refs))
+        self._pending_batches = waiting
         self._unmap_pages(ready)
         return len(ready)
 

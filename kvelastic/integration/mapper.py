@@ -1,0 +1,116 @@
+"""Driver calls off the scheduler's thread: a worker that maps and unmaps page groups.
+
+Mapping a group costs tens of microseconds per page in the driver (mostly
+``cuMemSetAccess``), and the scheduler runs on vLLM's critical path. The
+page-aware queue therefore asks this worker to map groups *ahead* of need and
+to unmap groups it no longer wants, and only maps synchronously (through the
+same worker, so commands stay in order) when a burst outruns the prefetch.
+
+Commands run strictly in the order they were queued, so "unmap g" followed by
+"map g" can never be reordered. Results come back through thread-safe deques
+that the queue drains on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Iterable
+
+from kvelastic.errors import PoolExhausted
+from kvelastic.integration.elastic_cache import ElasticKVCache
+
+log = logging.getLogger("kvelastic")
+
+MAP, UNMAP = "map", "unmap"
+
+
+class GroupMapper:
+    """Executes map/unmap commands for one elastic cache, inline or on a daemon thread."""
+
+    def __init__(self, cache: ElasticKVCache):
+        self.cache = cache
+        self.mapped: deque[int] = deque()    # groups now mapped, for the queue to adopt
+        self.refused: deque[int] = deque()   # groups the pool could not map
+        self._commands: deque[tuple[str, int, threading.Event | None]] = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvelastic-mapper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def request_map(self, groups: Iterable[int]) -> None:
+        self._submit(MAP, groups, None)
+
+    def request_unmap(self, groups: Iterable[int]) -> None:
+        self._submit(UNMAP, groups, None)
+
+    def map_now(self, groups: list[int]) -> None:
+        """Map ``groups`` after everything queued before them, and wait until done."""
+        done = threading.Event()
+        self._submit(MAP, groups, done)
+        if self._thread is not None:
+            done.wait()
+
+    def _submit(self, kind: str, groups: Iterable[int], done: threading.Event | None) -> None:
+        groups = list(groups)
+        for i, group in enumerate(groups):
+            self._commands.append((kind, group, done if i == len(groups) - 1 else None))
+        if done is not None and not groups:
+            done.set()
+        if self._thread is None:
+            self._drain()
+        else:
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            try:
+                self._drain()
+                self.cache.pool.collect()
+            except Exception:  # noqa: BLE001 - the worker must survive to serve the next command
+                log.exception("kvelastic: group mapper failed; continuing")
+
+    def _drain(self) -> None:
+        while self._commands:
+            kind = self._commands[0][0]
+            batch: list[tuple[str, int, threading.Event | None]] = []
+            while self._commands and self._commands[0][0] == kind:
+                batch.append(self._commands.popleft())
+            groups = [g for _, g, _ in batch]
+            try:
+                if kind == MAP:
+                    self._map(groups)
+                else:
+                    self.cache.unmap_groups(groups)
+            finally:
+                for _, _, done in batch:
+                    if done is not None:
+                        done.set()
+
+    def _map(self, groups: list[int]) -> None:
+        try:
+            self.cache.map_groups(groups)
+            self.mapped.extend(groups)
+            return
+        except PoolExhausted:
+            pass
+        for i, group in enumerate(groups):
+            try:
+                self.cache.map_groups([group])
+            except PoolExhausted:
+                self.refused.extend(groups[i:])
+                return
+            self.mapped.append(group)
