@@ -15,3 +15,12 @@ def host_pool():
     yield pool
     pool.close()
     assert pool.leak_report() == []
+
+
+def pytest_configure(config):
+    """In CI a missing vLLM is an error, never a silent skip of the integration tests."""
+    import importlib.util
+    import os
+
+    if os.environ.get("KVELASTIC_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
+        raise pytest.UsageError("KVELASTIC_REQUIRE_VLLM=1 but vllm is not installed")
