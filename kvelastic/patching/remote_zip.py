@@ -107,9 +107,13 @@ def member_spans(archive: zipfile.ZipFile, members: Iterable[zipfile.ZipInfo]) -
     return [(start, end) for start, end in spans]
 
 
-def read_members(url: str, size: int, wanted: Callable[[str], bool]) -> dict[str, bytes]:
-    """``{name: content}`` of the members of the zip at ``url`` whose names ``wanted`` accepts."""
-    remote = RangeFile(size, lambda start, end: fetch_range(url, start, end))
+def read_members(fetch: Callable[[int, int], bytes], size: int, wanted: Callable[[str], bool]) -> dict[str, bytes]:
+    """``{name: content}`` of the zip members whose names ``wanted`` accepts.
+
+    ``fetch(start, end)`` returns bytes ``[start, end)`` of the zip, whose length is ``size``:
+    the tail first (the central directory), then one call per merged span of wanted members.
+    """
+    remote = RangeFile(size, fetch)
     remote.load(max(0, size - TAIL_BYTES), size)
     with zipfile.ZipFile(remote) as archive:  # type: ignore[arg-type]
         members = [info for info in archive.infolist() if not info.is_dir() and wanted(info.filename)]

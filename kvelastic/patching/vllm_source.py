@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -31,7 +32,7 @@ from typing import IO, Any, Iterable, Sequence
 from kvelastic.errors import SourceFetchError
 from kvelastic.patching import remote_zip
 
-PYPI_JSON = "https://pypi.org/pypi/vllm/{version}/json"
+PYPI_JSON = "https://pypi.org/pypi/vllm/json"  # the per-release URL is missing on some mirrors
 CACHE_ENV = "KVELASTIC_VLLM_SRC_CACHE"
 MARKER = ".kvelastic-source.json"
 TIMEOUT_S = 120
@@ -46,20 +47,30 @@ def cache_root() -> Path:
 
 
 def source_path(member: str) -> str | None:
-    """``vllm/...py`` relative path for an archive member that is vLLM Python source, else None."""
+    """``member`` normalised if it is vLLM Python source (``vllm/**/*.py``), else None."""
     parts = PurePosixPath(member).parts
-    if "vllm" not in parts[:2] or not member.endswith(".py") or ".." in parts or member.startswith("/"):
+    if not parts or parts[0] != "vllm" or not member.endswith(".py") or ".." in parts:
         return None
-    start = parts.index("vllm")
-    return "/".join(parts[start:])
+    return "/".join(parts)
+
+
+_INDEX_LOCK = threading.Lock()
+_INDEX: dict[str, list[dict[str, Any]]] = {}
 
 
 def release_files(version: str) -> list[dict[str, Any]]:
-    """PyPI's file entries for ``vllm==version``, with absolute download URLs."""
-    url = PYPI_JSON.format(version=version)
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
-        files = json.load(response)["urls"]
-    return [dict(entry, url=urllib.parse.urljoin(url, entry["url"])) for entry in files]
+    """PyPI's file entries for ``vllm==version``, with absolute download URLs.
+
+    The project's JSON (every release's files) is read once per process and
+    shared by the fetching threads.
+    """
+    with _INDEX_LOCK:
+        if not _INDEX:
+            with urllib.request.urlopen(PYPI_JSON, timeout=TIMEOUT_S) as response:
+                _INDEX.update(json.load(response)["releases"])
+    if version not in _INDEX:
+        raise SourceFetchError(f"vllm {version} is not a release on PyPI")
+    return [dict(entry, url=urllib.parse.urljoin(PYPI_JSON, entry["url"])) for entry in _INDEX[version]]
 
 
 class _Hashing:
@@ -101,7 +112,9 @@ def _from_sdist(entry: dict[str, Any], dest: Path) -> int:
 
 
 def _from_wheel(entry: dict[str, Any], dest: Path) -> int:
-    members = remote_zip.read_members(entry["url"], int(entry["size"]), lambda name: bool(source_path(name)))
+    url = entry["url"]
+    members = remote_zip.read_members(lambda start, end: remote_zip.fetch_range(url, start, end),
+                                      int(entry["size"]), lambda name: bool(source_path(name)))
     for name, data in members.items():
         _write(dest, source_path(name) or name, data)
     return len(members)

@@ -1,0 +1,186 @@
+"""Check patch targets against a vLLM release's source, without importing vLLM.
+
+The gate (``gate.check_target``) imports each target, which needs that release
+installed with its torch. This module answers the same question from the
+source tree alone, by parsing the target's module with ``ast``, so every
+supported release can be checked on one CPU machine in seconds. It mirrors the
+gate's rules: a module-level name may be imported from another module, a
+method must be defined in the class body itself (the gate reads the class
+``__dict__``), and the parameters are the ``def``'s, ``self`` included, as
+``inspect.signature`` lists them.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+from kvelastic.errors import PatchError
+from kvelastic.patching import gate
+from kvelastic.patching.spec import Patch, Target, claimed
+from kvelastic.patching.versions import Version
+
+_Def = (ast.FunctionDef, ast.AsyncFunctionDef)
+_MAX_IMPORT_HOPS = 4
+
+
+class StaticLookupError(LookupError):
+    """A target's module, class or function is not in the source tree."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A target as the source defines it."""
+
+    params: tuple[str, ...]
+    decorators: tuple[str, ...]
+    file: Path
+    line: int
+
+    @property
+    def is_staticmethod(self) -> bool:
+        return "staticmethod" in self.decorators
+
+
+def module_file(root: Path, module: str) -> Path | None:
+    """``root/a/b.py`` or ``root/a/b/__init__.py`` for module ``a.b``; None if neither exists."""
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@lru_cache(maxsize=256)
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_bytes(), filename=str(path))
+
+
+def _body(statements: Sequence[ast.stmt]) -> list[ast.stmt]:
+    """Statements of a module or class body, looking inside ``if``/``try``/``with`` blocks."""
+    flat: list[ast.stmt] = []
+    for statement in statements:
+        if isinstance(statement, ast.If):
+            flat += _body(statement.body) + _body(statement.orelse)
+        elif isinstance(statement, ast.Try):
+            flat += _body(statement.body) + _body(statement.orelse) + _body(statement.finalbody)
+            for handler in statement.handlers:
+                flat += _body(handler.body)
+        elif isinstance(statement, (ast.With, ast.AsyncWith)):
+            flat += _body(statement.body)
+        else:
+            flat.append(statement)
+    return flat
+
+
+def _defined(statements: Sequence[ast.stmt], name: str) -> ast.stmt | None:
+    """The last ``def``/``class``/``from ... import`` that binds ``name`` (the one that wins at import)."""
+    found: ast.stmt | None = None
+    for statement in _body(statements):
+        if isinstance(statement, (*_Def, ast.ClassDef)) and statement.name == name:
+            found = statement
+        elif isinstance(statement, ast.ImportFrom):
+            if any((alias.asname or alias.name) == name for alias in statement.names):
+                found = statement
+    return found
+
+
+def _import_source(module: str, is_package: bool, node: ast.ImportFrom, name: str) -> tuple[str, str]:
+    """(absolute module, original name) that ``from ... import`` binds to ``name``."""
+    original = next(alias.name for alias in node.names if (alias.asname or alias.name) == name)
+    if not node.level:
+        return node.module or "", original
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else [])), original
+
+
+def _top_level(root: Path, module: str, name: str) -> tuple[ast.stmt, Path]:
+    """The ``def``/``class`` that module-level ``name`` of ``module`` is, following imports."""
+    for _ in range(_MAX_IMPORT_HOPS):
+        path = module_file(root, module)
+        if path is None:
+            raise StaticLookupError(f"module {module} is not in the source")
+        node = _defined(_parse(path).body, name)
+        if node is None:
+            raise StaticLookupError(f"{module} has no {name}")
+        if not isinstance(node, ast.ImportFrom):
+            return node, path
+        module, name = _import_source(module, path.name == "__init__.py", node, name)
+    raise StaticLookupError(f"{module}.{name}: too many re-exports to follow")
+
+
+def _params(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
+    """Parameter names in ``inspect.signature`` order: positional-only, positional, *args, keyword-only, **kwargs."""
+    arguments = function.args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args]
+    if arguments.vararg:
+        names.append(arguments.vararg.arg)
+    names += [a.arg for a in arguments.kwonlyargs]
+    if arguments.kwarg:
+        names.append(arguments.kwarg.arg)
+    return tuple(names)
+
+
+def _decorator_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ast.dump(node)
+
+
+def find(root: Path, target: Target) -> Found:
+    """Locate ``target`` under ``root`` (the directory holding ``vllm/``); StaticLookupError if absent."""
+    first, *rest = target.qualname.split(".")
+    node, path = _top_level(root, target.module, first)
+    for part in rest:
+        if not isinstance(node, ast.ClassDef):
+            raise StaticLookupError(f"{target.module}: {node.name} is not a class, has no {part}")  # type: ignore[attr-defined]
+        inner = _defined(node.body, part)
+        if inner is None or isinstance(inner, ast.ImportFrom):
+            raise StaticLookupError(f"{target.path} does not exist")
+        node = inner
+    if not isinstance(node, _Def):
+        raise StaticLookupError(f"{target.path}: expected a function, found a class")
+    return Found(_params(node), tuple(_decorator_name(d) for d in node.decorator_list), path, node.lineno)
+
+
+def check_target(root: Path, target: Target, version: Version) -> str | None:
+    """None if ``target`` is as expected in ``version``'s source, else what is wrong (gate's wording)."""
+    expected = target.expected_params(version)
+    if expected is None:
+        return f"{target.path}: the patch declares no signature for vLLM {version}"
+    try:
+        found = find(root, target)
+    except StaticLookupError as exc:
+        return f"{target.path}: {exc}"
+    if target.kind == "staticmethod" and not found.is_staticmethod:
+        return f"{target.path}: expected a staticmethod, found a function"
+    if found.params != expected:
+        return f"{target.path}: expected parameters {expected}, found {found.params}"
+    return None
+
+
+def check_release(root: Path, version: Version, patches: Sequence[Patch]) -> list[str]:
+    """Every problem with the targets of the patches that claim ``version``, checked in ``root``."""
+    if not (root / "vllm").is_dir():
+        raise FileNotFoundError(f"{root} holds no vllm/ source tree")
+    return [f"{patch.name}: {problem}" for patch in claimed(patches, version) for target in patch.targets
+            if (problem := check_target(root, target, version))]
+
+
+def refusal(version: Version) -> str | None:
+    """What the gate says for a release no patch set may claim (outside SUPPORTED); None if supported.
+
+    This calls the gate itself with no patches: its version test runs before
+    anything is imported, so this imports no vLLM either.
+    """
+    try:
+        gate.check((), version)
+    except PatchError as exc:
+        return str(exc)
+    return None
