@@ -7,15 +7,22 @@ from typing import Any
 
 from kvelastic.integration.scheduler import attach_scheduler
 from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import ALL
+
+BEFORE_HASH_BLOCK_SIZE = VersionRange.of("0.12", "0.20")
+WITH_HASH_BLOCK_SIZE = VersionRange.of("0.20", "0.29")
 
 SCHEDULER_INIT = Target(
     module="vllm.v1.core.sched.scheduler",
     qualname="Scheduler.__init__",
     kind="method",
-    signatures=(Signature(ALL, ("self", "vllm_config", "kv_cache_config", "structured_output_manager",
-                                "block_size", "hash_block_size", "mm_registry", "include_finished_set",
-                                "log_stats")),),
+    signatures=(Signature(BEFORE_HASH_BLOCK_SIZE, ("self", "vllm_config", "kv_cache_config",
+                                                   "structured_output_manager", "block_size", "mm_registry",
+                                                   "include_finished_set", "log_stats")),
+                Signature(WITH_HASH_BLOCK_SIZE, ("self", "vllm_config", "kv_cache_config",
+                                                 "structured_output_manager", "block_size", "hash_block_size",
+                                                 "mm_registry", "include_finished_set", "log_stats"))),
 )
 EVICT_CACHED = Target(  # read, not wrapped: the page-aware queue evicts cached blocks through it
     module="vllm.v1.core.block_pool",

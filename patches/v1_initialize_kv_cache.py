@@ -7,13 +7,18 @@ from typing import Any
 
 from kvelastic.integration.allocation import publish_views, startup_blocks
 from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import ALL, argument
+
+BEFORE_PROFILING_FLAG = VersionRange.of("0.12", "0.20")
+WITH_PROFILING_FLAG = VersionRange.of("0.20", "0.29")  # 0.20 also calls it with is_profiling=True while profiling
 
 TARGET = Target(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner.initialize_kv_cache",
     kind="method",
-    signatures=(Signature(ALL, ("self", "kv_cache_config", "is_profiling")),),
+    signatures=(Signature(BEFORE_PROFILING_FLAG, ("self", "kv_cache_config")),
+                Signature(WITH_PROFILING_FLAG, ("self", "kv_cache_config", "is_profiling"))),
 )
 
 

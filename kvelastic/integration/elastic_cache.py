@@ -8,10 +8,10 @@ once its blocks are free. Both run in the engine-core process on one GPU.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kvelastic.integration.kv_layout import KVGroupLayout
-from kvelastic.pool import PagePool
+from kvelastic.pool import Fence, PagePool
 
 if TYPE_CHECKING:
     from kvelastic.pool.stats import PoolStats
@@ -55,11 +55,16 @@ class ElasticKVCache:
         self.pool.map_groups(groups)
         self._device_free_cache = (0.0, None)
 
-    def unmap_groups(self, groups: Iterable[int]) -> None:
-        """Unmap groups whose blocks are all free, once the GPU is done with them."""
+    def unmap_groups(self, groups: Iterable[int], after: Sequence[Fence] = ()) -> None:
+        """Unmap groups whose blocks are all free, once the GPU (and every ``after`` fence) is done."""
         groups = [g for g in groups if g != NULL_GROUP]
         if groups:
-            self.pool.unmap_groups(groups, fence=self.pool.backend.record_fence())
+            fence: Fence = self.pool.backend.record_fence()
+            if after:
+                from kvelastic.offload.copier import AllFences
+
+                fence = AllFences([fence, *after])
+            self.pool.unmap_groups(groups, fence=fence)
             self._device_free_cache = (0.0, None)
 
     def mappable_groups(self, unmapped: int) -> int:

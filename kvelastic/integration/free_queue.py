@@ -47,6 +47,7 @@ class PageAwareFreeQueue:
         self.max_ahead_groups = max_ahead_groups
         self.ahead_groups = 1
         self.report_all_free = False
+        self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
         self.last_allocation = clock()
         self._bursts: deque[tuple[float, int]] = deque()
         groups = cache.num_groups
@@ -103,10 +104,14 @@ class PageAwareFreeQueue:
         if len(taken) < n:
             self._map_now(n - len(taken))
             self._take_uncached(n, taken)
-        while len(taken) < n and self._cached:
+        evicted: list[Any] = []
+        while len(taken) + len(evicted) < n and self._cached:
             _, block = self._cached.popitem(last=False)
             self._cached_count[self.cache.group_of_block(block.block_id)] -= 1
-            taken.append(block)
+            evicted.append(block)
+        if evicted and self.spill_hook is not None and len(taken) + len(evicted) == n:
+            self.spill_hook(evicted, before_reuse=True)
+        taken.extend(evicted)
         if len(taken) < n:
             for block in taken:
                 self._to_free(block)
@@ -123,6 +128,27 @@ class PageAwareFreeQueue:
         self._note_burst(now, n)
         self._balance()
         return taken
+
+    def take_block_for_load(self) -> Any | None:
+        """One free block holding no cached prefix (mapping a group if needed), or None.
+
+        Loads never evict cached blocks: the scheduler may have just matched
+        them for the very request whose prefix is being loaded.
+        """
+        self._adopt_mapped()
+        taken: list[Any] = []
+        self._take_uncached(1, taken)
+        if not taken:
+            self._map_now(1)
+            self._take_uncached(1, taken)
+        if not taken:
+            return None
+        block = taken[0]
+        g = self.cache.group_of_block(block.block_id)
+        self._in_use[g] += 1
+        self.num_in_use += 1
+        self._empty.discard(g)
+        return block
 
     def remove(self, block: Any) -> None:
         block_id = block.block_id
@@ -177,15 +203,16 @@ class PageAwareFreeQueue:
         chosen = [g for t, g in candidates if idle_before is not None and t < idle_before]
         if groups_wanted is not None:
             chosen = [g for _, g in candidates][:groups_wanted]
+        leaving = [self._cached[b] for g in chosen for b in self.cache.blocks_of_group(g) if b in self._cached]
+        fence = self.spill_hook(leaving, before_reuse=False) if self.spill_hook and leaving else None
+        for block in leaving:
+            del self._cached[block.block_id]
+            self._evict_cached(block)
+            self._add_uncached(self.cache.group_of_block(block.block_id), block.block_id)
         for g in chosen:
-            for block_id in self.cache.blocks_of_group(g):
-                block = self._cached.pop(block_id, None)
-                if block is not None:
-                    self._evict_cached(block)
-                    self._add_uncached(g, block_id)
             self._cached_count[g] = 0
         self._note_empty(set(chosen))
-        self._release_groups(chosen)
+        self._release_groups(chosen, after=fence)
         return len(chosen)
 
     def set_idle(self) -> None:
@@ -318,8 +345,8 @@ class PageAwareFreeQueue:
         elif len(self._empty) > want:
             self._release_groups(sorted(self._empty)[want:] if want else sorted(self._empty))
 
-    def _release_groups(self, groups: list[int]) -> None:
-        """Stop using empty groups and have the worker unmap them once the GPU is done."""
+    def _release_groups(self, groups: list[int], after: Any = None) -> None:
+        """Stop using empty groups and have the worker unmap them once the GPU (and ``after``) is done."""
         groups = [g for g in groups if g in self._empty]
         if not groups:
             return
@@ -330,4 +357,4 @@ class PageAwareFreeQueue:
             self._mapped_blocks -= len(self.cache.blocks_of_group(g))
             heapq.heappush(self._unmapped, g)
         self._forget_mappable()
-        self.mapper.request_unmap(groups)
+        self.mapper.request_unmap(groups, after=after)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import ElasticKVCache
@@ -33,7 +33,7 @@ class GroupMapper:
         self.cache = cache
         self.mapped: deque[int] = deque()    # groups now mapped, for the queue to adopt
         self.refused: deque[int] = deque()   # groups the pool could not map
-        self._commands: deque[tuple[str, int, threading.Event | None]] = deque()
+        self._commands: deque[tuple[str, int, threading.Event | None, Any]] = deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -52,8 +52,9 @@ class GroupMapper:
     def request_map(self, groups: Iterable[int]) -> None:
         self._submit(MAP, groups, None)
 
-    def request_unmap(self, groups: Iterable[int]) -> None:
-        self._submit(UNMAP, groups, None)
+    def request_unmap(self, groups: Iterable[int], after: Any = None) -> None:
+        """Unmap ``groups`` once the GPU is done with them, and once fence ``after`` passes."""
+        self._submit(UNMAP, groups, None, after)
 
     def map_now(self, groups: list[int]) -> None:
         """Map ``groups`` after everything queued before them, and wait until done."""
@@ -62,10 +63,11 @@ class GroupMapper:
         if self._thread is not None:
             done.wait()
 
-    def _submit(self, kind: str, groups: Iterable[int], done: threading.Event | None) -> None:
+    def _submit(self, kind: str, groups: Iterable[int], done: threading.Event | None,
+                after: Any = None) -> None:
         groups = list(groups)
         for i, group in enumerate(groups):
-            self._commands.append((kind, group, done if i == len(groups) - 1 else None))
+            self._commands.append((kind, group, done if i == len(groups) - 1 else None, after))
         if done is not None and not groups:
             done.set()
         if self._thread is None:
@@ -86,17 +88,18 @@ class GroupMapper:
     def _drain(self) -> None:
         while self._commands:
             kind = self._commands[0][0]
-            batch: list[tuple[str, int, threading.Event | None]] = []
+            batch: list[tuple[str, int, threading.Event | None, Any]] = []
             while self._commands and self._commands[0][0] == kind:
                 batch.append(self._commands.popleft())
-            groups = [g for _, g, _ in batch]
+            groups = [g for _, g, _, _ in batch]
             try:
                 if kind == MAP:
                     self._map(groups)
                 else:
-                    self.cache.unmap_groups(groups)
+                    after = [a for a in {id(a): a for _, _, _, a in batch if a is not None}.values()]
+                    self.cache.unmap_groups(groups, after=after)
             finally:
-                for _, _, done in batch:
+                for _, _, done, _ in batch:
                     if done is not None:
                         done.set()
 

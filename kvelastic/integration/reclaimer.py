@@ -14,12 +14,15 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_queue import PageAwareFreeQueue
 
+from kvelastic.units import format_size
+
 log = logging.getLogger("kvelastic")
+STATS_PERIOD_S = 10.0
 
 
 class Reclaimer:
@@ -36,6 +39,9 @@ class Reclaimer:
         self.interval_s = interval_s
         self.clock = clock
         self.after_tick = after_tick
+        self.offload: Any = None
+        self._last_log = 0.0
+        self._last_line = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,5 +82,23 @@ class Reclaimer:
                 pool.grow_reserve(missing)
         else:
             pool.trim_reserve(0)
+        self._log_stats(now)
         if self.after_tick is not None:
             self.after_tick()
+
+    def _log_stats(self, now: float) -> None:
+        """One line every ``STATS_PERIOD_S`` while something changed: pool and host tier."""
+        if now - self._last_log < STATS_PERIOD_S:
+            return
+        stats = self.cache.pool.stats()
+        line = (f"mapped {format_size(stats.mapped_bytes)}, held {format_size(stats.held_bytes)}, "
+                f"limit {format_size(stats.limit_bytes) if stats.limit_bytes else 'none'}")
+        if self.offload is not None:
+            o = self.offload.stats()
+            line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
+                     f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
+                     f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
+        if line != self._last_line:
+            log.info("kvelastic: %s", line)
+            self._last_line = line
+        self._last_log = now

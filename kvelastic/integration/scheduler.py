@@ -40,12 +40,21 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
     lock = threading.RLock()
+    offload = None
+    if settings.cpu_bytes:
+        from kvelastic.integration.offload_setup import attach_offload
+
+        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes)
+        scheduler.kvelastic_offload = offload
     for name in LOCKED_METHODS:
         method = getattr(scheduler, name, None)
         if method is not None:
-            setattr(scheduler, name, _locked(lock, method))
+            after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
+            flush = offload.flush if (offload is not None and name == "schedule") else None
+            setattr(scheduler, name, _locked(lock, method, flush or after))
     reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
+    reclaimer.offload = offload
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
@@ -53,10 +62,28 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     return reclaimer
 
 
-def _locked(lock: threading.RLock, method: Any) -> Any:
+def _locked(lock: threading.RLock, method: Any, then: Any = None) -> Any:
+    """``method`` under ``lock``; ``then()`` runs after it, still under the lock."""
+
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         with lock:
-            return method(*args, **kwargs)
+            result = method(*args, **kwargs)
+            if then is not None:
+                then()
+            return result
 
     return call
+
+
+def _after_reset(block_pool: Any, offload: Any) -> Any:
+    """A reset replaces the prefix-cache map, so the host-tier lookup must be hooked again."""
+    if offload is None:
+        return None
+    from kvelastic.integration.offload_setup import hook_lookup
+
+    def after() -> None:
+        offload.reset()
+        hook_lookup(block_pool, offload)
+
+    return after

@@ -54,7 +54,7 @@ def module_file(root: Path, module: str) -> Path | None:
     return None
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=16)  # one release's target modules; more would only slow the GC down
 def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_bytes(), filename=str(path))
 

@@ -1,0 +1,189 @@
+"""One GPU's physical KV bytes, shared by every kvelastic process that uses it.
+
+Several vLLM processes on one GPU each map KV memory on demand; without a
+common account the first burst of one would starve the others. Each process
+joins the GPU's account as a named member and asks it before creating
+physical pages (:meth:`Member.acquire`), gives bytes back after destroying
+them (:meth:`Member.release`), and on every upkeep tick reports its cached and
+host-tier bytes and learns its limits and how much it should give back
+(:meth:`Member.tick`). Operators read and change the same file with the
+``kvelastic`` CLI. The rules are in :mod:`kvelastic.cluster.policy`; the file
+and its lock in :mod:`kvelastic.cluster.storage`.
+
+Members of processes that died are pruned by whoever takes the lock next: the
+driver freed their GPU memory when they exited, so their bytes return to the
+budget at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from kvelastic.cluster import policy
+from kvelastic.cluster.errors import AccountFull, BadLimits, NameInUse, UnknownMember
+from kvelastic.cluster.info import MemberInfo, MemberTick
+from kvelastic.cluster.liveness import is_alive, process_start_time
+from kvelastic.cluster.records import DEFAULT_SLOTS, Header, MemberRecord
+from kvelastic.cluster.storage import AccountFile, Snapshot, account_path
+from kvelastic.cluster.member import Member
+from kvelastic.units import format_size
+
+
+def _check_limits(name: str, min_bytes: int, max_bytes: int) -> None:
+    if min_bytes < 0 or max_bytes < 0:
+        raise BadLimits(f"limits of {name!r} must not be negative (min {min_bytes}, max {max_bytes})")
+    if max_bytes and max_bytes < min_bytes:
+        raise BadLimits(f"max of {name!r} ({format_size(max_bytes)}) is below its min "
+                        f"({format_size(min_bytes)})")
+
+
+def _check_reservations(snap: Snapshot, name: str, min_bytes: int) -> None:
+    """The reservations of all members together must fit the budget."""
+    others = sum(r.min_bytes for r in snap.used if r.name != name)
+    budget = snap.header.budget_bytes
+    if others + min_bytes > budget:
+        raise BadLimits(f"min {format_size(min_bytes)} for {name!r} does not fit: the other members "
+                        f"reserve {format_size(others)} of the {format_size(budget)} budget")
+
+
+class SharedAccount:
+    """The account file of one GPU. Safe to use from several threads."""
+
+    def __init__(self, file: AccountFile, *, want_ttl_s: float = policy.DEFAULT_WANT_TTL_S):
+        self._file = file
+        self.want_ttl_s = want_ttl_s
+
+    # ----------------------------------------------------------------- open
+    @classmethod
+    def open(cls, gpu_id: str, budget_bytes: int, *, reset_budget: bool = False,
+             directory: str | Path | None = None, slots: int = DEFAULT_SLOTS) -> "SharedAccount":
+        """Create the GPU's account with ``budget_bytes``, or open the existing one.
+
+        An existing account keeps its budget (the first process decides it, and
+        a later one must not silently shrink what the others count on) unless
+        ``reset_budget``.
+        """
+        if budget_bytes <= 0:
+            raise BadLimits(f"the budget must be positive, not {budget_bytes}")
+        header = Header(budget_bytes=budget_bytes, gpu_id=gpu_id, created=time.time(), slots=slots)
+        account = cls(AccountFile(account_path(gpu_id, directory), create_with=header))
+        if reset_budget:
+            account.set_budget(budget_bytes)
+        return account
+
+    @classmethod
+    def attach(cls, path: str | Path) -> "SharedAccount":
+        """Open an existing account file; never create one (raises AccountNotFound)."""
+        return cls(AccountFile(Path(path)))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "SharedAccount":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    # ----------------------------------------------------------- transactions
+    @contextmanager
+    def _transaction(self) -> Iterator[Snapshot]:
+        """The file's transaction, after freeing the slots of dead processes."""
+        with self._file.transaction() as snap:
+            for record in snap.used:
+                if not is_alive(record.pid, record.start_time):
+                    snap.write(MemberRecord(slot=record.slot))
+                    record.pid = 0
+            yield snap
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def gpu_id(self) -> str:
+        with self._transaction() as snap:
+            return snap.header.gpu_id
+
+    @property
+    def budget(self) -> int:
+        """The GPU's budget of physical KV bytes, shared by all members."""
+        with self._transaction() as snap:
+            return snap.header.budget_bytes
+
+    def members(self) -> list[MemberInfo]:
+        """Live members in join order (dead ones are pruned first)."""
+        with self._transaction() as snap:
+            return [MemberInfo.of(r) for r in sorted(snap.used, key=lambda r: (r.joined_at, r.slot))]
+
+    def member(self, name: str) -> MemberInfo:
+        """The live member called ``name`` (raises UnknownMember)."""
+        with self._transaction() as snap:
+            return MemberInfo.of(self._find(snap, name))
+
+    def demand(self) -> int:
+        """Bytes the account currently needs its members to give back."""
+        with self._transaction() as snap:
+            return policy.demand(snap.records, snap.header.budget_bytes, snap.now, self.want_ttl_s)
+
+    # ----------------------------------------------------------------- writes
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget (members honour it on their next grant and tick)."""
+        if budget_bytes <= 0:
+            raise BadLimits(f"the budget must be positive, not {budget_bytes}")
+        with self._transaction() as snap:
+            snap.header.budget_bytes = budget_bytes
+            snap.write_header()
+
+    def set_limits(self, name: str, *, min_bytes: int | None = None,
+                   max_bytes: int | None = None) -> MemberInfo:
+        """Change a live member's reservation and/or cap (``max_bytes=0`` clears the cap).
+
+        The member applies the new cap on its next tick by giving back what it
+        holds above it; grants beyond it are refused at once.
+        """
+        with self._transaction() as snap:
+            record = self._find(snap, name)
+            new_min = record.min_bytes if min_bytes is None else min_bytes
+            new_max = record.max_bytes if max_bytes is None else max_bytes
+            _check_limits(name, new_min, new_max)
+            _check_reservations(snap, name, new_min)
+            record.min_bytes, record.max_bytes = new_min, new_max
+            snap.write(record)
+            return MemberInfo.of(record)
+
+    def join(self, name: str, *, model: str = "", port: int = 0, min_bytes: int = 0,
+             max_bytes: int = 0) -> "Member":
+        """Become a member called ``name``; raises NameInUse if a live process holds the name."""
+        if not name:
+            raise BadLimits("a member needs a non-empty name")
+        _check_limits(name, min_bytes, max_bytes)
+        pid, started = os.getpid(), process_start_time()
+        with self._transaction() as snap:
+            holder = snap.by_name(name)
+            if holder is not None:
+                raise NameInUse(f"instance name {name!r} is already used by live process {holder.pid} "
+                                f"on this GPU; set a different KVELASTIC_NAME", name=name, pid=holder.pid)
+            _check_reservations(snap, name, min_bytes)
+            record = snap.free_slot()
+            if record is None:
+                raise AccountFull(f"all {snap.header.slots} member slots of {self.path} are in use")
+            slot = record.slot
+            record = MemberRecord(name=name, model=model, pid=pid, start_time=started, port=port,
+                                  min_bytes=min_bytes, max_bytes=max_bytes, heartbeat=snap.now,
+                                  joined_at=snap.now, slot=slot)
+            snap.write(record)
+        return Member(self, record)
+
+    @staticmethod
+    def _find(snap: Snapshot, name: str) -> MemberRecord:
+        record = snap.by_name(name)
+        if record is None:
+            known = ", ".join(sorted(r.name for r in snap.used)) or "none"
+            raise UnknownMember(f"no live instance called {name!r} (live: {known})", name=name)
+        return record

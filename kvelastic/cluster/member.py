@@ -1,0 +1,146 @@
+"""One process's membership in a GPU's shared account.
+
+A :class:`Member` is what the vLLM integration holds: the page source asks it
+before creating physical pages and tells it after destroying them, and the
+reclaimer calls :meth:`Member.tick` a few times a second to publish what it
+holds and to learn its current limits and the pressure to give memory back.
+Every call is one short locked transaction on the account file.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from kvelastic.cluster import policy
+from kvelastic.cluster.errors import AccountingError, MemberGone
+from kvelastic.cluster.info import MemberInfo, MemberTick
+from kvelastic.cluster.records import MemberRecord
+from kvelastic.cluster.storage import Snapshot
+
+if TYPE_CHECKING:
+    from kvelastic.cluster.account import SharedAccount
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to :meth:`Member.request`: granted or not, why, and what was available."""
+
+    granted: bool
+    verdict: policy.Verdict
+    requested_bytes: int
+    available_bytes: int
+
+
+class Member:
+    """This process's slot in the account. Thread-safe; obtained from ``SharedAccount.join``."""
+
+    def __init__(self, account: "SharedAccount", record: MemberRecord):
+        self.account = account
+        self.name = record.name
+        self._slot = record.slot
+        self._identity = (record.pid, record.start_time)
+        self._left = False
+
+    def __repr__(self) -> str:
+        return f"Member({self.name!r}, pid={self._identity[0]}, account={str(self.account.path)!r})"
+
+    @contextmanager
+    def _mine(self) -> Iterator[tuple[Snapshot, MemberRecord]]:
+        """The account's transaction plus this member's own record (MemberGone if it vanished)."""
+        with self.account._transaction() as snap:
+            record = snap.records[self._slot]
+            if self._left or record.name != self.name or (record.pid, record.start_time) != self._identity:
+                raise MemberGone(f"instance {self.name!r} is no longer a member of {self.account.path}")
+            yield snap, record
+
+    # ---------------------------------------------------------------- bytes
+    def request(self, nbytes: int) -> Grant:
+        """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see."""
+        if nbytes < 0:
+            raise AccountingError(f"{self.name!r} asked for a negative amount ({nbytes})")
+        with self._mine() as (snap, me):
+            budget = snap.header.budget_bytes
+            verdict = policy.judge(snap.records, me, nbytes, budget)
+            available = policy.headroom(snap.records, me, budget)
+            me.heartbeat = snap.now
+            if verdict is policy.Verdict.GRANTED:
+                me.mapped_bytes += nbytes
+                me.wanted_bytes, me.wanted_at = 0, 0.0
+            elif verdict is policy.Verdict.OVER_BUDGET:
+                me.wanted_bytes, me.wanted_at = nbytes, snap.now
+            snap.write(me)
+        return Grant(verdict is policy.Verdict.GRANTED, verdict, nbytes, available)
+
+    def acquire(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the budget if the rules allow (see :mod:`kvelastic.cluster.policy`)."""
+        return self.request(nbytes).granted
+
+    def release(self, nbytes: int) -> None:
+        """Give back ``nbytes`` this member held (after the physical memory is really freed)."""
+        if nbytes < 0:
+            raise AccountingError(f"{self.name!r} released a negative amount ({nbytes})")
+        with self._mine() as (snap, me):
+            if nbytes > me.mapped_bytes:
+                raise AccountingError(f"{self.name!r} released {nbytes} bytes but holds {me.mapped_bytes}")
+            me.mapped_bytes -= nbytes
+            me.heartbeat = snap.now
+            snap.write(me)
+
+    # ----------------------------------------------------------- reporting
+    def report(self, *, cached_bytes: int | None = None, host_bytes: int | None = None) -> None:
+        """Publish reclaimable cached GPU bytes and host-tier bytes; also a heartbeat."""
+        with self._mine() as (snap, me):
+            self._publish(snap, me, cached_bytes, host_bytes)
+
+    @staticmethod
+    def _publish(snap: Snapshot, me: MemberRecord, cached_bytes: int | None, host_bytes: int | None) -> None:
+        if cached_bytes is not None:
+            me.cached_bytes = max(0, int(cached_bytes))
+        if host_bytes is not None:
+            me.host_bytes = max(0, int(host_bytes))
+        me.heartbeat = snap.now
+        snap.write(me)
+
+    def pressure(self) -> int:
+        """Bytes this member should give back now because others wait (policy in :mod:`.policy`)."""
+        with self._mine() as (snap, me):
+            return policy.pressure(snap.records, me, snap.header.budget_bytes, snap.now,
+                                   self.account.want_ttl_s)
+
+    def limits(self) -> tuple[int, int]:
+        """``(min_bytes, max_bytes)`` as the file says now (others may change them; 0 = no max)."""
+        with self._mine() as (_, me):
+            return me.min_bytes, me.max_bytes
+
+    def tick(self, *, cached_bytes: int | None = None, host_bytes: int | None = None) -> MemberTick:
+        """One upkeep round in one transaction: publish, then read limits and pressure."""
+        with self._mine() as (snap, me):
+            self._publish(snap, me, cached_bytes, host_bytes)
+            budget = snap.header.budget_bytes
+            push = policy.pressure(snap.records, me, budget, snap.now, self.account.want_ttl_s)
+            return MemberTick(min_bytes=me.min_bytes, max_bytes=me.max_bytes, pressure_bytes=push,
+                              budget_bytes=budget)
+
+    def info(self) -> MemberInfo:
+        with self._mine() as (_, me):
+            return MemberInfo.of(me)
+
+    # ------------------------------------------------------------- leaving
+    def leave(self) -> None:
+        """Free the slot (the bytes it held return to the budget). Safe to call twice."""
+        if self._left:
+            return
+        try:
+            with self._mine() as (snap, me):
+                snap.write(MemberRecord(slot=me.slot))
+        except MemberGone:
+            pass
+        self._left = True
+
+    def __enter__(self) -> "Member":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()

@@ -1,0 +1,93 @@
+"""The sharing rules, as pure functions over member records (easy to test exhaustively).
+
+Each member is charged ``max(mapped, min)`` against the GPU's budget: what it
+holds, or what it has reserved if it holds less, so a reservation stays free
+for its owner however hungry the others are.
+
+* **Grant** ``n`` more bytes to member ``m`` iff ``m`` stays within its own cap
+  (``max``; 0 means none) and the total charge after the grant is within the
+  budget. A grant that does not raise the total (``m`` is still inside its
+  reservation) is always allowed, even while the account is over budget (a
+  member joined with a reservation while the others held the memory): a
+  reservation is a promise.
+* **Demand** is what members want and could not get (refusals by the budget,
+  not by their own cap, in the last ``want_ttl_s`` seconds) minus the budget's
+  free room; an account over its budget adds the excess.
+* **Pressure** on a member is its share of the demand, taken only from bytes
+  it holds above its reservation that hold cached (reclaimable) data, never
+  from a member that is itself waiting. Shares are proportional to each
+  donor's reclaimable bytes (rounded up), so every donor gives back at a similar
+  rate and no one member's prefix cache is wiped first; if all the donors
+  together hold less than the demand, each gives all it can.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Iterable
+
+from kvelastic.cluster.records import MemberRecord
+
+DEFAULT_WANT_TTL_S = 5.0
+
+
+class Verdict(Enum):
+    GRANTED = "granted"
+    OVER_MAX = "over the member's max"
+    OVER_BUDGET = "over the GPU's shared budget"
+
+
+def charged_total(records: Iterable[MemberRecord]) -> int:
+    """Sum of ``max(mapped, min)`` over members: the budget in use or promised."""
+    return sum(r.charged_bytes for r in records if r.used)
+
+
+def judge(records: list[MemberRecord], me: MemberRecord, nbytes: int, budget: int) -> Verdict:
+    """May ``me`` take ``nbytes`` more? ``me`` must be one of ``records``."""
+    mapped = me.mapped_bytes + nbytes
+    if me.max_bytes and mapped > me.max_bytes:
+        return Verdict.OVER_MAX
+    before = charged_total(records)
+    after = before - me.charged_bytes + max(mapped, me.min_bytes)
+    if after <= budget or after <= before:
+        return Verdict.GRANTED
+    return Verdict.OVER_BUDGET
+
+
+def wanting(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
+    """Whether ``record`` was refused by the budget recently enough to still count."""
+    return record.used and record.wanted_bytes > 0 and now - record.wanted_at <= want_ttl_s
+
+
+def demand(records: list[MemberRecord], budget: int, now: float,
+           want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
+    """Bytes the account needs its members to give back now."""
+    wanted = sum(r.wanted_bytes for r in records if wanting(r, now, want_ttl_s))
+    return max(0, wanted + charged_total(records) - budget)
+
+
+def reclaimable(record: MemberRecord) -> int:
+    """Cached bytes ``record`` holds above its reservation: what it can give without preempting."""
+    return min(record.cached_bytes, max(0, record.mapped_bytes - record.min_bytes))
+
+
+def pressure(records: list[MemberRecord], me: MemberRecord, budget: int, now: float,
+             want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
+    """Bytes ``me`` should give back now (0 when nobody waits or ``me`` waits itself)."""
+    need = demand(records, budget, now, want_ttl_s)
+    mine = reclaimable(me)
+    if need == 0 or mine == 0 or wanting(me, now, want_ttl_s):
+        return 0
+    pool = sum(reclaimable(r) for r in records if r.used and not wanting(r, now, want_ttl_s))
+    if pool <= need:
+        return mine
+    return min(mine, -(-need * mine // pool))
+
+
+def headroom(records: list[MemberRecord], me: MemberRecord, budget: int) -> int:
+    """The most ``me`` could be granted right now."""
+    room = budget - charged_total(records) + me.charged_bytes - me.mapped_bytes
+    room = max(room, me.min_bytes - me.mapped_bytes, 0)
+    if me.max_bytes:
+        room = min(room, max(0, me.max_bytes - me.mapped_bytes))
+    return room

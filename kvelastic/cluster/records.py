@@ -1,0 +1,125 @@
+"""The binary layout of an account file: one header, then fixed-size member slots.
+
+Fixed-size little-endian records (``struct``) keep every slot at a known offset,
+so a writer rewrites only what changed and a reader of another version can tell
+from the header alone whether it understands the file. A slot with ``pid == 0``
+is free. Sizes are padded beyond what the fields need, leaving room to add
+fields without moving slots.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from kvelastic.cluster.errors import AccountCorrupt
+
+MAGIC = b"KVELACCT"
+VERSION = 1
+DEFAULT_SLOTS = 64
+HEADER_SIZE = 256
+RECORD_SIZE = 384
+NAME_BYTES = 64
+MODEL_BYTES = 160
+GPU_ID_BYTES = 112
+
+# magic, version, slots, record size, budget, created, gpu id
+_HEADER = struct.Struct(f"<8sIIIQd{GPU_ID_BYTES}s")
+# name, model, pid, start time, port, min, max, mapped, cached, host, wanted,
+# wanted_at, heartbeat, joined_at
+_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3d")
+assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
+
+
+def _encode(text: str, size: int) -> bytes:
+    """UTF-8 of ``text`` cut to ``size`` bytes without splitting a character."""
+    data = text.encode("utf-8")
+    if len(data) <= size:
+        return data
+    return data[:size].decode("utf-8", errors="ignore").encode("utf-8")
+
+
+def _decode(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+@dataclass
+class Header:
+    """What the whole account shares: its budget and the GPU it is about."""
+
+    budget_bytes: int
+    gpu_id: str
+    created: float
+    slots: int = DEFAULT_SLOTS
+    version: int = VERSION
+
+    def pack(self) -> bytes:
+        data = _HEADER.pack(MAGIC, self.version, self.slots, RECORD_SIZE, self.budget_bytes,
+                            self.created, _encode(self.gpu_id, GPU_ID_BYTES))
+        return data.ljust(HEADER_SIZE, b"\0")
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Header":
+        if len(data) < HEADER_SIZE:
+            raise AccountCorrupt(f"account header is {len(data)} bytes, expected {HEADER_SIZE}")
+        magic, version, slots, record_size, budget, created, gpu = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise AccountCorrupt("not a kvelastic account file (bad magic)")
+        if version != VERSION or record_size != RECORD_SIZE:
+            raise AccountCorrupt(f"account file version {version} (record {record_size} bytes) is not "
+                                 f"version {VERSION} (record {RECORD_SIZE} bytes) that this kvelastic reads")
+        return cls(budget_bytes=budget, gpu_id=_decode(gpu), created=created, slots=slots, version=version)
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.slots * RECORD_SIZE
+
+
+@dataclass
+class MemberRecord:
+    """One member's slot. Byte counts are physical KV bytes on this GPU."""
+
+    name: str = ""
+    model: str = ""
+    pid: int = 0
+    start_time: int = 0
+    port: int = 0
+    min_bytes: int = 0
+    max_bytes: int = 0
+    mapped_bytes: int = 0
+    cached_bytes: int = 0
+    host_bytes: int = 0
+    wanted_bytes: int = 0
+    wanted_at: float = 0.0
+    heartbeat: float = 0.0
+    joined_at: float = 0.0
+    slot: int = field(default=-1, compare=False)
+
+    @property
+    def used(self) -> bool:
+        return self.pid != 0
+
+    @property
+    def charged_bytes(self) -> int:
+        """What this member counts against the budget: its holdings or its reservation."""
+        return max(self.mapped_bytes, self.min_bytes)
+
+    def pack(self) -> bytes:
+        data = _RECORD.pack(
+            _encode(self.name, NAME_BYTES), _encode(self.model, MODEL_BYTES), self.pid, self.start_time,
+            self.port, self.min_bytes, self.max_bytes, self.mapped_bytes, self.cached_bytes,
+            self.host_bytes, self.wanted_bytes, self.wanted_at, self.heartbeat, self.joined_at)
+        return data.ljust(RECORD_SIZE, b"\0")
+
+    @classmethod
+    def unpack(cls, data: bytes, slot: int) -> "MemberRecord":
+        (name, model, pid, start_time, port, min_b, max_b, mapped, cached, host, wanted,
+         wanted_at, heartbeat, joined_at) = _RECORD.unpack_from(data)
+        return cls(name=_decode(name), model=_decode(model), pid=pid, start_time=start_time, port=port,
+                   min_bytes=min_b, max_bytes=max_b, mapped_bytes=mapped, cached_bytes=cached,
+                   host_bytes=host, wanted_bytes=wanted, wanted_at=wanted_at, heartbeat=heartbeat,
+                   joined_at=joined_at, slot=slot)
+
+
+def record_offset(slot: int) -> int:
+    return HEADER_SIZE + slot * RECORD_SIZE

@@ -1,0 +1,76 @@
+"""A page source that asks the GPU's shared account before creating pages.
+
+It slots into the pool's source stack right above the device, so the account
+counts every physical byte the process owns (mapped, waiting for a fence, or
+kept warm in the reserve)::
+
+    ReserveSource(LimitedSource(SharedBudgetSource(DeviceSource(backend), member)))
+
+A refusal raises :class:`SharedBudgetExceeded`, a ``PoolExhausted``, which the
+integration already turns into a scheduling miss. The grant is taken before
+the pages are created and returned if creating them fails, so the account
+never shows bytes that do not exist, and bytes are given back only after the
+pages are destroyed, so it never shows less than exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvelastic.cluster.errors import ClusterError, SharedBudgetExceeded
+from kvelastic.cluster.member import Member
+from kvelastic.pool.sources import PageSource
+from kvelastic.units import format_size
+
+log = logging.getLogger("kvelastic")
+
+
+class SharedBudgetSource(PageSource):
+    """Gates ``upstream`` with ``member``'s grants in the shared account."""
+
+    def __init__(self, upstream: PageSource, member: Member):
+        super().__init__(upstream.page_bytes)
+        self.upstream = upstream
+        self.member = member
+        self._outstanding = 0
+        self.refusals = 0
+
+    def acquire(self, count: int) -> list[Any]:
+        if count <= 0:
+            return []
+        nbytes = count * self.page_bytes
+        grant = self.member.request(nbytes)
+        if not grant.granted:
+            self.refusals += 1
+            raise SharedBudgetExceeded(
+                f"instance {self.member.name!r} may not map {format_size(nbytes)} more: "
+                f"{grant.verdict.value} ({format_size(grant.available_bytes)} available to it)",
+                requested_bytes=nbytes, available_bytes=grant.available_bytes)
+        try:
+            handles = self.upstream.acquire(count)
+        except BaseException:
+            self._give_back(nbytes)
+            raise
+        self._outstanding += nbytes
+        return handles
+
+    def release(self, handles: list[Any]) -> None:
+        if not handles:
+            return
+        self.upstream.release(handles)
+        nbytes = len(handles) * self.page_bytes
+        self._outstanding -= nbytes
+        self._give_back(nbytes)
+
+    def _give_back(self, nbytes: int) -> None:
+        """Return bytes to the account; the memory is already gone, so never fail the caller."""
+        try:
+            self.member.release(nbytes)
+        except ClusterError:
+            log.warning("kvelastic: could not return %s to the shared account of %s",
+                        format_size(nbytes), self.member.account.path, exc_info=True)
+
+    @property
+    def outstanding_bytes(self) -> int:
+        return self._outstanding

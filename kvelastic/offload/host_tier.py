@@ -1,0 +1,110 @@
+"""Pinned host memory that keeps spilled KV blocks, one slot per block, under a policy.
+
+The buffer is allocated and pinned once, at start-up (pinning tens of GiB takes
+seconds, and doing it on the serving path would stall requests), then carved
+into slots of one block's bytes across all layers. The replacement policy
+(ARC by default) decides which block hashes stay when the tier is full; a slot
+is freed the moment the policy evicts its key. Copies into a freed slot are
+queued behind earlier copies on the same stream, so reuse needs no pin.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Hashable
+
+from kvelastic.errors import ConfigError, KvelasticError
+from kvelastic.offload.arc import ARC
+from kvelastic.offload.lru import LRU
+from kvelastic.offload.policy import EvictionPolicy
+from kvelastic.units import format_size
+
+log = logging.getLogger("kvelastic")
+
+
+class HostTierError(KvelasticError):
+    """The host tier could not be set up (for example the memory cannot be pinned)."""
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    slots: int
+    slots_used: int
+    slot_bytes: int
+    hits: int
+    misses: int
+    admitted: int
+    evicted: int
+    arc_p: float | None
+
+    @property
+    def bytes_used(self) -> int:
+        return self.slots_used * self.slot_bytes
+
+
+class HostTier:
+    """Slots of pinned host memory indexed by block hash."""
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc"):
+        import torch
+
+        slots = capacity_bytes // slot_bytes
+        if slots < 1:
+            raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
+        start = time.perf_counter()
+        try:
+            self.buffer = torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=pin)
+        except RuntimeError as exc:
+            raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
+                                f"of host memory for the KV host tier ({exc}); lower KVELASTIC_CPU_BYTES") from exc
+        self.pin_seconds = time.perf_counter() - start
+        self.slot_bytes = slot_bytes
+        self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots, on_evict=self._evicted)
+        self._free = list(range(slots - 1, -1, -1))
+        self._slot_of: dict[Hashable, int] = {}
+        self.hits = self.misses = self.admitted = self.evicted = 0
+        log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s, policy %s",
+                 format_size(slots * slot_bytes), slots, format_size(slot_bytes),
+                 "pinned" if pin else "allocated", self.pin_seconds, policy)
+
+    def admit(self, key: Hashable) -> int | None:
+        """A slot to copy ``key``'s block into, or None when the tier already holds it."""
+        if key in self._slot_of:
+            self.policy.request(key)
+            return None
+        self.policy.request(key)  # a miss: admits the key, evicting as the policy says
+        slot = self._free.pop()
+        self._slot_of[key] = slot
+        self.admitted += 1
+        return slot
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The slot holding ``key``, counting a hit (and telling the policy), or None."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            self.misses += 1
+            return None
+        self.policy.request(key)
+        self.hits += 1
+        return slot
+
+    def clear(self) -> None:
+        """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
+        self.policy = type(self.policy)(self.policy.capacity, on_evict=self._evicted)
+        self._free = list(range(self.policy.capacity - 1, -1, -1))
+        self._slot_of.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    def _evicted(self, key: Hashable) -> None:
+        self._free.append(self._slot_of.pop(key))
+        self.evicted += 1
+
+    def stats(self) -> HostTierStats:
+        p = self.policy.p if isinstance(self.policy, ARC) else None
+        return HostTierStats(slots=self.policy.capacity, slots_used=len(self._slot_of),
+                             slot_bytes=self.slot_bytes, hits=self.hits, misses=self.misses,
+                             admitted=self.admitted, evicted=self.evicted, arc_p=p)

@@ -1,0 +1,120 @@
+"""Spill cold prefix blocks to the host tier, and bring them back on a prefix hit.
+
+The manager is the glue between the page-aware free queue (which decides when
+cached blocks leave the GPU), the host tier (which decides what stays on the
+host) and the copier (which moves bytes). It hooks in at two points of vLLM's
+own block pool:
+
+* before cached blocks are evicted (their group released, or the block reused
+  under memory pressure) their data is copied to host slots;
+* when the scheduler looks up a block hash that the GPU no longer holds but the
+  host does, a free GPU block is taken, registered under that hash, and filled
+  from the host before the next forward pass. vLLM then sees an ordinary GPU
+  prefix hit and skips recomputing it.
+
+Only free blocks that hold no cached prefix are used for loads, so a load can
+never evict a block the scheduler has just matched for the same request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.host_tier import HostTier
+from kvelastic.pool.backend import Fence
+
+
+@dataclass
+class OffloadCounters:
+    spilled_blocks: int = 0
+    reloaded_blocks: int = 0
+    spill_batches: int = 0
+    load_batches: int = 0
+    first_spill: float = 0.0
+
+
+class OffloadManager:
+    """Moves cached blocks between one GPU block pool and one host tier."""
+
+    def __init__(self, tier: HostTier, copier: BlockCopier, queue: Any, block_pool: Any):
+        self.tier = tier
+        self.copier = copier
+        self.queue = queue
+        self.block_pool = block_pool
+        self.counters = OffloadCounters()
+        self._pending_loads: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ spill
+    def spill(self, blocks: Sequence[Any], *, before_reuse: bool) -> Fence | None:
+        """Copy the cached ``blocks`` to the host tier; the fence passes when they are there.
+
+        ``before_reuse``: the blocks are about to be handed to new requests, so
+        later compute must not overwrite them before the copy has read them.
+        """
+        ids: list[int] = []
+        slots: list[int] = []
+        for block in blocks:
+            key = block.block_hash
+            if key is None:
+                continue
+            slot = self.tier.admit(key)
+            if slot is not None:
+                ids.append(block.block_id)
+                slots.append(slot)
+        if not ids:
+            return None
+        fence = self.copier.store(ids, slots, block_compute=before_reuse)
+        self.counters.spilled_blocks += len(ids)
+        self.counters.spill_batches += 1
+        if not self.counters.first_spill:
+            self.counters.first_spill = time.monotonic()
+        return fence
+
+    # ----------------------------------------------------------------- reload
+    def load_on_miss(self, key: Hashable) -> Any | None:
+        """A GPU block now holding (or about to hold) ``key``'s data, or None on a host miss."""
+        if key not in self.tier:
+            self.tier.misses += 1
+            return None
+        block = self.queue.take_block_for_load()
+        if block is None:
+            return None
+        slot = self.tier.lookup(key)
+        if slot is None:  # pragma: no cover - checked just above
+            self.queue.append(block)
+            return None
+        if hasattr(block, "set_block_hash"):
+            block.set_block_hash(key)
+        else:  # older vLLM: a plain attribute
+            block.block_hash = key
+        self.block_pool.cached_block_hash_to_block.insert(key, block)
+        self.queue.append(block)  # a free, cached block, as if it had never left
+        self._pending_loads.append((block.block_id, slot))
+        return block
+
+    def flush(self) -> None:
+        """Issue the loads gathered during one scheduling step as one batch."""
+        if not self._pending_loads:
+            return
+        ids = [b for b, _ in self._pending_loads]
+        slots = [s for _, s in self._pending_loads]
+        self._pending_loads.clear()
+        self.copier.load(ids, slots)
+        self.counters.reloaded_blocks += len(ids)
+        self.counters.load_batches += 1
+
+    def reset(self) -> None:
+        """vLLM reset its prefix cache (new weights, say): drop the host copies too."""
+        self._pending_loads.clear()
+        self.tier.clear()
+
+    def stats(self) -> dict[str, Any]:
+        t = self.tier.stats()
+        return {"host_slots": t.slots, "host_bytes_used": t.bytes_used, "host_hits": t.hits,
+                "host_misses": t.misses, "arc_p": t.arc_p, "spilled_bytes": self.counters.spilled_blocks
+                * self.copier.bytes_per_block, "reloaded_bytes": self.counters.reloaded_blocks
+                * self.copier.bytes_per_block, "spill_batches": self.counters.spill_batches,
+                "load_batches": self.counters.load_batches}

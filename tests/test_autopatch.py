@@ -1,0 +1,276 @@
+"""How kvelastic switches itself on: the .pth hook, vLLM's plugin entry point, and the wheel.
+
+The hook tests run fresh interpreters with a clean environment, because the
+``.pth`` line runs at interpreter start. The interpreters are started together
+(they spend most of their time importing vLLM) and each test waits for its own.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm installed")
+
+from kvelastic.integration import activate as activation  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PTH = "kvelastic-autopatch.pth"
+TIMEOUT_S = 300
+MARK = "KVELASTIC-TEST-RESULT:"
+
+PROBE = f"""
+import json, sys, types
+import vllm
+loaded_after_vllm = sorted(m for m in sys.modules if m == "kvelastic" or m.startswith("kvelastic."))
+import wrapt
+import vllm.v1.worker.gpu_model_runner as v1
+import vllm.v1.worker.gpu.attn_utils as v2
+result = {{
+    "loaded_after_vllm": loaded_after_vllm,
+    "v1_type": type(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"]).__name__,
+    "v1_wrapped": isinstance(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"], wrapt.FunctionWrapper),
+    "v1_plain": type(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"]) is types.FunctionType,
+    "v2_wrapped": isinstance(vars(v2)["_allocate_kv_cache"], wrapt.FunctionWrapper),
+    "loaded_at_end": "kvelastic" in sys.modules,
+}}
+if "kvelastic" in sys.modules:
+    from kvelastic.integration.activate import current
+    active = current()
+    result["active"] = active is not None
+    result["patches"] = list(active.patcher.wrapped) if active else []
+print("{MARK}" + json.dumps(result), flush=True)
+"""
+
+# KVELASTIC=0 takes the same path through the .pth as no KVELASTIC at all; importing vLLM is enough.
+PROBE_IMPORT_ONLY = f"""
+import json, sys
+import vllm
+loaded = sorted(m for m in sys.modules if m == "kvelastic" or m.startswith("kvelastic."))
+print("{MARK}" + json.dumps({{"loaded_after_vllm": loaded}}), flush=True)
+"""
+
+
+def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """No inherited KVELASTIC_*, VLLM_* or PYTHON* variables: only what a fresh shell would have."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp), "TMPDIR": str(tmp),
+           "LANG": "C.UTF-8"}
+    env.update(extra)
+    return env
+
+
+class Launched:
+    """One interpreter started in the background; output goes to files so no pipe can fill up."""
+
+    def __init__(self, tmp: Path, name: str, code: str, env: dict[str, str]):
+        self.stdout_path = tmp / f"{name}.out"
+        self.stderr_path = tmp / f"{name}.err"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp,
+                                            stdout=out, stderr=err)
+
+    def finish(self) -> tuple[int, str, str]:
+        try:
+            code = self.process.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+        return code, self.stdout_path.read_text(), self.stderr_path.read_text()
+
+    def result(self) -> dict:
+        code, out, err = self.finish()
+        assert code == 0, f"interpreter failed ({code}):\n{out[-3000:]}\n{err[-3000:]}"
+        lines = [line for line in out.splitlines() if line.startswith(MARK)]
+        assert lines, f"no result printed:\n{out[-3000:]}\n{err[-3000:]}"
+        return json.loads(lines[-1][len(MARK):])
+
+
+@pytest.fixture(scope="module")
+def interpreters(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("autopatch")
+    launched = {
+        "on": Launched(tmp, "on", PROBE, clean_env(tmp, KVELASTIC="1")),
+        "unset": Launched(tmp, "unset", PROBE, clean_env(tmp)),
+        "zero": Launched(tmp, "zero", PROBE_IMPORT_ONLY, clean_env(tmp, KVELASTIC="0")),
+        "banana": Launched(tmp, "banana", "print('still alive')", clean_env(tmp, KVELASTIC="banana")),
+    }
+    yield launched
+    for one in launched.values():
+        if one.process.poll() is None:
+            one.process.kill()
+            one.process.wait()
+
+
+@pytest.fixture
+def no_leaked_patches():
+    activation.deactivate()
+    yield
+    activation.deactivate()
+
+
+# ---------------------------------------------------------------- .pth hook
+def test_kvelastic_1_patches_vllm_on_import(interpreters):
+    result = interpreters["on"].result()
+    assert "kvelastic.integration.activate" in result["loaded_after_vllm"]
+    assert result["active"] is True
+    assert result["v1_wrapped"] is True, result["v1_type"]
+    assert result["v2_wrapped"] is True
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors" in result["patches"]
+    assert len(result["patches"]) == 7
+    _, _, err = interpreters["on"].finish()
+    assert "kvelastic" in err and "patches applied" in err
+
+
+def test_without_kvelastic_the_hook_imports_nothing_and_patches_nothing(interpreters):
+    result = interpreters["unset"].result()
+    assert result["loaded_after_vllm"] == []
+    assert result["loaded_at_end"] is False
+    assert result["v1_plain"] is True, result["v1_type"]
+    assert result["v1_wrapped"] is False and result["v2_wrapped"] is False
+
+
+def test_kvelastic_0_imports_nothing_either(interpreters):
+    assert interpreters["zero"].result()["loaded_after_vllm"] == []
+
+
+def test_a_bad_switch_is_reported_naming_kvelastic_and_the_interpreter_lives(interpreters):
+    code, out, err = interpreters["banana"].finish()
+    assert code == 0
+    assert out.strip() == "still alive"
+    assert "KVELASTIC" in err and "banana" in err
+    assert "Traceback" not in err
+
+
+def test_the_pth_hook_is_installed_in_site_packages():
+    dirs = [Path(d) for d in site.getsitepackages()]
+    found = [d / PTH for d in dirs if (d / PTH).is_file()]
+    assert found, f"{PTH} is in none of {dirs}: reinstall kvelastic (pip install -e .)"
+    installed = found[0].read_text().strip()
+    assert installed == (REPO / PTH).read_text().strip(), "the installed hook is stale: reinstall kvelastic"
+    assert installed.count("\n") == 0, "a .pth runs only single lines that start with 'import'"
+    assert installed.startswith("import ")
+
+
+def test_the_pth_line_switches_like_autopatch_enabled():
+    """The .pth pre-check must never skip a value that _autopatch.enabled() accepts as on."""
+    from kvelastic._autopatch import enabled
+
+    line = (REPO / PTH).read_text().strip()
+    skipped = line.split("not in", 1)[1].split(")", 1)[0] + ")"
+    off_values = eval(skipped)  # noqa: S307 - a literal tuple from our own file
+    for value in ("1", "true", "TRUE", " yes ", "on"):
+        assert value.strip().lower() not in off_values and enabled({"KVELASTIC": value})
+    for value in off_values:
+        assert enabled({"KVELASTIC": value}) is False
+
+
+# ------------------------------------------------------------------- plugin
+def test_vllm_general_plugins_entry_point_names_register():
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [point for point in points if point.name == "kvelastic"]
+    assert len(ours) == 1
+    assert ours[0].value == "kvelastic.plugin:register"
+    from kvelastic.plugin import register
+
+    assert ours[0].load() is register
+
+
+def test_vllm_discovers_the_plugin(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    from vllm.plugins import load_plugins_by_group
+
+    from kvelastic.plugin import register
+
+    assert load_plugins_by_group("vllm.general_plugins").get("kvelastic") is register
+
+
+@pytest.mark.parametrize("value", [None, "0", "off"])
+def test_register_does_nothing_when_kvelastic_is_off(monkeypatch, no_leaked_patches, value):
+    import wrapt
+    from vllm.v1.worker import gpu_model_runner
+
+    if value is None:
+        monkeypatch.delenv("KVELASTIC", raising=False)
+    else:
+        monkeypatch.setenv("KVELASTIC", value)
+    before = vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"]
+    from kvelastic.plugin import register
+
+    assert register() is None
+    assert activation.current() is None
+    after = vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"]
+    assert after is before and not isinstance(after, wrapt.ObjectProxy)
+
+
+def test_register_activates_when_kvelastic_is_on(monkeypatch, no_leaked_patches):
+    import wrapt
+    from vllm.v1.worker import gpu_model_runner
+
+    for variable in [v for v in os.environ if v.startswith("KVELASTIC_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("KVELASTIC", "1")
+    from kvelastic.plugin import register
+
+    register()
+    assert activation.current() is not None
+    assert isinstance(vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"], wrapt.FunctionWrapper)
+    register()  # vLLM loads plugins once per process, but twice must be harmless
+    assert len(activation.current().patcher.wrapped) == 7
+
+
+def test_register_with_a_bad_switch_names_kvelastic(monkeypatch, no_leaked_patches):
+    from kvelastic.errors import ConfigError
+    from kvelastic.plugin import register
+
+    monkeypatch.setenv("KVELASTIC", "banana")
+    with pytest.raises(ConfigError, match="KVELASTIC='banana'"):
+        register()
+    assert activation.current() is None
+
+
+# -------------------------------------------------------------------- wheel
+def _copy_source(destination: Path) -> Path:
+    """The repository without build outputs, environments or VCS data, so the wheel is built fresh."""
+    ignore = shutil.ignore_patterns(".git", ".venv", ".ci-venv", "venv", "build", "dist", "*.egg-info",
+                                    "__pycache__", ".hypothesis", ".pytest_cache", ".gpu", ".whl",
+                                    "benchmarks", "*.pyc")
+    shutil.copytree(REPO, destination, ignore=ignore)
+    return destination
+
+
+def test_wheel_carries_the_pth_hook_at_its_root(tmp_path):
+    """Slow-ish (a pip build, with build isolation fetching setuptools): what makes wheel installs work."""
+    source = _copy_source(tmp_path / "src")
+    out = tmp_path / "wheels"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVELASTIC")}
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), "."],
+                          cwd=source, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    wheels = list(out.glob("kvelastic-*.whl"))
+    assert len(wheels) == 1
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        names = wheel.namelist()
+        assert PTH in names, "the .pth must sit at the root of the wheel (site-packages)"
+        assert wheel.read(PTH).decode().strip() == (REPO / PTH).read_text().strip()
+        assert "kvelastic/patches/__init__.py" in names
+        assert "kvelastic/patches/v2_allocate_kv_cache.py" in names
+        assert "kvelastic/_autopatch.py" in names and "kvelastic/plugin.py" in names
+        for package in ("pool", "integration", "offload", "patching"):
+            assert f"kvelastic/{package}/__init__.py" in names
+        assert not any(name.startswith(("patches/", "tests/")) for name in names)
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        text = wheel.read(entry_points).decode()
+        assert "[vllm.general_plugins]" in text
+        assert "kvelastic = kvelastic.plugin:register" in text
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        assert any(line.startswith(PTH + ",") for line in wheel.read(record).decode().splitlines())

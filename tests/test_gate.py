@@ -1,0 +1,304 @@
+"""The version gate and all-or-nothing patching, against the real installed vLLM."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm installed")
+wrapt = pytest.importorskip("wrapt")
+
+from kvelastic.errors import PatchError  # noqa: E402
+from kvelastic.integration import activate as activation  # noqa: E402
+from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, v1_allocate_kv_cache, v2_allocate_kv_cache  # noqa: E402
+from kvelastic.patches._common import ALL  # noqa: E402
+from kvelastic.patching import gate  # noqa: E402
+from kvelastic.patching.apply import apply_all  # noqa: E402
+from kvelastic.patching.spec import Patch, Signature, Target  # noqa: E402
+from kvelastic.patching.versions import SUPPORTED, Version, VersionRange, band_of, installed_vllm_version  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+
+V2_ALLOCATE = "vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"
+REAL_V2_PARAMS = ("kv_cache_config", "shared_layers", "device")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_patches():
+    activation.deactivate()
+    yield
+    activation.deactivate()
+
+
+@pytest.fixture
+def kv_log(caplog):
+    """Records of the 'kvelastic' logger, which activation may detach from the root logger."""
+    logger = logging.getLogger("kvelastic")
+    caplog.set_level(logging.INFO, logger="kvelastic")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def all_targets(patches=ALL_PATCHES):
+    return [target for patch in patches for target in patch.targets]
+
+
+def raw(target: Target):
+    return gate.resolve(target)[1]
+
+
+def originals(patches=ALL_PATCHES):
+    return {target.path: raw(target) for target in all_targets(patches)}
+
+
+def assert_untouched(before: dict) -> None:
+    for path, original in before.items():
+        module, qualname = path.split(":")
+        now = gate.resolve(Target(module, qualname, ()))[1]
+        assert now is original, f"{path} was changed"
+        assert not isinstance(now, wrapt.ObjectProxy), f"{path} is still wrapped"
+
+
+class Recorder:
+    """A patch ``apply`` that only notes it was called."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, patcher, runtime) -> None:
+        self.calls += 1
+
+
+def wrong_v2_patch(apply=None) -> Patch:
+    target = Target("vllm.v1.worker.gpu.attn_utils", "_allocate_kv_cache",
+                    (Signature(ALL, ("kv_cache_config", "device")),))
+    return Patch("stale_v2_allocate", "written against an older vLLM", ALL, (target,), apply or Recorder())
+
+
+# ----------------------------------------------------------------------- gate
+def test_installed_version_is_read_without_importing_vllm_and_is_supported():
+    import vllm
+
+    version = installed_vllm_version()
+    assert version == Version.parse(vllm.__version__)
+    assert version in SUPPORTED
+    assert band_of(version) is not None
+
+
+def test_installed_vllm_passes_the_gate_and_claims_all_seven_patches():
+    version = installed_vllm_version()
+    result = gate.check(ALL_PATCHES, version)
+    assert len(ALL_PATCHES) == 7
+    assert result.patches == ALL_PATCHES
+    assert result.version == version
+    assert result.band == band_of(version).name
+    if version >= Version(0, 24):
+        assert result.band == "B"
+
+
+def test_patch_names_are_unique():
+    names = [patch.name for patch in ALL_PATCHES]
+    assert len(set(names)) == len(names) == 7
+
+
+@pytest.mark.parametrize("target", all_targets(), ids=lambda t: t.path)
+def test_every_target_resolves_to_a_real_function_with_the_expected_parameters(target):
+    owner, value = gate.resolve(target)
+    function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    assert inspect.isfunction(function), f"{target.path} is a {type(value).__name__}"
+    assert function.__name__ == target.qualname.split(".")[-1]
+    if target.kind == "staticmethod":
+        assert isinstance(value, staticmethod)
+    if target.kind in ("method", "staticmethod"):
+        assert inspect.isclass(owner)
+        assert owner.__name__ == target.qualname.split(".")[0]
+    else:
+        assert inspect.ismodule(owner) and owner.__name__ == target.module
+    version = installed_vllm_version()
+    assert tuple(inspect.signature(function).parameters) == target.expected_params(version)
+    assert gate.check_target(target, version) is None
+
+
+@pytest.mark.parametrize("text", ["0.11.0", "0.11.9", "0.1.0"])
+def test_older_versions_are_refused(text):
+    with pytest.raises(PatchError) as info:
+        gate.check(ALL_PATCHES, Version.parse(text))
+    message = str(info.value)
+    assert f"vLLM {text} is not supported" in message
+    assert str(SUPPORTED) in message and ">=0.12.0,<0.29.0" in message
+    assert "KVELASTIC=0" in message
+
+
+@pytest.mark.parametrize("text", ["0.29.0", "0.29.1", "0.30.0", "1.0.0"])
+def test_newer_versions_are_refused_because_of_the_single_backing(text):
+    with pytest.raises(PatchError) as info:
+        gate.check(ALL_PATCHES, Version.parse(text))
+    message = str(info.value)
+    assert f"vLLM {text} is not supported" in message
+    assert "one backing" in message
+    assert "KVELASTIC=0" in message
+
+
+def test_wrong_parameters_are_reported_with_path_and_both_signatures_and_nothing_applies():
+    good = Recorder()
+    stale = Recorder()
+    before = originals()
+    patches = [Patch("fine", "real target", ALL, v2_allocate_kv_cache.PATCH.targets, good), wrong_v2_patch(stale)]
+    with pytest.raises(PatchError) as info:
+        gate.check(patches, installed_vllm_version())
+    message = str(info.value)
+    assert V2_ALLOCATE in message
+    assert "expected parameters ('kv_cache_config', 'device')" in message
+    assert f"found {REAL_V2_PARAMS}" in message
+    assert "nothing was patched" in message
+    assert good.calls == 0 and stale.calls == 0
+    assert_untouched(before)
+
+
+def test_every_problem_is_reported_at_once():
+    version = installed_vllm_version()
+    missing_method = Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._no_such_method",
+                            (Signature(ALL, ("self",)),), kind="method")
+    missing_module = Target("vllm.v1.no_such_module", "anything", (Signature(ALL, ()),))
+    unsigned = Target("vllm.v1.worker.gpu.attn_utils", "_allocate_kv_cache",
+                      (Signature(VersionRange.of("0.12", "0.13"), REAL_V2_PARAMS),))
+    not_static = Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._allocate_kv_cache_tensors",
+                        (Signature(ALL, ("self", "kv_cache_config")),), kind="staticmethod")
+    patch = Patch("many", "four problems", ALL, (missing_method, missing_module, unsigned, not_static), Recorder())
+    with pytest.raises(PatchError) as info:
+        gate.check([patch], version)
+    message = str(info.value)
+    assert "GPUModelRunner._no_such_method does not exist" in message
+    assert "vllm.v1.no_such_module cannot be imported" in message
+    assert f"declares no signature for vLLM {version}" in message
+    assert "expected a staticmethod, found function" in message
+    assert message.count("\n  - ") == 4
+
+
+def test_patches_that_do_not_claim_the_version_are_neither_checked_nor_chosen():
+    version = installed_vllm_version()
+    old_only = Patch("old", "older releases only", VersionRange.of("0.12", "0.13"),
+                     (Target("vllm.v1.no_such_module", "gone", (Signature(ALL, ()),)),), Recorder())
+    result = gate.check([*ALL_PATCHES, old_only], version)
+    assert old_only not in result.patches
+    assert result.patches == ALL_PATCHES
+
+
+# ------------------------------------------------------------------ apply_all
+def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
+    runtime = Runtime(Settings(enabled=True))
+    first = [uniform_kv_cache.PATCH, v1_allocate_kv_cache.PATCH, v2_allocate_kv_cache.PATCH]
+    before = originals(first)
+    seen_during_apply: dict = {}
+
+    def explode(patcher, runtime_):
+        seen_during_apply.update({t.path: raw(t) for t in all_targets(first)})
+        raise RuntimeError("target moved")
+
+    boom = Patch("boom", "fails while applying", ALL, (), explode)
+    with pytest.raises(PatchError) as info:
+        apply_all([*first, boom], runtime)
+    message = str(info.value)
+    assert "'boom'" in message and "target moved" in message and "undone" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the earlier patches really were applied before the failure ...
+    assert all(isinstance(value, wrapt.FunctionWrapper) for value in seen_during_apply.values())
+    assert set(seen_during_apply) == set(before)
+    # ... and afterwards every target is the very object it was before
+    assert_untouched(before)
+    static = raw(uniform_kv_cache.TARGET)
+    assert isinstance(static, staticmethod)
+
+
+def test_apply_all_wraps_and_revert_restores_identity():
+    runtime = Runtime(Settings(enabled=True))
+    before = originals([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH])
+    patcher = apply_all([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH], runtime)
+    assert patcher.wrapped == [uniform_kv_cache.TARGET.path, V2_ALLOCATE]
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    assert isinstance(vars(attn_utils)["_allocate_kv_cache"], wrapt.FunctionWrapper)
+    assert KVConnectorModelRunnerMixin.use_uniform_kv_cache(object()) is False
+    patcher.revert()
+    assert patcher.wrapped == []
+    assert_untouched(before)
+
+
+# ------------------------------------------------------------------- activate
+def test_activate_with_everything_real_wraps_every_target_and_deactivate_restores_them():
+    before = originals()
+    result = activation.activate(Settings(enabled=True))
+    assert result is not None and activation.current() is result
+    assert result.version == installed_vllm_version()
+    assert result.band == band_of(result.version).name
+    wrapped = {t.path for p in ALL_PATCHES for t in p.targets if t.qualname != "BlockPool._maybe_evict_cached_block"}
+    assert set(result.patcher.wrapped) == wrapped
+    for path in wrapped:
+        module, qualname = path.split(":")
+        assert isinstance(gate.resolve(Target(module, qualname, ()))[1], wrapt.FunctionWrapper), path
+    assert raw(Target("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", ())) is \
+        before["vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block"]
+    assert activation.activate(Settings(enabled=True)) is result  # the second entry point finds it done
+    activation.deactivate()
+    assert activation.current() is None
+    assert_untouched(before)
+
+
+def test_activate_when_disabled_does_nothing():
+    before = originals()
+    assert activation.activate(Settings(enabled=False)) is None
+    assert activation.current() is None
+    assert_untouched(before)
+
+
+def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(kv_log):
+    before = originals()
+    good = Recorder()
+    patches = [Patch("fine", "real target", ALL, v2_allocate_kv_cache.PATCH.targets, good), wrong_v2_patch()]
+    assert activation.activate(Settings(enabled=True, strict=False), patches=patches) is None
+    assert activation.current() is None
+    assert good.calls == 0
+    assert_untouched(before)
+    warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "kvelastic"]
+    assert warnings, "no warning was logged"
+    text = warnings[0].getMessage()
+    assert V2_ALLOCATE in text and "KVELASTIC_STRICT=0" in text and "without kvelastic" in text
+    # a failed activation is not retried by the other entry point
+    assert activation.activate(Settings(enabled=True, strict=False)) is None
+    assert_untouched(before)
+
+
+def test_strict_activation_with_a_bad_patch_raises_and_leaves_vllm_untouched():
+    before = originals()
+    with pytest.raises(PatchError, match="expected parameters"):
+        activation.activate(Settings(enabled=True, strict=True), patches=[*ALL_PATCHES, wrong_v2_patch()])
+    assert activation.current() is None
+    assert_untouched(before)
+
+
+@pytest.mark.parametrize("text", ["0.11.0", "0.29.0"])
+def test_unsupported_version_strict_raises_and_lenient_warns(text, kv_log):
+    before = originals()
+    with pytest.raises(PatchError, match="not supported"):
+        activation.activate(Settings(enabled=True), version=Version.parse(text))
+    activation.deactivate()
+    assert activation.activate(Settings(enabled=True, strict=False), version=Version.parse(text)) is None
+    assert any("not supported" in r.getMessage() for r in kv_log.records if r.levelno == logging.WARNING)
+    assert_untouched(before)
+
+
+def test_failure_while_applying_during_activation_is_all_or_nothing():
+    before = originals()
+
+    def explode(patcher, runtime):
+        raise RuntimeError("target moved")
+
+    boom = Patch("boom", "fails while applying", ALL, (), explode)
+    with pytest.raises(PatchError, match="boom"):
+        activation.activate(Settings(enabled=True), patches=[*ALL_PATCHES, boom])
+    assert activation.current() is None
+    assert_untouched(before)

@@ -1,0 +1,94 @@
+"""Spill to the host tier and reload on a prefix hit, through vLLM's real BlockPool (host backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvelastic.integration.offload_setup import attach_offload, block_views
+from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.host_tier import HostTier
+from tests.test_page_aware_block_pool import BS, StandInRequest, build
+
+pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
+
+
+def _stamp(views, block_id: int, value: int) -> None:
+    for view in views:
+        view[:, block_id].fill_(value)
+
+
+def _read(views, block_id: int) -> list[int]:
+    return sorted({int(v) for view in views for v in view[:, block_id].unique()})
+
+
+def test_host_tier_admits_once_and_frees_slots_on_eviction():
+    tier = HostTier(4 * 1024, 1024, pin=False)
+    slots = [tier.admit(k) for k in "abcd"]
+    assert sorted(slots) == [0, 1, 2, 3]
+    assert tier.admit("a") is None  # already held: no copy needed
+    assert tier.lookup("a") == slots[0] and tier.lookup("zz") is None
+    tier.admit("e")  # full: ARC evicts one key and its slot is reused
+    assert tier.stats().slots_used == 4 and tier.evicted == 1
+    assert len({tier.lookup(k) for k in "abcde" if k in tier}) == 4
+    tier.clear()
+    assert tier.stats().slots_used == 0 and "a" not in tier
+
+
+def test_copier_round_trip_on_cpu():
+    blocks = [torch.arange(8 * 16, dtype=torch.int8).view(8, 16), torch.full((8, 4), 3, dtype=torch.int8)]
+    host = torch.zeros((5, 20), dtype=torch.int8)
+    copier = BlockCopier(blocks, host)
+    copier.store([2, 5], [4, 0]).wait()
+    assert torch.equal(host[4, :16], blocks[0][2]) and torch.equal(host[0, :16], blocks[0][5])
+    blocks[0][1].zero_()
+    copier.load([1], [4])
+    assert torch.equal(blocks[0][1], blocks[0][2]) and int(blocks[1][1, 0]) == 3
+    with pytest.raises(ValueError):
+        BlockCopier(blocks, torch.zeros((5, 7), dtype=torch.int8))
+
+
+def test_reclaimed_prefix_comes_back_from_the_host_with_its_data():
+    pool, views, cache, bp, queue = build(limit_groups=None)
+    slot_bytes = sum(v.shape[1] for v in block_views(cache))
+    manager = attach_offload(bp, queue, cache, cpu_bytes=64 * slot_bytes)
+    blocks = bp.get_new_blocks(40)
+    for i, block in enumerate(blocks):
+        _stamp(views, block.block_id, i % 90 + 1)
+    hashes = [b"h%d" % i for i in range(40)]
+    bp.cache_full_blocks(StandInRequest(hashes), blocks, 0, 40, BS, 0)
+    old_ids = [b.block_id for b in blocks]
+    bp.free_blocks(blocks)
+    released = queue.reclaim_cached(groups_wanted=10)
+    assert released >= 1
+    gone = [i for i, bid in enumerate(old_ids) if cache.group_of_block(bid) != 0]
+    assert manager.counters.spilled_blocks == len(gone)
+    for i in gone:  # the GPU lost them; the lookup reloads them into fresh blocks
+        found = bp.get_cached_block(hashes[i], [0])
+        assert found is not None
+    manager.flush()
+    for i in gone:
+        block = bp.get_cached_block(hashes[i], [0])[0]
+        assert _read(views, block.block_id) == [i % 90 + 1]
+    assert manager.tier.hits == len(gone) and manager.counters.reloaded_blocks == len(gone)
+    assert bp.get_cached_block(b"never", [0]) is None
+    pool.close()
+
+
+def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
+    pool, views, cache, bp, queue = build(limit_groups=2)
+    manager = attach_offload(bp, queue, cache, cpu_bytes=1 << 20)
+    first = bp.get_new_blocks(30)
+    for i, block in enumerate(first):
+        _stamp(views, block.block_id, 7)
+    bp.cache_full_blocks(StandInRequest([b"p%d" % i for i in range(30)]), first, 0, 30, BS, 0)
+    bp.free_blocks(first)
+    second = bp.get_new_blocks(bp.get_num_free_blocks())  # uses every block: cached ones are evicted
+    assert manager.counters.spilled_blocks == 30
+    for block in second:
+        _stamp(views, block.block_id, 9)  # new requests overwrite the evicted blocks
+    bp.free_blocks(second[:10])
+    found = bp.get_cached_block(b"p3", [0])
+    manager.flush()
+    assert found is not None and _read(views, found[0].block_id) == [7]
+    pool.close()

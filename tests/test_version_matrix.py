@@ -1,0 +1,126 @@
+"""The version matrix: every supported vLLM release against every patch that claims it.
+
+Each release's Python source is fetched from PyPI once (all in parallel, the
+first time) and cached between runs (``KVELASTIC_VLLM_SRC_CACHE``). The check
+is static, so no release has to be installed. A patch claims a range of
+releases; a release in that range whose target is missing or has other
+parameters fails here, so "no patch claims a release where its target is
+missing" is the same test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
+
+from kvelastic.errors import PatchError, SourceFetchError
+from kvelastic.patches import ALL_PATCHES
+from kvelastic.patching import gate, static_check, vllm_source
+from kvelastic.patching.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, RELEASES,
+                                         release_band)
+from kvelastic.patching.spec import Target
+from kvelastic.patching.versions import BANDS, SUPPORTED, Version, installed_vllm_version
+
+V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
+V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
+EVERY_RELEASE = {"worker_capacity", "scheduler_block_pool"}
+BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
+
+
+def _claimed_by(name: str) -> tuple[str, ...]:
+    return tuple(r for r in RELEASES if BY_NAME[name].claims(Version.parse(r)))
+
+
+@pytest.fixture(scope="session")
+def sources() -> dict[str, Path | SourceFetchError]:
+    """Every listed release plus the first unsupported newer one, fetched in parallel threads."""
+    return vllm_source.fetch_all((*RELEASES, OLDEST_NEWER_UNSUPPORTED))
+
+
+def _source(sources: dict[str, Path | SourceFetchError], release: str) -> Path:
+    result = sources[release]
+    if isinstance(result, SourceFetchError):
+        pytest.fail(f"vLLM {release}'s source could not be fetched: {result}")
+    return result
+
+
+def test_releases_are_the_supported_final_releases_in_order() -> None:
+    versions = [Version.parse(r) for r in RELEASES]
+    assert versions == sorted(set(versions)), "listed twice or out of order"
+    assert all(str(v) == r for v, r in zip(versions, RELEASES)), "only plain X.Y.Z releases"
+    assert all(v in SUPPORTED for v in versions)
+    assert RELEASES[0] == str(SUPPORTED.low)
+    assert {release_band(r) for r in RELEASES} == {band.name for band in BANDS}
+    with pytest.raises(ValueError):
+        release_band(OLDEST_NEWER_UNSUPPORTED)
+
+
+def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
+    """A release never gets half of the V1 (or V2) runner patched, and the shared patches claim all."""
+    assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | EVERY_RELEASE
+    assert len({_claimed_by(name) for name in V1_PATCHES}) == 1, {n: _claimed_by(n) for n in V1_PATCHES}
+    assert len({_claimed_by(name) for name in V2_PATCHES}) == 1, {n: _claimed_by(n) for n in V2_PATCHES}
+    for name in EVERY_RELEASE | V1_PATCHES:
+        assert _claimed_by(name) == RELEASES, f"{name} does not claim every supported release"
+
+
+def test_every_claimed_release_has_a_declared_signature() -> None:
+    missing = [f"{patch.name} {target.path} {release}" for release in RELEASES for patch in ALL_PATCHES
+               if patch.claims(Version.parse(release)) for target in patch.targets
+               if target.expected_params(Version.parse(release)) is None]
+    assert missing == []
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", RELEASES)
+def test_release_source_matches_every_patch_claiming_it(sources: dict, release: str) -> None:
+    problems = static_check.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
+    assert problems == [], f"vLLM {release} (band {release_band(release)}):\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.33.0"])
+def test_releases_outside_supported_are_refused(release: str) -> None:
+    version = Version.parse(release)
+    with pytest.raises(PatchError) as refused:
+        gate.check(ALL_PATCHES, version)
+    message = str(refused.value)
+    assert f"vLLM {version} is not supported" in message and "KVELASTIC=0" in message
+    if version >= SUPPORTED.high:
+        assert "in one backing" in message and "allocate_kv_cache" in message
+    else:
+        assert str(SUPPORTED) in message
+    assert static_check.refusal(version) == message
+    assert static_check.refusal(Version.parse(RELEASES[-1])) is None
+
+
+@pytest.mark.matrix
+def test_first_unsupported_release_allocates_all_layers_in_one_backing(sources: dict) -> None:
+    """The refusal's stated reason holds in 0.29.0's source: no use_uniform_kv_cache, one allocator."""
+    root = _source(sources, OLDEST_NEWER_UNSUPPORTED)
+    uniform = BY_NAME["uniform_kv_cache"].targets[0]
+    with pytest.raises(static_check.StaticLookupError):
+        static_check.find(root, uniform)
+    allocator = static_check.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
+    assert allocator.params[:2] == ("kv_cache_config", "device")
+
+
+@pytest.mark.vllm
+def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed")
+    root = Path(next(iter(spec.submodule_search_locations))).parent
+    version = installed_vllm_version()
+    for patch in ALL_PATCHES:
+        for target in patch.targets:
+            _, raw = gate.resolve(target)
+            function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+            assert static_check.find(root, target).params == tuple(inspect.signature(function).parameters)
+            if patch.claims(version):
+                assert static_check.check_target(root, target, version) == gate.check_target(target, version)
+    if version in SUPPORTED:
+        assert static_check.check_release(root, version, ALL_PATCHES) == []
+        assert {p.name for p in gate.check(ALL_PATCHES, version).patches} == set(BY_NAME)
