@@ -1,0 +1,131 @@
+"""Multi-turn chat benchmark: vanilla vLLM, vLLM's OffloadingConnector (LRU, ARC) and kvelastic.
+
+Many conversations; each turn re-sends the whole growing history plus a new
+user message. All configurations get the same GPU KV budget (vanilla and the
+connector through --kv-cache-memory-bytes, kvelastic through KVELASTIC_LIMIT)
+and the same CPU bytes. The histories together are well above the GPU budget
+and within the CPU budget, so what a configuration keeps (and reloads) decides
+how much it recomputes. Prints a table and writes JSON.
+
+    python scripts/bench_multiturn.py --model scripts/models/llama-1b --json $OUT/multiturn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
+
+
+def conversations(n: int, first: int, turn: int, seed: int = 7) -> list[list[list[int]]]:
+    """For each conversation, the new user tokens of each turn (turn 0 is the long system+first message)."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(1000, 100000) for _ in range(first if t == 0 else turn)] for t in range(64)]
+            for _ in range(n)]
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
+              gpu_memory_utilization=0.9, max_model_len=args.max_model_len, enable_prefix_caching=True,
+              disable_log_stats=False)
+    if args.config != "kvelastic":
+        kw["kv_cache_memory_bytes"] = args.gpu_kv_bytes
+    if args.config.startswith("offload"):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"block_size": 16, "cpu_bytes_to_use": args.cpu_bytes,
+                                       "eviction_policy": args.config.split("-")[1]})
+    llm = LLM(**kw)
+    convs = conversations(args.conversations, args.first_len, args.turn_len)
+    histories: list[list[int]] = [[] for _ in convs]
+    params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    turns = []
+    start = time.perf_counter()
+    for t in range(args.turns):
+        prompts = [h + c[t] for h, c in zip(histories, convs)]
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        for i, o in enumerate(outs):
+            histories[i] = prompts[i] + list(o.outputs[0].token_ids)
+        turns.append({"seconds": elapsed, "prompt_tokens": sum(len(p) for p in prompts),
+                      "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                      "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
+                      "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+    total = time.perf_counter() - start
+    return {"config": args.config, "seconds": total, "turns": turns}
+
+
+def summarize(r: dict, out_len: int) -> dict:
+    prompt = sum(t["prompt_tokens"] for t in r["turns"])
+    cached = sum(t["cached_tokens"] for t in r["turns"][1:])
+    later_prompt = sum(t["prompt_tokens"] for t in r["turns"][1:])
+    ttft = sorted(x for t in r["turns"][1:] for x in t["ttft"])
+    outputs = sum(len(t["outputs"]) for t in r["turns"]) * out_len
+    return {"config": r["config"], "seconds": r["seconds"], "tok_s": (prompt + outputs) / r["seconds"],
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+            "prefix_hit_ratio": cached / later_prompt}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="scripts/models/llama-1b")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--first-len", type=int, default=1024)
+    p.add_argument("--turn-len", type=int, default=256)
+    p.add_argument("--out-len", type=int, default=64)
+    p.add_argument("--gpu-kv-bytes", type=int, default=2 << 30)
+    p.add_argument("--cpu-bytes", type=int, default=16 << 30)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--outdir", default="multiturn")
+    p.add_argument("--json", default="multiturn.json")
+    args = p.parse_args()
+    if args.config:
+        Path(args.outdir, f"{args.config}.json").write_text(json.dumps(run_one(args)))
+        return 0
+    Path(args.outdir).mkdir(parents=True, exist_ok=True)
+    rows, results = [], {}
+    for config in args.configs:
+        env = dict(os.environ, KVELASTIC="1" if config == "kvelastic" else "0",
+                   KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes))
+        cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
+        with open(Path(args.outdir, f"{config}.log"), "w") as log:
+            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if code:
+            print(f"{config}: FAILED (exit {code}), see {args.outdir}/{config}.log")
+            continue
+        results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
+        rows.append(summarize(results[config], args.out_len))
+    base = results.get("vanilla")
+    print(f"{'config':<13} {'seconds':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'prefix hits':>12} {'same as vanilla':>16}")
+    for row in rows:
+        r = results[row["config"]]
+        same = total = 0
+        if base:
+            for ta, tb in zip(base["turns"], r["turns"]):
+                same += sum(a == b for a, b in zip(ta["outputs"], tb["outputs"]))
+                total += len(ta["outputs"])
+        row["identical"] = [same, total]
+        print(f"{row['config']:<13} {row['seconds']:>8.1f} {row['tok_s']:>9.0f} {row['ttft_p50']:>9.3f} "
+              f"{row['ttft_p99']:>9.3f} {row['prefix_hit_ratio']:>12.3f} {same:>9}/{total:<6}")
+    Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
