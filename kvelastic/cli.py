@@ -3,7 +3,8 @@
 ``kvelastic status`` lists every live instance of every GPU account in the
 shared directory (``/dev/shm``, or ``$KVELASTIC_SHARED_DIR``); ``kvelastic
 limit`` changes an instance's cap or reservation in the account file, which
-the instance re-reads on its next upkeep tick (a few times a second). Nothing
+the instance re-reads on its next upkeep tick (a few times a second);
+``kvelastic budget`` shows or changes a GPU's shared budget. Nothing
 here imports torch or vLLM, so the command answers instantly.
 
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--min", dest="min", metavar="SIZE", help="new reservation, or 'none' for 0")
     limit.add_argument("--gpu", metavar="ID", help="only this GPU's account (default: every account "
                        "that has NAME; an instance spread over several GPUs gets the limit on each)")
+    budget = sub.add_parser("budget", help="show or change a GPU's shared KV budget",
+                            description="Sizes: " + SIZE_FORM + ".")
+    budget.add_argument("size", nargs="?", metavar="SIZE", help="new budget (omit to show)")
+    budget.add_argument("--gpu", metavar="ID", help="the GPU's account (needed to change it when "
+                        "there are several)")
     return parser
 
 
@@ -203,12 +209,39 @@ def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | No
     return EXIT_OK
 
 
+# -------------------------------------------------------------------- budget
+def budget(size: str | None, gpu: str | None) -> int:
+    new = None
+    if size is not None:
+        try:
+            new = parse_size(size, name="SIZE")
+        except ConfigError as error:
+            raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
+        if new <= 0:
+            raise CliError(f"kvelastic budget: SIZE={size!r} must be larger than zero", EXIT_USAGE)
+    accounts = open_accounts(gpu)
+    try:
+        if new is not None and len(accounts) > 1:
+            gpus = ", ".join(a.gpu_id for a in accounts)
+            raise CliError(f"kvelastic budget: several GPUs ({gpus}); choose one with --gpu", EXIT_USAGE)
+        for account in accounts:
+            if new is not None:
+                account.set_budget(new)
+            print(f"GPU {account.gpu_id}: budget {format_size(account.budget)}")
+    finally:
+        for account in accounts:
+            account.close()
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
     if args.command == "status":
         if args.watch is not None:
             return status_watch(args.gpu, args.json, args.watch)
         return status_once(args.gpu, args.json)
+    if args.command == "budget":
+        return budget(args.size, args.gpu)
     if args.size is not None and args.max is not None:
         raise CliError("kvelastic limit: give the new max either as MAX or as --max, not both", EXIT_USAGE)
     max_bytes = parse_limit(args.size if args.size is not None else args.max,

@@ -92,3 +92,26 @@ def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
     manager.flush()
     assert found is not None and _read(views, found[0].block_id) == [7]
     pool.close()
+
+
+def test_loads_under_full_memory_evict_unmatched_cached_blocks_only():
+    pool, views, cache, bp, queue = build(limit_groups=1)  # one group: 31 usable blocks
+    manager = attach_offload(bp, queue, cache, cpu_bytes=1 << 20)
+    old = bp.get_new_blocks(31)
+    for block in old:
+        _stamp(views, block.block_id, 5)
+    bp.cache_full_blocks(StandInRequest([b"o%d" % i for i in range(31)]), old, 0, 31, BS, 0)
+    bp.free_blocks(old)
+    queue.reclaim_cached(groups_wanted=1)  # group 0 holds the null block: nothing is released
+    newer = bp.get_new_blocks(31)  # evicts (and spills) all 31 cached blocks
+    for block in newer:
+        _stamp(views, block.block_id, 6)
+    bp.cache_full_blocks(StandInRequest([b"n%d" % i for i in range(31)]), newer, 0, 31, BS, 0)
+    bp.free_blocks(newer)
+    hit = bp.get_cached_block(b"n0", [0])[0]  # matched on the GPU, not yet touched
+    loaded = bp.get_cached_block(b"o0", [0])[0]  # memory is full: a load must evict something
+    assert loaded.block_id != hit.block_id
+    assert bp.get_cached_block(b"n0", [0])[0] is hit  # the matched block kept its hash
+    manager.flush()
+    assert _read(views, loaded.block_id) == [5] and _read(views, hit.block_id) == [6]
+    pool.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvelastic.errors import PatchError, SourceFetchError
+from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.patches import ALL_PATCHES
 from kvelastic.patching import gate, static_check, vllm_source
 from kvelastic.patching.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, RELEASES,
@@ -79,6 +80,15 @@ def test_every_claimed_release_has_a_declared_signature() -> None:
 def test_release_source_matches_every_patch_claiming_it(sources: dict, release: str) -> None:
     problems = static_check.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
     assert problems == [], f"vLLM {release} (band {release_band(release)}):\n" + "\n".join(problems)
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", RELEASES)
+def test_page_aware_queue_offers_what_the_block_pool_uses(sources: dict, release: str) -> None:
+    """The scheduler patch swaps BlockPool.free_block_queue; vLLM must find every member it uses."""
+    used = static_check.attributes_used_on(_source(sources, release), "vllm.v1.core", "free_block_queue")
+    assert {"popleft_n", "append_n"} <= used, "the scan found no use of the free queue"
+    assert sorted(name for name in used if not hasattr(PageAwareFreeQueue, name)) == []
 
 
 @pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.33.0"])

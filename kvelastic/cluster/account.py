@@ -25,7 +25,7 @@ from typing import Iterator
 
 from kvelastic.cluster import policy
 from kvelastic.cluster.errors import AccountFull, BadLimits, NameInUse, UnknownMember
-from kvelastic.cluster.info import MemberInfo, MemberTick
+from kvelastic.cluster.info import MemberInfo
 from kvelastic.cluster.liveness import is_alive, process_start_time
 from kvelastic.cluster.records import DEFAULT_SLOTS, Header, MemberRecord
 from kvelastic.cluster.storage import AccountFile, Snapshot, account_path

@@ -8,7 +8,7 @@ an unknown instance is what the CLI turns into exit code 3.
 
 from __future__ import annotations
 
-from kvelastic.errors import KvelasticError, PoolExhausted
+from kvelastic.errors import ConfigError, KvelasticError, PoolExhausted
 
 
 class ClusterError(KvelasticError):
@@ -58,3 +58,15 @@ class SharedBudgetExceeded(PoolExhausted):
 
 class AccountingError(ClusterError, ValueError):
     """A member gave back more than it holds, or asked for a negative amount: a caller bug."""
+
+
+class LaunchConfigError(ConfigError):
+    """A launch plan (command line or YAML file) that cannot be run as written."""
+
+
+class NoGpu(ClusterError):
+    """The launcher found no usable NVIDIA GPU, so it starts nothing."""
+
+
+class LaunchFailed(ClusterError):
+    """A server of a launch exited, or did not become ready in time."""

@@ -17,8 +17,8 @@ import os
 _DEAD_STATES = {"Z", "X", "x"}
 
 
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time) of ``pid`` from /proc, or None if there is no such process."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             text = handle.read().decode("ascii", errors="replace")
@@ -28,9 +28,31 @@ def _read_stat(pid: int) -> tuple[str, int] | None:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     rest = text[text.rfind(")") + 2:].split()
-    if len(rest) < 20:
-        return None
-    return rest[0], int(rest[19])
+    return rest if len(rest) >= 20 else None
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time) of ``pid``, or None if there is no such process."""
+    rest = _stat_fields(pid)
+    return (rest[0], int(rest[19])) if rest else None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs; zombies (which no one may reap) do not count."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            rest = _stat_fields(entry)
+            if rest and rest[0] not in _DEAD_STATES and rest[2] == str(pgid):
+                return True
+    return False
 
 
 def process_start_time(pid: int | None = None) -> int:

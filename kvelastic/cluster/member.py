@@ -77,6 +77,20 @@ class Member:
         """Take ``nbytes`` of the budget if the rules allow (see :mod:`kvelastic.cluster.policy`)."""
         return self.request(nbytes).granted
 
+    def adopt(self, nbytes: int) -> None:
+        """Count ``nbytes`` that already exist (created before joining) without asking.
+
+        The account must show what is really on the GPU; if this takes it over
+        the budget, the demand it creates makes members above their
+        reservation give back cached memory.
+        """
+        if nbytes < 0:
+            raise AccountingError(f"{self.name!r} adopted a negative amount ({nbytes})")
+        with self._mine() as (snap, me):
+            me.mapped_bytes += nbytes
+            me.heartbeat = snap.now
+            snap.write(me)
+
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` this member held (after the physical memory is really freed)."""
         if nbytes < 0:

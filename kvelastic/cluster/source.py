@@ -11,11 +11,16 @@ integration already turns into a scheduling miss. The grant is taken before
 the pages are created and returned if creating them fails, so the account
 never shows bytes that do not exist, and bytes are given back only after the
 pages are destroyed, so it never shows less than exists.
+
+The source may be built before the process has joined (``member=None``: it
+only counts, so start-up warm-up is never refused); :meth:`attach` then hands
+what exists to the member and gates from there on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from kvelastic.cluster.errors import ClusterError, SharedBudgetExceeded
@@ -29,17 +34,34 @@ log = logging.getLogger("kvelastic")
 class SharedBudgetSource(PageSource):
     """Gates ``upstream`` with ``member``'s grants in the shared account."""
 
-    def __init__(self, upstream: PageSource, member: Member):
+    def __init__(self, upstream: PageSource, member: Member | None = None):
         super().__init__(upstream.page_bytes)
         self.upstream = upstream
         self.member = member
         self._outstanding = 0
         self.refusals = 0
+        self._lock = threading.RLock()  # keeps attach() atomic with respect to acquire/release
+
+    def attach(self, member: Member) -> None:
+        """Start gating with ``member``, which adopts the bytes this source already handed out."""
+        with self._lock:
+            if self.member is not None:
+                raise ValueError(f"already attached to {self.member!r}")
+            member.adopt(self._outstanding)
+            self.member = member
 
     def acquire(self, count: int) -> list[Any]:
         if count <= 0:
             return []
+        with self._lock:
+            return self._acquire(count)
+
+    def _acquire(self, count: int) -> list[Any]:
         nbytes = count * self.page_bytes
+        if self.member is None:
+            handles = self.upstream.acquire(count)
+            self._outstanding += nbytes
+            return handles
         grant = self.member.request(nbytes)
         if not grant.granted:
             self.refusals += 1
@@ -58,13 +80,16 @@ class SharedBudgetSource(PageSource):
     def release(self, handles: list[Any]) -> None:
         if not handles:
             return
-        self.upstream.release(handles)
-        nbytes = len(handles) * self.page_bytes
-        self._outstanding -= nbytes
-        self._give_back(nbytes)
+        with self._lock:
+            self.upstream.release(handles)
+            nbytes = len(handles) * self.page_bytes
+            self._outstanding -= nbytes
+            self._give_back(nbytes)
 
     def _give_back(self, nbytes: int) -> None:
         """Return bytes to the account; the memory is already gone, so never fail the caller."""
+        if self.member is None:
+            return
         try:
             self.member.release(nbytes)
         except ClusterError:

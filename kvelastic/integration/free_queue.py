@@ -129,11 +129,13 @@ class PageAwareFreeQueue:
         self._balance()
         return taken
 
-    def take_block_for_load(self) -> Any | None:
-        """One free block holding no cached prefix (mapping a group if needed), or None.
+    def take_block_for_load(self, protected: set[int]) -> Any | None:
+        """One free block to load a host-tier block into, or None.
 
-        Loads never evict cached blocks: the scheduler may have just matched
-        them for the very request whose prefix is being loaded.
+        Prefers blocks holding no cached prefix (mapping a group if needed);
+        otherwise evicts the least recently used cached block, spilling it
+        first, but never one in ``protected``: the scheduler may have matched
+        those for the very request whose prefix is being loaded.
         """
         self._adopt_mapped()
         taken: list[Any] = []
@@ -142,7 +144,15 @@ class PageAwareFreeQueue:
             self._map_now(1)
             self._take_uncached(1, taken)
         if not taken:
-            return None
+            victim = next((b for b in self._cached.values() if b.block_id not in protected), None)
+            if victim is None:
+                return None
+            del self._cached[victim.block_id]
+            self._cached_count[self.cache.group_of_block(victim.block_id)] -= 1
+            if self.spill_hook is not None:
+                self.spill_hook([victim], before_reuse=True)
+            self._evict_cached(victim)
+            taken.append(victim)
         block = taken[0]
         g = self.cache.group_of_block(block.block_id)
         self._in_use[g] += 1

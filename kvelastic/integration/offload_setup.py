@@ -53,7 +53,8 @@ def hook_lookup(block_pool: Any, manager: OffloadManager) -> None:
     def get_one_block(key: Any) -> Any:
         block = original(key)
         if block is None:
-            block = manager.load_on_miss(key)
+            return manager.load_on_miss(key)
+        manager.matched(block)
         return block
 
     index.get_one_block = get_one_block

@@ -46,6 +46,7 @@ class OffloadManager:
         self.block_pool = block_pool
         self.counters = OffloadCounters()
         self._pending_loads: list[tuple[int, int]] = []
+        self._matched: set[int] = set()  # blocks the scheduler matched this step
 
     # ------------------------------------------------------------------ spill
     def spill(self, blocks: Sequence[Any], *, before_reuse: bool) -> Fence | None:
@@ -79,9 +80,10 @@ class OffloadManager:
         if key not in self.tier:
             self.tier.misses += 1
             return None
-        block = self.queue.take_block_for_load()
+        block = self.queue.take_block_for_load(self._matched)
         if block is None:
             return None
+        self._matched.add(block.block_id)
         slot = self.tier.lookup(key)
         if slot is None:  # pragma: no cover - checked just above
             self.queue.append(block)
@@ -95,8 +97,13 @@ class OffloadManager:
         self._pending_loads.append((block.block_id, slot))
         return block
 
+    def matched(self, block: Any) -> None:
+        """The scheduler found ``block`` in the GPU prefix cache this step: never evict it for a load."""
+        self._matched.add(block.block_id)
+
     def flush(self) -> None:
         """Issue the loads gathered during one scheduling step as one batch."""
+        self._matched.clear()
         if not self._pending_loads:
             return
         ids = [b for b, _ in self._pending_loads]

@@ -59,16 +59,31 @@ def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_bytes(), filename=str(path))
 
 
+def _branches(statement: ast.If) -> list[ast.stmt]:
+    """The branch an ``if`` takes when that is known without running it, else both.
+
+    A constant test picks its branch; ``if TYPE_CHECKING:`` never runs at import.
+    """
+    test = statement.test
+    name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+    if name == "TYPE_CHECKING":
+        return _body(statement.orelse)
+    if isinstance(test, ast.Constant):
+        return _body(statement.body if test.value else statement.orelse)
+    return _body(statement.body) + _body(statement.orelse)
+
+
 def _body(statements: Sequence[ast.stmt]) -> list[ast.stmt]:
-    """Statements of a module or class body, looking inside ``if``/``try``/``with`` blocks."""
+    """Statements of a module or class body as an import runs them, looking inside blocks.
+
+    ``try`` contributes its normal path (body, else, finally), not its handlers.
+    """
     flat: list[ast.stmt] = []
     for statement in statements:
         if isinstance(statement, ast.If):
-            flat += _body(statement.body) + _body(statement.orelse)
+            flat += _branches(statement)
         elif isinstance(statement, ast.Try):
             flat += _body(statement.body) + _body(statement.orelse) + _body(statement.finalbody)
-            for handler in statement.handlers:
-                flat += _body(handler.body)
         elif isinstance(statement, (ast.With, ast.AsyncWith)):
             flat += _body(statement.body)
         else:
@@ -171,6 +186,23 @@ def check_release(root: Path, version: Version, patches: Sequence[Patch]) -> lis
         raise FileNotFoundError(f"{root} holds no vllm/ source tree")
     return [f"{patch.name}: {problem}" for patch in claimed(patches, version) for target in patch.targets
             if (problem := check_target(root, target, version))]
+
+
+def attributes_used_on(root: Path, package: str, holder: str) -> set[str]:
+    """Names read or called on any ``<expr>.<holder>`` in ``package``'s modules (``x.holder.name``).
+
+    The integration replaces some vLLM objects (the block pool's free queue) with
+    its own; this lists what vLLM uses of them, so the replacement can be checked
+    against each release.
+    """
+    base = root.joinpath(*package.split("."))
+    used: set[str] = set()
+    for path in sorted(base.rglob("*.py")):
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == holder:
+                used.add(node.attr)
+    return used
 
 
 def refusal(version: Version) -> str | None:

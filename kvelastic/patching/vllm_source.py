@@ -67,7 +67,10 @@ def release_files(version: str) -> list[dict[str, Any]]:
     with _INDEX_LOCK:
         if not _INDEX:
             with urllib.request.urlopen(PYPI_JSON, timeout=TIMEOUT_S) as response:
-                _INDEX.update(json.load(response)["releases"])
+                try:
+                    _INDEX.update(json.load(response)["releases"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise SourceFetchError(f"{PYPI_JSON} is not PyPI's project JSON ({exc!r})") from exc
     if version not in _INDEX:
         raise SourceFetchError(f"vllm {version} is not a release on PyPI")
     return [dict(entry, url=urllib.parse.urljoin(PYPI_JSON, entry["url"])) for entry in _INDEX[version]]

@@ -1,0 +1,169 @@
+"""What ``kvelastic.launch`` will start: instances, their commands and environments.
+
+A plan is built from the command line or a YAML file and checked whole before
+anything starts (names and ports unique, sizes parseable), so a typo never
+leaves half a fleet running. Building commands is pure, which is what
+``--dry-run`` prints and the tests check.
+
+Each instance runs ``vllm serve`` with the same Python as the launcher and
+``KVELASTIC=1``; its kvelastic identity travels in the environment, which the
+vLLM integration reads when it joins the GPU's shared account:
+
+``KVELASTIC_NAME``           the instance name (unique among live instances of a GPU)
+``KVELASTIC_LIMIT``          its cap of physical KV bytes (``limit``)
+``KVELASTIC_MIN``            its reservation (``min``)
+``KVELASTIC_PORT``           the API port, shown by ``kvelastic status``
+``KVELASTIC_SHARED_BUDGET``  the GPU's shared budget, when given (first instance to join sets it)
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kvelastic.cluster.errors import LaunchConfigError
+from kvelastic.errors import ConfigError
+from kvelastic.units import parse_size
+
+DEFAULT_GPU_UTIL = 0.25
+DEFAULT_PORTS = (8001, 8002)
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "scripts" / "models" / "llama-1b"
+DEFAULT_MODEL_ARGS = ("--load-format", "dummy", "--max-model-len", "4096")
+_NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM server to start."""
+
+    model: str
+    port: int
+    name: str
+    limit: str | None = None
+    min: str | None = None
+    gpu_memory_utilization: float | None = None
+    vllm_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Instances plus what applies to all of them."""
+
+    instances: tuple[Instance, ...]
+    budget: str | None = None
+    device: str | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_UTIL
+    parallel: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def command(self, instance: Instance) -> list[str]:
+        """``vllm serve`` through this Python, with the port and a GPU-memory share."""
+        cmd = [self.python, "-m", "vllm.entrypoints.cli.main", "serve", instance.model,
+               "--port", str(instance.port)]
+        if not _has_flag(instance.vllm_args, "--gpu-memory-utilization"):
+            util = instance.gpu_memory_utilization or self.gpu_memory_utilization
+            cmd += ["--gpu-memory-utilization", f"{util:g}"]
+        return cmd + list(instance.vllm_args)
+
+    def env(self, instance: Instance) -> dict[str, str]:
+        """The variables the launcher adds to its own environment for ``instance``."""
+        env = {"KVELASTIC": "1", "KVELASTIC_NAME": instance.name, "KVELASTIC_PORT": str(instance.port)}
+        if instance.limit is not None:
+            env["KVELASTIC_LIMIT"] = instance.limit
+        if instance.min is not None:
+            env["KVELASTIC_MIN"] = instance.min
+        if self.budget is not None:
+            env["KVELASTIC_SHARED_BUDGET"] = self.budget
+        if self.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.device
+        env.update(dict(instance.env))
+        return env
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+# ------------------------------------------------------------------ checking
+def check_size(text: Any, what: str) -> str:
+    """``text`` if it parses as a size (kept as written, for readable environments)."""
+    try:
+        parse_size(str(text), name=what)
+    except ConfigError as error:
+        raise LaunchConfigError(str(error)) from None
+    return str(text).strip()
+
+
+def check_util(value: Any, what: str) -> float:
+    try:
+        util = float(value)
+    except (TypeError, ValueError):
+        util = -1.0
+    if not 0 < util <= 1:
+        raise LaunchConfigError(f"{what}={value!r} must be a fraction of GPU memory in (0, 1], e.g. 0.25")
+    return util
+
+
+def default_name(model: str, port: int) -> str:
+    """``<model directory name>-<port>``, restricted to what KVELASTIC_NAME accepts."""
+    base = _NAME_SAFE.sub("-", Path(model.rstrip("/")).name or "model")
+    return f"{base[:56]}-{port}"
+
+
+def make_instance(*, model: str, port: Any, name: str | None = None, limit: Any = None, min: Any = None,
+                  gpu_memory_utilization: Any = None, vllm_args: Sequence[str] = (),
+                  env: Mapping[str, Any] | None = None, where: str = "instance") -> Instance:
+    """A checked :class:`Instance`; ``where`` names it in error messages."""
+    if not model:
+        raise LaunchConfigError(f"{where}: needs a model (a path or a Hugging Face id)")
+    try:
+        port_number = int(port)
+    except (TypeError, ValueError):
+        port_number = 0
+    if not 0 < port_number < 65536:
+        raise LaunchConfigError(f"{where}: port={port!r} must be a TCP port number (1-65535)")
+    chosen = name or default_name(model, port_number)
+    if _NAME_SAFE.search(chosen) or len(chosen) > 64:
+        raise LaunchConfigError(f"{where}: name={chosen!r} must be 1-64 letters, digits, '-', '_' or '.'")
+    return Instance(
+        model=model, port=port_number, name=chosen,
+        limit=None if limit is None else check_size(limit, f"{where} limit"),
+        min=None if min is None else check_size(min, f"{where} min"),
+        gpu_memory_utilization=None if gpu_memory_utilization is None
+        else check_util(gpu_memory_utilization, f"{where} gpu_memory_utilization"),
+        vllm_args=tuple(str(a) for a in vllm_args),
+        env=tuple((str(k), str(v)) for k, v in (env or {}).items()))
+
+
+def check_plan(plan: LaunchPlan) -> LaunchPlan:
+    """Refuse empty plans and clashing names or ports; return the plan."""
+    if not plan.instances:
+        raise LaunchConfigError("the launch plan has no instances")
+    for attribute in ("name", "port"):
+        seen: dict[object, int] = {}
+        for index, instance in enumerate(plan.instances, 1):
+            value = getattr(instance, attribute)
+            if value in seen:
+                raise LaunchConfigError(f"instances {seen[value]} and {index} both use {attribute} {value!r}")
+            seen[value] = index
+    if plan.budget is not None:
+        check_size(plan.budget, "budget")
+    return plan
+
+
+def default_plan(**overrides: Any) -> LaunchPlan:
+    """Two instances of the shipped dummy-weight 1B model, on ports 8001 and 8002."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise LaunchConfigError(f"the default model {DEFAULT_MODEL_DIR} is missing (kvelastic installed "
+                                f"without its scripts/?); pass --model PATH --port N")
+    instances = tuple(make_instance(model=str(DEFAULT_MODEL_DIR), port=port, vllm_args=DEFAULT_MODEL_ARGS)
+                      for port in DEFAULT_PORTS)
+    return check_plan(LaunchPlan(instances=instances, **overrides))

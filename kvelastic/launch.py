@@ -1,0 +1,194 @@
+"""Start several kvelastic-enabled vLLM servers on one GPU: ``python -m kvelastic.launch``.
+
+Instances come from the command line, one group of options per instance,
+groups separated by ``--and``; arguments after ``--`` in a group go to that
+instance's ``vllm serve``::
+
+    python -m kvelastic.launch --model m1 --port 8001 --limit 8GiB -- --max-model-len 4096 \\
+                               --and --model m2 --port 8002 --min 2GiB
+
+or from a YAML file (``--config fleet.yaml``, format in
+:mod:`kvelastic.cluster.plan_file`). With neither, it starts two instances of
+the shipped dummy-weight model ``scripts/models/llama-1b`` on ports 8001 and
+8002. Launcher options (``--dry-run``, ``--budget``, ...) go in the first group.
+
+Each server gets ``--gpu-memory-utilization 0.25`` unless told otherwise. With
+kvelastic the KV cache is virtual and maps memory only as it is used, so this
+share only has to cover weights, activations and CUDA graphs at start-up; vLLM
+refuses to start when less than this share is free on the GPU, so it must fit
+beside what the servers already running hold. Servers start one after another
+(``--parallel`` starts them together), which also keeps one server's memory
+from moving while the next one profiles.
+
+Exit codes: 0 stopped on request; 1 a server failed or never became ready;
+2 bad arguments or launch file; 3 no usable GPU (nothing was started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvelastic.cluster.errors import LaunchConfigError
+from kvelastic.cluster.plan import LaunchPlan, check_plan, check_size, check_util, default_plan, make_instance
+from kvelastic.cluster.supervisor import NO_GPU_ENV, Supervisor, gpu_problem, port_in_use
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
+SEPARATOR = "--and"
+
+
+def _instance_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("instance (repeat the group after --and)")
+    group.add_argument("--model", help="model path or Hugging Face id")
+    group.add_argument("--port", help="API port")
+    group.add_argument("--name", help="instance name (KVELASTIC_NAME); default <model dir>-<port>")
+    group.add_argument("--limit", metavar="SIZE", help="cap of physical KV bytes, e.g. 8GiB")
+    group.add_argument("--min", metavar="SIZE", help="reserved physical KV bytes, e.g. 2GiB")
+    group.add_argument("--env", action="append", default=[], metavar="VAR=VALUE",
+                       help="extra environment variable (repeatable)")
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(parser of the first group: launcher + instance options, parser of later groups)."""
+    first = argparse.ArgumentParser(
+        prog="kvelastic-launch", description=__doc__.split("\n\n")[0],
+        epilog=f"Groups are separated by {SEPARATOR}; after -- come vllm serve arguments. "
+               f"{NO_GPU_ENV}=1 makes the GPU check fail (tests).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    first.add_argument("--config", metavar="FILE.yaml", help="launch file (instead of --model groups)")
+    first.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing")
+    first.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    first.add_argument("--budget", metavar="SIZE", help="the GPU's shared KV budget (KVELASTIC_SHARED_BUDGET)")
+    first.add_argument("--device", metavar="IDS", help="CUDA_VISIBLE_DEVICES for every instance")
+    first.add_argument("--gpu-util", type=float, metavar="FRACTION",
+                       help="default --gpu-memory-utilization of every instance (default 0.25)")
+    first.add_argument("--parallel", action="store_true", default=None, help="start all instances at once")
+    first.add_argument("--python", metavar="PATH", help="Python that runs vLLM (default: this one)")
+    first.add_argument("--log-dir", metavar="DIR", help="server logs (default: a new temporary directory)")
+    first.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+                       help="seconds each server may take to become ready (default 900)")
+    first.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds between SIGTERM and SIGKILL when stopping (default 30)")
+    _instance_options(first)
+    later = argparse.ArgumentParser(prog=f"kvelastic-launch ... {SEPARATOR}", add_help=False)
+    _instance_options(later)
+    return first, later
+
+
+def split_groups(argv: Sequence[str]) -> list[tuple[list[str], list[str]]]:
+    """Split ``argv`` on ``--and`` into (options, vllm args after ``--``) per group."""
+    groups: list[list[str]] = [[]]
+    for token in argv:
+        if token == SEPARATOR:
+            groups.append([])
+        else:
+            groups[-1].append(token)
+    result = []
+    for tokens in groups:
+        cut = tokens.index("--") if "--" in tokens else len(tokens)
+        result.append((tokens[:cut], tokens[cut + 1:]))
+    return result
+
+
+def _env_pairs(items: list[str], where: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LaunchConfigError(f"{where}: --env {item!r} must look like VAR=VALUE")
+        pairs[key] = value
+    return pairs
+
+
+def _group_instance(ns: argparse.Namespace, vllm_args: list[str], index: int) -> Any:
+    where = f"instance {index + 1}"
+    if ns.model is None:
+        given = [f"--{k}" for k in ("port", "name", "limit", "min") if getattr(ns, k) is not None]
+        if index == 0 and not given and not vllm_args and not ns.env:
+            return None
+        raise LaunchConfigError(f"{where}: needs --model (and --port)")
+    if ns.port is None:
+        raise LaunchConfigError(f"{where}: needs --port")
+    return make_instance(model=ns.model, port=ns.port, name=ns.name, limit=ns.limit, min=ns.min,
+                         vllm_args=vllm_args, env=_env_pairs(ns.env, where), where=where)
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
+    """The launcher options and the checked plan (LaunchConfigError or SystemExit(2) on bad input)."""
+    first, later = build_parsers()
+    groups = split_groups(argv)
+    options = first.parse_args(groups[0][0])
+    namespaces = [options] + [later.parse_args(tokens) for tokens, _ in groups[1:]]
+    instances = [_group_instance(ns, vargs, i) for i, (ns, (_, vargs)) in enumerate(zip(namespaces, groups))]
+    settings: dict[str, Any] = {
+        "budget": check_size(options.budget, "--budget") if options.budget else None,
+        "device": options.device, "parallel": options.parallel, "python": options.python,
+        "gpu_memory_utilization": check_util(options.gpu_util, "--gpu-util") if options.gpu_util else None}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    explicit = [i for i in instances if i is not None]
+    if options.config:
+        if explicit:
+            raise LaunchConfigError("give instances either with --model or in --config, not both")
+        from kvelastic.cluster.plan_file import load_plan
+
+        return options, load_plan(options.config, **settings)
+    if not explicit:
+        return options, default_plan(**settings)
+    return options, check_plan(LaunchPlan(instances=tuple(explicit), **settings))
+
+
+def describe(plan: LaunchPlan, as_json: bool) -> str:
+    """What ``--dry-run`` prints: per instance, its URL, added environment and command."""
+    if as_json:
+        return json.dumps({"instances": [
+            {"name": i.name, "model": i.model, "port": i.port, "url": i.url, "env": plan.env(i),
+             "command": plan.command(i)} for i in plan.instances]}, indent=2)
+    lines = []
+    for instance in plan.instances:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env(instance).items())
+        lines += [f"# {instance.name}: {instance.url}", f"{env} {shlex.join(plan.command(instance))}"]
+    return "\n".join(lines)
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM stop the fleet the way Ctrl-C does."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (see the module docstring)."""
+    try:
+        options, plan = parse(sys.argv[1:] if argv is None else argv)
+    except LaunchConfigError as error:
+        print(f"kvelastic-launch: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if options.dry_run:
+        print(describe(plan, options.json))
+        return EXIT_OK
+    problem = gpu_problem(python=plan.python)
+    if problem:
+        print(f"kvelastic-launch: no usable NVIDIA GPU, nothing started: {problem}", file=sys.stderr)
+        return EXIT_NO_GPU
+    busy = [str(i.port) for i in plan.instances if port_in_use(i.port)]
+    if busy:
+        print(f"kvelastic-launch: port(s) {', '.join(busy)} already in use, nothing started", file=sys.stderr)
+        return EXIT_FAILED
+    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix=time.strftime("kvelastic-%Y%m%d-%H%M%S-")))
+    _stop_on_sigterm()
+    supervisor = Supervisor(plan, log_dir, startup_timeout_s=options.startup_timeout,
+                            stop_timeout_s=options.stop_timeout)
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

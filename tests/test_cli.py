@@ -1,0 +1,188 @@
+"""The ``kvelastic`` command against a temporary shared directory filled by this test process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvelastic.cluster import SharedAccount
+from kvelastic.units import SIZE_FORM
+
+GIB = 1024**3
+
+
+def kvelastic(shared_dir, *args, timeout=60):
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared_dir)}
+    return subprocess.run([sys.executable, "-m", "kvelastic.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def fleet(shared):
+    """One GPU account with two live members (both this process) holding some memory."""
+    account = SharedAccount.open("GPU-aaaa", 40 * GIB)
+    small = account.join("small", model="scripts/models/llama-1b", port=8001, min_bytes=2 * GIB)
+    big = account.join("big", model="/models/meta-llama/Llama-3.1-8B-Instruct-with-a-long-path",
+                       port=8002, max_bytes=16 * GIB)
+    small.acquire(3 * GIB)
+    small.report(cached_bytes=GIB, host_bytes=5 * GIB)
+    big.acquire(12 * GIB)
+    yield account, small, big
+    account.close()
+
+
+# -------------------------------------------------------------------- status
+def test_status_prints_a_table_of_live_instances(fleet, shared):
+    result = kvelastic(shared, "status")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("GPU GPU-aaaa: budget 40.00 GiB")
+    assert "15.00 GiB" in lines[0] and "free 25.00 GiB" in lines[0]
+    header = lines[1].split()
+    assert header[:9] == ["INSTANCE", "PID", "MODEL", "PORT", "MAPPED", "CACHED", "HOST", "MIN", "MAX"]
+    small = next(line for line in lines if line.split()[0] == "small")
+    assert str(os.getpid()) in small and "8001" in small and "scripts/models/llama-1b" in small
+    assert "3.00 GiB" in small and "1.00 GiB" in small and "5.00 GiB" in small and "2.00 GiB" in small
+    assert small.split()[-5:-3] == ["GiB", "none"]  # min 2.00 GiB, no max
+    big = next(line for line in lines if line.split()[0] == "big")
+    assert "12.00 GiB" in big and "16.00 GiB" in big and "...-8B-Instruct-with-a-long-path " in big
+
+
+def test_status_json_is_for_scripts(fleet, shared):
+    result = kvelastic(shared, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    (account,) = json.loads(result.stdout)["accounts"]
+    assert account["gpu"] == "GPU-aaaa" and account["budget_bytes"] == 40 * GIB
+    assert account["charged_bytes"] == 15 * GIB
+    members = {m["name"]: m for m in account["members"]}
+    assert members["small"]["mapped_bytes"] == 3 * GIB and members["small"]["min_bytes"] == 2 * GIB
+    assert members["small"]["host_bytes"] == 5 * GIB and members["small"]["port"] == 8001
+    assert members["big"]["max_bytes"] == 16 * GIB and members["big"]["pid"] == os.getpid()
+
+
+def test_status_lists_every_gpu_or_the_one_asked_for(fleet, shared):
+    with SharedAccount.open("GPU-bbbb", 80 * GIB) as other:
+        other.join("solo", port=9000)
+        both = kvelastic(shared, "status")
+        assert "GPU GPU-aaaa" in both.stdout and "GPU GPU-bbbb" in both.stdout and "solo" in both.stdout
+        one = kvelastic(shared, "status", "--gpu", "GPU-bbbb", "--json")
+        assert [a["gpu"] for a in json.loads(one.stdout)["accounts"]] == ["GPU-bbbb"]
+
+
+def test_dead_instances_are_not_listed(fleet, shared):
+    code = ("from kvelastic.cluster import SharedAccount\n"
+            "SharedAccount.open('GPU-aaaa', 1).join('ghost').acquire(1024)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)  # exits without leaving
+    result = kvelastic(shared, "status")
+    assert "ghost" not in result.stdout and "small" in result.stdout
+
+
+def test_status_without_accounts_or_instances_exits_4(shared):
+    result = kvelastic(shared, "status")
+    assert result.returncode == 4
+    assert "no account" in result.stderr and str(shared) in result.stderr
+    assert kvelastic(shared, "status", "--gpu", "GPU-none").returncode == 4
+    with SharedAccount.open("GPU-empty", GIB):
+        result = kvelastic(shared, "status")
+        assert result.returncode == 4 and "no live kvelastic instances" in result.stderr
+        assert "(no live instances)" in result.stdout
+
+
+def test_status_watch_refreshes_until_interrupted(fleet, shared):
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
+    watcher = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "status", "--watch", "0.2"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    time.sleep(1.0)
+    watcher.send_signal(signal.SIGINT)
+    out, err = watcher.communicate(timeout=max(1, deadline - time.time()))
+    assert watcher.returncode == 0, err
+    assert out.count("GPU GPU-aaaa") >= 2 and "Ctrl-C" in out
+
+
+def test_watch_needs_a_positive_interval(fleet, shared):
+    result = kvelastic(shared, "status", "--watch", "0")
+    assert result.returncode == 2 and "--watch" in result.stderr
+
+
+# --------------------------------------------------------------------- limit
+def test_limit_changes_what_the_instance_reads(fleet, shared):
+    _, small, big = fleet
+    result = kvelastic(shared, "limit", "small", "8GiB", "--min", "1GiB")
+    assert result.returncode == 0, result.stderr
+    assert "small" in result.stdout and "8.00 GiB" in result.stdout
+    assert small.limits() == (GIB, 8 * GIB)
+    assert kvelastic(shared, "limit", "big", "--max", "none").returncode == 0
+    assert big.limits() == (0, 0)
+    assert kvelastic(shared, "limit", "small", "none", "--min", "none").returncode == 0
+    assert small.limits() == (0, 0)
+    assert kvelastic(shared, "limit", "big", "--max", "1.5GB").returncode == 0
+    assert big.limits() == (0, 1_500_000_000)
+
+
+def test_limit_of_an_unknown_instance_exits_3(fleet, shared):
+    result = kvelastic(shared, "limit", "nobody", "8GiB")
+    assert result.returncode == 3
+    assert "'nobody'" in result.stderr and "big, small" in result.stderr
+
+
+@pytest.mark.parametrize("args, argument", [
+    (["small", "8XB"], "MAX"),
+    (["small", "--max", "lots"], "--max"),
+    (["small", "4GiB", "--min", "-1"], "--min"),
+])
+def test_a_bad_size_exits_2_naming_the_argument_and_the_form(fleet, shared, args, argument):
+    result = kvelastic(shared, "limit", *args)
+    assert result.returncode == 2
+    assert f"{argument}=" in result.stderr and SIZE_FORM in result.stderr and "'none'" in result.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    (["small"], "give a new MAX"),
+    (["small", "4GiB", "--max", "5GiB"], "not both"),
+    (["small", "1GiB", "--min", "2GiB"], "below its min"),
+    (["small", "--min", "41GiB"], "does not fit"),
+])
+def test_impossible_limits_exit_2(fleet, shared, args, text):
+    result = kvelastic(shared, "limit", *args)
+    assert result.returncode == 2 and text in result.stderr
+    assert fleet[1].limits() == (2 * GIB, 0)
+
+
+def test_limit_without_accounts_exits_4(shared):
+    result = kvelastic(shared, "limit", "small", "8GiB")
+    assert result.returncode == 4 and "no account" in result.stderr
+
+
+def test_usage_errors_exit_2(shared):
+    assert kvelastic(shared).returncode == 2
+    assert kvelastic(shared, "frobnicate").returncode == 2
+    assert kvelastic(shared, "status", "--watch", "soon").returncode == 2
+
+
+# -------------------------------------------------------------------- budget
+def test_budget_is_shown_and_changed(fleet, shared):
+    account = fleet[0]
+    shown = kvelastic(shared, "budget")
+    assert shown.returncode == 0 and "GPU GPU-aaaa: budget 40.00 GiB" in shown.stdout
+    assert kvelastic(shared, "budget", "60GiB").returncode == 0
+    assert account.budget == 60 * GIB
+    bad = kvelastic(shared, "budget", "0")
+    assert bad.returncode == 2 and "larger than zero" in bad.stderr
+    with SharedAccount.open("GPU-bbbb", GIB):
+        several = kvelastic(shared, "budget", "1GiB")
+        assert several.returncode == 2 and "--gpu" in several.stderr
+        assert kvelastic(shared, "budget", "2GiB", "--gpu", "GPU-bbbb").returncode == 0
+    assert account.budget == 60 * GIB

@@ -1,0 +1,303 @@
+"""The launcher: plans from arguments and YAML (via --dry-run), the no-GPU refusal, and the
+supervisor's start/ready/stop cycle against fake servers (no vLLM, no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvelastic.cluster.liveness import is_alive
+from kvelastic.cluster.plan import DEFAULT_MODEL_DIR
+from kvelastic.cluster.supervisor import gpu_problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "kvelastic.launch", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+
+
+def dry_run(*args):
+    result = launch("--dry-run", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["instances"]
+
+
+# ------------------------------------------------------------------- dry run
+def test_default_is_two_dummy_llama_1b_servers():
+    first, second = dry_run()
+    assert (first["port"], second["port"]) == (8001, 8002)
+    assert first["name"] != second["name"]
+    for inst in (first, second):
+        cmd = inst["command"]
+        assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(DEFAULT_MODEL_DIR)]
+        assert cmd[cmd.index("--port") + 1] == str(inst["port"])
+        assert cmd[cmd.index("--load-format") + 1] == "dummy"
+        assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.25"
+        assert inst["env"]["KVELASTIC"] == "1" and inst["env"]["KVELASTIC_NAME"] == inst["name"]
+        assert inst["env"]["KVELASTIC_PORT"] == str(inst["port"])
+        assert inst["url"] == f"http://127.0.0.1:{inst['port']}"
+
+
+def test_dry_run_text_shows_environment_and_command():
+    result = launch("--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "# llama-1b-8001: http://127.0.0.1:8001" in result.stdout
+    assert "KVELASTIC=1 KVELASTIC_NAME=llama-1b-8002" in result.stdout
+    assert "vllm.entrypoints.cli.main serve" in result.stdout
+
+
+def test_instances_from_arguments():
+    a, b = dry_run("--budget", "30GiB", "--device", "1", "--gpu-util", "0.3",
+                   "--model", "/models/a", "--port", "9001", "--limit", "8GiB", "--min", "2GiB",
+                   "--env", "KVELASTIC_CACHE_TTL=5", "--", "--enforce-eager", "--max-model-len", "2048",
+                   "--and", "--model", "org/b", "--port", "9002", "--name", "bee", "--",
+                   "--gpu-memory-utilization=0.4")
+    assert a["name"] == "a-9001" and b["name"] == "bee"
+    assert a["env"] == {"KVELASTIC": "1", "KVELASTIC_NAME": "a-9001", "KVELASTIC_PORT": "9001",
+                        "KVELASTIC_LIMIT": "8GiB", "KVELASTIC_MIN": "2GiB", "KVELASTIC_SHARED_BUDGET": "30GiB",
+                        "CUDA_VISIBLE_DEVICES": "1", "KVELASTIC_CACHE_TTL": "5"}
+    assert a["command"][4:] == ["/models/a", "--port", "9001", "--gpu-memory-utilization", "0.3",
+                                "--enforce-eager", "--max-model-len", "2048"]
+    assert b["command"][4:] == ["org/b", "--port", "9002", "--gpu-memory-utilization=0.4"]
+    assert "KVELASTIC_LIMIT" not in b["env"] and b["env"]["KVELASTIC_SHARED_BUDGET"] == "30GiB"
+
+
+def test_instances_from_yaml(tmp_path):
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    config = tmp_path / "fleet.yaml"
+    config.write_text(textwrap.dedent("""\
+        budget: 20GiB
+        gpu_memory_utilization: 0.2
+        instances:
+          - model: models/tiny
+            port: 8101
+            name: tiny
+            limit: 4GiB
+            min: 1GiB
+            vllm_args: --load-format dummy --enforce-eager
+            env: {KVELASTIC_CACHE_TTL: 3}
+          - model: org/other
+            port: 8102
+            gpu_memory_utilization: 0.35
+            vllm_args: [--max-model-len, 1024]
+        """))
+    tiny, other = dry_run("--config", str(config))
+    assert tiny["model"] == str((tmp_path / "models" / "tiny").resolve())
+    assert tiny["command"][5:] == ["--port", "8101", "--gpu-memory-utilization", "0.2", "--load-format",
+                                   "dummy", "--enforce-eager"]
+    assert tiny["env"]["KVELASTIC_LIMIT"] == "4GiB" and tiny["env"]["KVELASTIC_MIN"] == "1GiB"
+    assert tiny["env"]["KVELASTIC_SHARED_BUDGET"] == "20GiB" and tiny["env"]["KVELASTIC_CACHE_TTL"] == "3"
+    assert other["model"] == "org/other" and other["name"] == "other-8102"
+    assert other["command"][5:] == ["--port", "8102", "--gpu-memory-utilization", "0.35",
+                                    "--max-model-len", "1024"]
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- {model: org/x, port: 7001}\n")
+    (only,) = dry_run("--config", str(listed), "--budget", "1GiB")
+    assert only["env"]["KVELASTIC_SHARED_BUDGET"] == "1GiB"
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("- {model: m, port: 1, limt: 4GiB}\n", "unknown key(s) limt"),
+    ("- {model: m, port: 1}\n- {model: n, port: 1}\n", "both use port 1"),
+    ("- {model: m, port: 1, name: a}\n- {model: n, port: 2, name: a}\n", "both use name 'a'"),
+    ("- {model: m, port: 1, limit: 4 gigs}\n", "instances[0] limit"),
+    ("- {model: m}\n", "needs a port"),
+    ("instances: 3\n", "expected a list of instances"),
+    ("- {model: m, port: 1, gpu_memory_utilization: 2}\n", "fraction of GPU memory"),
+    (": : :\n", "not valid YAML"),
+])
+def test_bad_yaml_exits_2_with_a_precise_message(tmp_path, yaml_text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    result = launch("--dry-run", "--config", str(config))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "8001"], "needs --model"),
+    (["--model", "m"], "needs --port"),
+    (["--model", "m", "--port", "99999"], "TCP port"),
+    (["--model", "m", "--port", "1", "--limit", "8XB"], "instance 1 limit"),
+    (["--model", "m", "--port", "1", "--and", "--model", "n", "--port", "1"], "both use port 1"),
+    (["--model", "m", "--port", "1", "--env", "NOEQUALS"], "VAR=VALUE"),
+    (["--budget", "big"], "--budget"),
+    (["--config", "x.yaml", "--model", "m", "--port", "1"], "not both"),
+])
+def test_bad_arguments_exit_2(args, message):
+    result = launch("--dry-run", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_launcher_options_belong_to_the_first_group():
+    result = launch("--dry-run", "--model", "m", "--port", "1", "--and", "--model", "n", "--port", "2",
+                    "--budget", "1GiB")
+    assert result.returncode == 2 and "unrecognized arguments: --budget" in result.stderr
+
+
+# -------------------------------------------------------------------- no GPU
+def test_no_gpu_exits_non_zero_before_starting_anything(tmp_path):
+    result = launch(env={"PATH": str(tmp_path)})  # an empty PATH: no nvidia-smi
+    assert result.returncode == 3
+    assert "no usable NVIDIA GPU, nothing started" in result.stderr and "nvidia-smi" in result.stderr
+    assert result.stdout == ""
+    forced = launch("--model", "m", "--port", "1", env={"KVELASTIC_LAUNCH_NO_GPU": "1"})
+    assert forced.returncode == 3 and "KVELASTIC_LAUNCH_NO_GPU=1" in forced.stderr
+
+
+def _fake_tool(path: Path, body: str) -> Path:
+    path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
+    path.chmod(0o755)
+    return path
+
+
+def test_gpu_check_reports_a_failing_driver_and_a_torch_without_cuda(tmp_path):
+    _fake_tool(tmp_path / "nvidia-smi", "import sys; print('NVIDIA-SMI has failed'); sys.exit(9)\n")
+    assert "nvidia-smi -L failed (exit 9): NVIDIA-SMI has failed" in gpu_problem({"PATH": str(tmp_path)})
+    _fake_tool(tmp_path / "nvidia-smi", "print('GPU 0: Fake (UUID: GPU-0)')\n")
+    no_cuda = _fake_tool(tmp_path / "python-no-cuda", "import sys; sys.exit(1)\n")
+    assert "torch.cuda.is_available() is False" in gpu_problem({"PATH": str(tmp_path)}, python=str(no_cuda))
+    with_cuda = _fake_tool(tmp_path / "python-cuda", "import sys; sys.exit(0)\n")
+    assert gpu_problem({"PATH": str(tmp_path)}, python=str(with_cuda)) is None
+
+
+# ---------------------------------------------------------------- supervisor
+FAKE_SERVER = """\
+import http.server, os, signal, subprocess, sys, threading, time
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+mode = os.environ.get("FAKE_MODE", "ok")
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.path.join(os.environ["FAKE_DIR"], f"{port}.pids"), "w") as out:
+    out.write(f"{os.getpid()} {engine.pid} {os.environ['KVELASTIC_NAME']}")
+print("loading weights", flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else lambda *a: sys.exit(0))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+time.sleep(0.3)
+print("Application startup complete.", flush=True)
+if mode == "crash":
+    threading.Timer(1.0, lambda: os._exit(5)).start()
+server.serve_forever()
+"""
+
+RUN_SUPERVISOR = """\
+import sys
+from pathlib import Path
+from kvelastic.cluster.plan import LaunchPlan, make_instance
+from kvelastic.cluster.supervisor import Supervisor
+from kvelastic.launch import _stop_on_sigterm
+fake, logs, ports, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
+instances = tuple(make_instance(model="fake-model", port=p, env={"FAKE_MODE": m}) for p, m in zip(ports, modes))
+_stop_on_sigterm()
+plan = LaunchPlan(instances=instances, python=fake, parallel=True)
+sys.exit(Supervisor(plan, Path(logs), poll_s=0.1, stop_timeout_s=1.0, startup_timeout_s=60).run())
+"""
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _supervise(tmp_path: Path, modes: list[str]) -> tuple[subprocess.Popen, list[int]]:
+    fake = _fake_tool(tmp_path / "fake-python", FAKE_SERVER)
+    ports = _free_ports(len(modes))
+    env = {**os.environ, "FAKE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", RUN_SUPERVISOR, str(fake), str(tmp_path / "logs"),
+         ",".join(map(str, ports)), ",".join(modes)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    return process, ports
+
+
+def _wait_for(predicate, timeout=30.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _pids(tmp_path: Path, ports: list[int]) -> list[int]:
+    return [int(p) for port in ports for p in (tmp_path / f"{port}.pids").read_text().split()[:2]]
+
+
+def _all_gone(pids: list[int]) -> bool:
+    return not any(is_alive(pid, 0) for pid in pids)  # zombies count as gone
+
+
+def test_supervisor_starts_shows_progress_and_stops_on_sigterm(tmp_path):
+    process, ports = _supervise(tmp_path, ["ok", "stubborn"])
+    _wait_for(lambda: all((tmp_path / f"{p}.pids").exists() for p in ports))
+    pids = _pids(tmp_path, ports)
+    _wait_for(lambda: all(_healthy(p) for p in ports))
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, out
+    for port in ports:
+        assert f"will listen on http://127.0.0.1:{port}" in out
+        assert f"ready on http://127.0.0.1:{port}" in out
+    assert "all 2 instance(s) ready" in out and "stop requested" in out
+    assert "still running, SIGKILL" in out  # the stubborn one ignored SIGTERM
+    _wait_for(lambda: _all_gone(pids), timeout=10)
+    assert "Application startup complete." in (tmp_path / "logs" / f"fake-model-{ports[0]}.log").read_text()
+
+
+def test_supervisor_stops_everything_when_one_server_dies(tmp_path):
+    process, ports = _supervise(tmp_path, ["ok", "crash"])
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 1, out
+    assert f"fake-model-{ports[1]} exited with code 5" in out
+    assert "Application startup complete." in out  # the crashed server's last log line
+    _wait_for(lambda: _all_gone(_pids(tmp_path, ports)), timeout=10)
+
+
+def _healthy(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------ shipped model
+def test_shipped_tokenizer_matches_the_model_config_and_rebuilds_identically(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (config["bos_token_id"], config["eos_token_id"])
+    assert max(tokenizer.get_vocab().values()) < config["vocab_size"]
+    ids = tokenizer.encode("Two models share one GPU.")
+    assert ids[0] == config["bos_token_id"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Two models share one GPU."
+    subprocess.run([sys.executable, str(REPO / "scripts" / "build_tokenizer.py"), "--out", str(tmp_path)],
+                   check=True, capture_output=True, timeout=120)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / name).read_bytes() == (DEFAULT_MODEL_DIR / name).read_bytes(), name
+        assert (DEFAULT_MODEL_DIR / name).stat().st_size < 1_000_000

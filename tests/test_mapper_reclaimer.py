@@ -1,0 +1,446 @@
+"""The group mapper (inline and threaded), the reclaimer's upkeep, and attaching a scheduler.
+
+Everything runs over the host backend. The reclaimer tests use vLLM's real
+``BlockPool`` made page-aware; their clock is the real monotonic clock plus an
+offset the test moves forward, so the queue's own time stamps stay real.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from kvelastic.errors import PatchError
+from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.integration.mapper import GroupMapper
+from kvelastic.integration.reclaimer import Reclaimer
+from kvelastic.integration.runtime import Runtime
+from kvelastic.integration.scheduler import LOCKED_METHODS, attach_scheduler
+from kvelastic.pool import HostBackend, PagePool
+from kvelastic.settings import Settings
+
+N, BS, H, D, LAYERS = 256, 16, 2, 32, 3
+HALF = BS * H * D * 2              # bytes of a block's K (or V) half in one layer
+PAGE = 32 * HALF                   # 64 KiB pages: 32 blocks per group
+BLOCKS_PER_GROUP = 32
+GROUP_PAGES = 2 * LAYERS           # K and V page of every layer
+GROUP_BYTES = GROUP_PAGES * PAGE
+TTL = 100.0
+
+
+class StandInRequest:
+    """The one attribute ``BlockPool.cache_full_blocks`` reads from a request."""
+
+    def __init__(self, hashes: list[bytes]):
+        self.block_hashes = hashes
+
+
+def build_cache(limit_groups: int | None = None):
+    pool = PagePool(HostBackend(), page_bytes=PAGE)
+    raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
+    views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
+    per_view = []
+    for raw, view in zip(raws, views):
+        region = pool.region_of(raw)
+        per_view.append((region.region_id, *runs_of_view(view.shape, view.stride(), 2,
+                                                          view.data_ptr() - region.address, N)))
+    layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
+    if limit_groups is not None:
+        pool.set_limit(limit_groups * GROUP_BYTES)
+    cache = ElasticKVCache(pool, layout)
+    return pool, views, cache
+
+
+@pytest.fixture
+def cache_and_pool():
+    pool, views, cache = build_cache()
+    yield cache, pool
+    pool.close()
+    assert pool.leak_report() == []
+
+
+@pytest.fixture
+def kv_log(caplog):
+    logger = logging.getLogger("kvelastic")
+    caplog.set_level(logging.INFO, logger="kvelastic")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+class GatedBackend:
+    """Makes the host backend's map calls wait for a gate and remember which thread ran them."""
+
+    def __init__(self, pool: PagePool, monkeypatch):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.threads: list[str] = []
+        self.fail_next = False
+        original = pool.backend.map_runs
+
+        def map_runs(runs, page_bytes, *, zero):
+            self.threads.append(threading.current_thread().name)
+            assert self.gate.wait(10), "gate never opened"
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("driver hiccup")
+            return original(runs, page_bytes, zero=zero)
+
+        monkeypatch.setattr(pool.backend, "map_runs", map_runs)
+
+
+def in_thread(function, *args) -> threading.Thread:
+    thread = threading.Thread(target=function, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+# ----------------------------------------------------------------- GroupMapper
+def test_inline_mapper_runs_each_command_at_once_and_in_order(cache_and_pool):
+    cache, pool = cache_and_pool
+    mapper = GroupMapper(cache)
+    assert pool.mapped_groups() == {0}  # the null block's group is mapped with the cache
+    mapper.request_map([1, 2])
+    assert pool.mapped_groups() == {0, 1, 2}
+    assert list(mapper.mapped) == [1, 2] and not mapper.refused
+    mapper.request_unmap([2])
+    mapper.request_map([2])
+    assert pool.is_mapped(2)
+    mapper.request_map([3])
+    mapper.request_unmap([3])
+    assert not pool.is_mapped(3)
+    mapper.request_unmap([0])  # the null group is never unmapped
+    assert pool.is_mapped(0)
+    mapper.map_now([4])
+    assert pool.mapped_groups() == {0, 1, 2, 4}
+    assert list(mapper.mapped) == [1, 2, 2, 3, 4]
+
+
+def test_threaded_mapper_keeps_command_order_and_runs_on_its_own_thread(cache_and_pool, monkeypatch):
+    cache, pool = cache_and_pool
+    backend = GatedBackend(pool, monkeypatch)
+    mapper = GroupMapper(cache)
+    mapper.start()
+    try:
+        backend.gate.clear()
+        mapper.request_map([1])
+        mapper.request_unmap([1])
+        mapper.request_map([1])
+        mapper.request_map([2])
+        mapper.request_unmap([2])
+        assert not mapper.mapped  # queued, not done: request_* never waits (the pool's lock is busy now)
+        backend.gate.set()
+        mapper.map_now([3])
+        assert pool.mapped_groups() == {0, 1, 3}
+        assert set(backend.threads) == {"kvelastic-mapper"}
+    finally:
+        mapper.stop()
+    assert mapper._thread is None
+
+
+def test_map_now_waits_until_the_groups_are_mapped(cache_and_pool, monkeypatch):
+    cache, pool = cache_and_pool
+    backend = GatedBackend(pool, monkeypatch)
+    mapper = GroupMapper(cache)
+    mapper.start()
+    try:
+        backend.gate.clear()
+        waiter = in_thread(mapper.map_now, [5, 6])
+        waiter.join(0.2)
+        assert waiter.is_alive(), "map_now returned before its groups were mapped"
+        assert not mapper.mapped
+        backend.gate.set()
+        waiter.join(5)
+        assert not waiter.is_alive()
+        assert pool.is_mapped(5) and pool.is_mapped(6)
+        mapper.map_now([])  # nothing to map: returns at once
+    finally:
+        mapper.stop()
+
+
+def test_groups_over_the_limit_are_refused_one_by_one(cache_and_pool):
+    cache, pool = cache_and_pool
+    pool.set_limit(3 * GROUP_BYTES)  # group 0 and two more
+    mapper = GroupMapper(cache)
+    mapper.request_map([1, 2, 3, 4])
+    assert pool.mapped_groups() == {0, 1, 2}
+    assert list(mapper.mapped) == [1, 2]
+    assert list(mapper.refused) == [3, 4]
+    assert pool.stats().held_bytes == 3 * GROUP_BYTES
+
+
+def test_a_refused_map_now_still_returns_on_the_threaded_mapper(cache_and_pool):
+    cache, pool = cache_and_pool
+    pool.set_limit(2 * GROUP_BYTES)
+    mapper = GroupMapper(cache)
+    mapper.start()
+    try:
+        waiter = in_thread(mapper.map_now, [1, 2])
+        waiter.join(5)
+        assert not waiter.is_alive(), "map_now hung on a refused group"
+        assert list(mapper.mapped) == [1] and list(mapper.refused) == [2]
+    finally:
+        mapper.stop()
+
+
+def test_the_worker_survives_a_failed_command(cache_and_pool, monkeypatch, kv_log):
+    cache, pool = cache_and_pool
+    backend = GatedBackend(pool, monkeypatch)
+    mapper = GroupMapper(cache)
+    mapper.start()
+    try:
+        backend.fail_next = True
+        waiter = in_thread(mapper.map_now, [1])
+        waiter.join(5)
+        assert not waiter.is_alive(), "map_now hung after the worker hit an error"
+        assert not pool.is_mapped(1)
+        mapper.map_now([2])
+        assert pool.is_mapped(2)
+        assert pool.stats().held_bytes == 2 * GROUP_BYTES + pool.stats().reserve_bytes
+    finally:
+        mapper.stop()
+    assert any("group mapper failed" in r.getMessage() for r in kv_log.records)
+
+
+# -------------------------------------------------------------------- Reclaimer
+block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class Engine(types.SimpleNamespace):
+    def __repr__(self) -> str:  # never let a failure report print KV views over unmapped pages
+        return "<Engine>"
+
+
+@pytest.fixture
+def engine():
+    from kvelastic.integration.block_pool import make_page_aware
+
+    pool, views, cache = build_cache()
+    bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    queue = make_page_aware(bp, cache, GroupMapper(cache))
+    engine = Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, clock=Clock())
+    yield engine
+    pool.close()
+    assert pool.leak_report() == []
+
+
+def reclaimer_for(engine, *, ttl=TTL, reserve_pages=0, **kwargs) -> Reclaimer:
+    return Reclaimer(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=ttl,
+                     reserve_bytes=reserve_pages * PAGE, clock=engine.clock, **kwargs)
+
+
+def cache_and_free(bp, count: int, tag: str) -> list:
+    blocks = bp.get_new_blocks(count)
+    bp.cache_full_blocks(StandInRequest([f"{tag}{i}".encode() for i in range(count)]), blocks, 0, count, BS, 0)
+    bp.free_blocks(blocks)
+    return blocks
+
+
+def cached(bp, tag: str, index: int) -> bool:
+    return bp.get_cached_block(f"{tag}{index}".encode(), [0]) is not None
+
+
+def indices_in_group(engine, blocks: list, group: int) -> list[int]:
+    """Positions (hash tags) of ``blocks`` that live in ``group``."""
+    return [i for i, block in enumerate(blocks) if engine.cache.group_of_block(block.block_id) == group]
+
+
+def all_cached(engine, tag: str, indices: list[int]) -> bool:
+    assert indices
+    return all(cached(engine.bp, tag, i) for i in indices)
+
+
+def none_cached(engine, tag: str, indices: list[int]) -> bool:
+    assert indices
+    return not any(cached(engine.bp, tag, i) for i in indices)
+
+
+def test_cached_groups_are_released_once_idle_past_the_ttl_and_not_before(engine):
+    blocks = cache_and_free(engine.bp, 63, "a")  # blocks 1..63: groups 0 and 1
+    assert sorted(b.block_id for b in blocks) == list(range(1, 64))
+    in_0, in_1 = indices_in_group(engine, blocks, 0), indices_in_group(engine, blocks, 1)
+    assert engine.pool.mapped_groups() == {0, 1, 2}  # group 2 is mapped ahead of need
+    reclaimer = reclaimer_for(engine)
+
+    engine.clock.offset = TTL - 10
+    reclaimer.tick()
+    assert engine.pool.mapped_groups() == {0, 1, 2}
+    assert all_cached(engine, "a", in_1)
+
+    engine.clock.offset = TTL + 10
+    reclaimer.tick()
+    assert not engine.pool.is_mapped(1)
+    assert none_cached(engine, "a", in_1)  # evicted through vLLM's own bookkeeping
+    assert all_cached(engine, "a", in_0)  # group 0 holds the null block and is never released
+    assert engine.queue.ahead_groups == 0  # idle too: nothing kept ahead
+    assert engine.pool.mapped_groups() == {0}
+    assert engine.bp.get_num_free_blocks() == N - 1
+
+
+def test_an_infinite_ttl_never_releases_cached_groups(engine):
+    blocks = cache_and_free(engine.bp, 63, "a")
+    reclaimer = reclaimer_for(engine, ttl=float("inf"))
+    engine.clock.offset = 1e9
+    reclaimer.tick()
+    assert engine.pool.is_mapped(1) and all_cached(engine, "a", indices_in_group(engine, blocks, 1))
+
+
+def test_a_lowered_limit_releases_cached_groups_until_under_it(engine):
+    blocks = cache_and_free(engine.bp, 127, "a")  # blocks 1..127: groups 0..3, all cached
+    assert engine.pool.mapped_groups() == {0, 1, 2, 3, 4}
+    engine.pool.set_limit(3 * GROUP_BYTES)
+    assert engine.pool.stats().over_limit_bytes == 2 * GROUP_BYTES
+    reclaimer = reclaimer_for(engine)
+    reclaimer.tick()  # busy: the TTL has not passed, only the limit forces the release
+    stats = engine.pool.stats()
+    assert stats.over_limit_bytes == 0
+    assert stats.held_bytes == 3 * GROUP_BYTES
+    assert engine.pool.mapped_groups() == {0, 3, 4}  # oldest cached groups went first, then by number
+    assert none_cached(engine, "a", indices_in_group(engine, blocks, 1) + indices_in_group(engine, blocks, 2))
+    assert all_cached(engine, "a", indices_in_group(engine, blocks, 0) + indices_in_group(engine, blocks, 3))
+
+
+def test_live_blocks_are_never_released_to_meet_a_limit(engine):
+    live = engine.bp.get_new_blocks(60)  # groups 0 and 1 in use
+    assert {engine.cache.group_of_block(b.block_id) for b in live} == {0, 1}
+    freed = cache_and_free(engine.bp, 30, "b")  # the rest of group 1, then group 2: cached
+    engine.pool.set_limit(GROUP_BYTES)
+    reclaimer = reclaimer_for(engine)
+    reclaimer.tick()
+    assert {0, 1} <= engine.pool.mapped_groups()
+    assert not engine.pool.is_mapped(2)
+    assert none_cached(engine, "b", indices_in_group(engine, freed, 2))
+    assert all_cached(engine, "b", indices_in_group(engine, freed, 1))  # group 1 is in use: kept
+    for block in live:
+        for view in engine.views:
+            view[:, block.block_id].fill_(1.0)  # live memory stays usable
+    engine.bp.free_blocks(live)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Reclaimer.tick only releases cached groups when over a lowered "
+                                       "limit; an empty group kept mapped ahead of need stays mapped, so the "
+                                       "pool stays over the limit while the engine is busy")
+def test_a_lowered_limit_also_releases_empty_prefetched_groups(engine):
+    live = engine.bp.get_new_blocks(40)  # groups 0 and 1 in use, group 2 mapped ahead
+    assert engine.pool.mapped_groups() == {0, 1, 2}
+    engine.pool.set_limit(2 * GROUP_BYTES)
+    reclaimer_for(engine).tick()
+    assert engine.pool.stats().over_limit_bytes == 0
+    engine.bp.free_blocks(live)
+
+
+def test_the_reserve_grows_while_busy_and_is_trimmed_when_idle(engine):
+    live = engine.bp.get_new_blocks(10)
+    reclaimer = reclaimer_for(engine, reserve_pages=4)
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 4 * PAGE
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 4 * PAGE  # topped up, not grown again
+    assert engine.queue.ahead_groups >= 1
+
+    engine.clock.offset = TTL + 10
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 0
+    assert engine.queue.ahead_groups == 0
+    assert engine.pool.mapped_groups() == {0}  # only the group of the live blocks
+    engine.bp.free_blocks(live)
+
+
+def test_the_reserve_stays_within_the_limit(engine):
+    engine.bp.get_new_blocks(10)
+    held = engine.pool.stats().held_bytes
+    engine.pool.set_limit(held + 2 * PAGE)
+    reclaimer_for(engine, reserve_pages=4).tick()
+    stats = engine.pool.stats()
+    assert stats.reserve_bytes == 2 * PAGE
+    assert stats.over_limit_bytes == 0
+
+
+def test_the_reclaimer_thread_ticks_until_stopped_and_survives_errors(engine, kv_log):
+    ticks: list[float] = []
+    second = threading.Event()
+
+    def after_tick():
+        ticks.append(time.monotonic())
+        if len(ticks) == 1:
+            raise RuntimeError("upkeep hiccup")
+        second.set()
+
+    reclaimer = reclaimer_for(engine, interval_s=0.01, after_tick=after_tick)
+    reclaimer.start()
+    try:
+        assert second.wait(5), "the reclaimer stopped after a failed tick"
+    finally:
+        reclaimer.stop()
+    assert not reclaimer._thread.is_alive()
+    count = len(ticks)
+    time.sleep(0.05)
+    assert len(ticks) == count
+    assert any("reclaimer tick failed" in r.getMessage() for r in kv_log.records)
+
+
+# ------------------------------------------------------------ attach_scheduler
+def test_attach_scheduler_without_a_cache_explains_the_other_process():
+    runtime = Runtime(Settings(enabled=True))
+    with pytest.raises(PatchError) as info:
+        attach_scheduler(types.SimpleNamespace(), runtime)
+    message = str(info.value)
+    assert "no elastic KV cache in its process" in message
+    assert "tensor/pipeline parallelism" in message
+    assert "another process" in message
+    assert "KVELASTIC=0" in message
+
+
+def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+
+    pool, views, cache = build_cache()
+    runtime = Runtime(Settings(enabled=True, prefetch_bytes=3 * GROUP_BYTES, reserve_bytes=2 * PAGE,
+                               chunk_bytes=2 * 1024 * 1024))
+    runtime.plan_capacity(profiled_bytes=5 * GROUP_BYTES, device_total_bytes=64 * 1024 * 1024)
+    runtime.publish(cache)
+    bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    contested: list[bool] = []
+
+    def schedule():
+        probe = in_thread(lambda: contested.append(reclaimer.lock.acquire(blocking=False)))
+        probe.join(5)
+        return "scheduled"
+
+    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp), schedule=schedule,
+                                      update_from_output=lambda *a: a, finish_requests=lambda *a: None)
+    reclaimer = attach_scheduler(scheduler, runtime)
+    queue = bp.free_block_queue
+    try:
+        assert scheduler.kvelastic_reclaimer is reclaimer
+        assert isinstance(queue, PageAwareFreeQueue) and bp.kvelastic_queue is queue
+        assert pool.stats().limit_bytes == 5 * GROUP_BYTES
+        assert queue.max_ahead_groups == 3
+        assert reclaimer.reserve_pages == 2
+        assert scheduler.schedule() == "scheduled"
+        assert contested == [False]  # the reclaimer's lock was held during schedule()
+        assert scheduler.update_from_output(1, 2) == (1, 2)
+        assert not hasattr(scheduler, "reset_prefix_cache")  # absent methods are not invented
+        assert set(LOCKED_METHODS) >= {"schedule", "update_from_output", "finish_requests"}
+        blocks = bp.get_new_blocks(70)
+        assert {cache.group_of_block(b.block_id) for b in blocks} == {0, 1, 2}
+        bp.free_blocks(blocks)
+    finally:
+        reclaimer.stop()
+        queue.mapper.stop()
+        pool.close()
+    assert pool.leak_report() == []
