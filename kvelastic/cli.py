@@ -226,7 +226,10 @@ def budget(size: str | None, gpu: str | None) -> int:
             raise CliError(f"kvelastic budget: several GPUs ({gpus}); choose one with --gpu", EXIT_USAGE)
         for account in accounts:
             if new is not None:
-                account.set_budget(new)
+                try:
+                    account.set_budget(new)
+                except BadLimits as error:
+                    raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
             print(f"GPU {account.gpu_id}: budget {format_size(account.budget)}")
     finally:
         for account in accounts:

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvelastic.cluster.errors import LaunchConfigError
-from kvelastic.cluster.plan import LaunchPlan, check_plan, check_size, check_util, default_plan, make_instance
+from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
+                                    make_instance)
 from kvelastic.cluster.supervisor import NO_GPU_ENV, Supervisor, gpu_problem, port_in_use
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
@@ -107,7 +108,7 @@ def _env_pairs(items: list[str], where: str) -> dict[str, str]:
     return pairs
 
 
-def _group_instance(ns: argparse.Namespace, vllm_args: list[str], index: int) -> Any:
+def _group_instance(ns: argparse.Namespace, vllm_args: list[str], index: int) -> Instance | None:
     where = f"instance {index + 1}"
     if ns.model is None:
         given = [f"--{k}" for k in ("port", "name", "limit", "min") if getattr(ns, k) is not None]
@@ -127,10 +128,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
     options = first.parse_args(groups[0][0])
     namespaces = [options] + [later.parse_args(tokens) for tokens, _ in groups[1:]]
     instances = [_group_instance(ns, vargs, i) for i, (ns, (_, vargs)) in enumerate(zip(namespaces, groups))]
+    util = None if options.gpu_util is None else check_util(options.gpu_util, "--gpu-util")
     settings: dict[str, Any] = {
         "budget": check_size(options.budget, "--budget") if options.budget else None,
         "device": options.device, "parallel": options.parallel, "python": options.python,
-        "gpu_memory_utilization": check_util(options.gpu_util, "--gpu-util") if options.gpu_util else None}
+        "gpu_memory_utilization": util}
     settings = {k: v for k, v in settings.items() if v is not None}
     explicit = [i for i in instances if i is not None]
     if options.config:
@@ -175,7 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.dry_run:
         print(describe(plan, options.json))
         return EXIT_OK
-    problem = gpu_problem(python=plan.python)
+    try:
+        problem = gpu_problem(python=plan.python)
+    except KeyboardInterrupt:  # stopped before anything started
+        return EXIT_OK
     if problem:
         print(f"kvelastic-launch: no usable NVIDIA GPU, nothing started: {problem}", file=sys.stderr)
         return EXIT_NO_GPU

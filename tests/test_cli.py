@@ -102,14 +102,15 @@ def test_status_without_accounts_or_instances_exits_4(shared):
 
 def test_status_watch_refreshes_until_interrupted(fleet, shared):
     env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
-    watcher = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "status", "--watch", "0.2"], env=env,
+    watcher = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "status", "--watch", "0.1"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    time.sleep(1.0)
+    seen, deadline = [], time.time() + 30
+    while sum("GPU GPU-aaaa" in line for line in seen) < 2 and time.time() < deadline:
+        seen.append(watcher.stdout.readline())  # the watcher flushes after every refresh
     watcher.send_signal(signal.SIGINT)
-    out, err = watcher.communicate(timeout=max(1, deadline - time.time()))
+    out, err = watcher.communicate(timeout=30)
     assert watcher.returncode == 0, err
-    assert out.count("GPU GPU-aaaa") >= 2 and "Ctrl-C" in out
+    assert sum("GPU GPU-aaaa" in line for line in seen) >= 2 and "Ctrl-C" in "".join(seen)
 
 
 def test_watch_needs_a_positive_interval(fleet, shared):
@@ -181,6 +182,9 @@ def test_budget_is_shown_and_changed(fleet, shared):
     assert account.budget == 60 * GIB
     bad = kvelastic(shared, "budget", "0")
     assert bad.returncode == 2 and "larger than zero" in bad.stderr
+    below = kvelastic(shared, "budget", "1GiB")  # "small" reserves 2 GiB
+    assert below.returncode == 2 and "below what the members reserve" in below.stderr
+    assert kvelastic(shared, "budget", "lots").returncode == 2
     with SharedAccount.open("GPU-bbbb", GIB):
         several = kvelastic(shared, "budget", "1GiB")
         assert several.returncode == 2 and "--gpu" in several.stderr

@@ -183,14 +183,20 @@ def test_donors_give_all_they_can_when_it_is_not_enough(account):
     assert a.pressure() == 100
 
 
-def test_a_want_expires(shared):
-    with SharedAccount.open(GPU, 100) as acct:
-        acct.want_ttl_s = 0.05
-        a, b = acct.join("a"), acct.join("b")
-        a.acquire(100), a.report(cached_bytes=100)
-        assert not b.acquire(10) and a.pressure() == 10
-        time.sleep(0.1)
-        assert a.pressure() == 0
+def test_a_want_expires(account, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvelastic.cluster import storage
+
+    now = [1000.0]
+    monkeypatch.setattr(storage, "time", SimpleNamespace(time=lambda: now[0]))
+    a, b = account.join("a"), account.join("b")
+    a.acquire(1000), a.report(cached_bytes=1000)
+    assert not b.acquire(10) and a.pressure() == 10
+    now[0] += policy.DEFAULT_WANT_TTL_S
+    assert a.pressure() == 10
+    now[0] += 0.01
+    assert a.pressure() == 0
 
 
 # ------------------------------------------------------------------- liveness
@@ -324,18 +330,24 @@ def test_limits_changed_by_one_process_are_seen_by_another(account):
     child.join(30)
 
 
-def _use_inherited(account: SharedAccount, out) -> None:
+def _use_inherited(account: SharedAccount, parent_member, out) -> None:
+    try:
+        parent_member.acquire(1)
+        out.put("the parent's member worked in the child")
+    except MemberGone:
+        pass
     member = account.join("child")
     out.put(member.acquire(100))
 
 
-def test_a_forked_child_does_not_share_its_parents_lock(account):
+def test_a_forked_child_does_not_share_its_parents_lock_nor_membership(account):
+    parent = account.join("parent")
     out = FORK.Queue()
-    child = FORK.Process(target=_use_inherited, args=(account, out))
+    child = FORK.Process(target=_use_inherited, args=(account, parent, out))
     child.start()
     assert out.get(timeout=30) is True
     child.join(30)
-    assert account.join("parent").acquire(1000)
+    assert parent.acquire(1000)
 
 
 # -------------------------------------------------------------- properties

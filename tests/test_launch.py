@@ -132,6 +132,7 @@ def test_bad_yaml_exits_2_with_a_precise_message(tmp_path, yaml_text, message):
     (["--model", "m", "--port", "1", "--and", "--model", "n", "--port", "1"], "both use port 1"),
     (["--model", "m", "--port", "1", "--env", "NOEQUALS"], "VAR=VALUE"),
     (["--budget", "big"], "--budget"),
+    (["--gpu-util", "0"], "--gpu-util=0.0 must be a fraction"),
     (["--config", "x.yaml", "--model", "m", "--port", "1"], "not both"),
 ])
 def test_bad_arguments_exit_2(args, message):

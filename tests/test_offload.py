@@ -85,6 +85,7 @@ def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
     bp.free_blocks(first)
     second = bp.get_new_blocks(bp.get_num_free_blocks())  # uses every block: cached ones are evicted
     assert manager.counters.spilled_blocks == 30
+    manager.flush()  # the end of the scheduling step: spills are issued before the step's compute
     for block in second:
         _stamp(views, block.block_id, 9)  # new requests overwrite the evicted blocks
     bp.free_blocks(second[:10])
@@ -104,6 +105,7 @@ def test_loads_under_full_memory_evict_unmatched_cached_blocks_only():
     bp.free_blocks(old)
     queue.reclaim_cached(groups_wanted=1)  # group 0 holds the null block: nothing is released
     newer = bp.get_new_blocks(31)  # evicts (and spills) all 31 cached blocks
+    manager.flush()
     for block in newer:
         _stamp(views, block.block_id, 6)
     bp.cache_full_blocks(StandInRequest([b"n%d" % i for i in range(31)]), newer, 0, 31, BS, 0)

@@ -269,3 +269,21 @@ def test_fresh_zero_policy_zeroes_new_pages_only():
         pool.close()
     with pytest.raises(PoolError):
         PagePool(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="sometimes")
+
+
+def test_view_of_keeps_the_region_alive(host_pool):
+    t = host_pool.add_tensor(2 * SMALL_PAGE)
+    host_pool.map_groups([0])
+    region = host_pool.region_of(t)
+    extra = host_pool.view_of(region)
+    del t
+    gc.collect()
+    host_pool.map_groups([1])  # would retire the region if nothing held it
+    assert host_pool.regions_alive() == 1
+    extra[:4] = 3
+    assert int(extra[3]) == 3
+    del extra
+    gc.collect()
+    assert host_pool.regions_alive() == 0
+    with pytest.raises(PoolError):
+        host_pool.view_of(region)

@@ -120,7 +120,8 @@ def test_parameters_match_inspect_signature(tree: Path, qualname: str) -> None:
 
 def test_check_target_reports_like_the_gate(tree: Path) -> None:
     v1 = Version.parse("1.5")
-    assert static_check.check_target(tree, _target("Runner.static", ("groups", "dtype"), "staticmethod"), v1) is None
+    static = _target("Runner.static", ("groups", "dtype"), "staticmethod")
+    assert static_check.check_target(tree, static, v1) is None
     problems = {
         "no signature": static_check.check_target(tree, _target("conditional", ("x", "y")), Version.parse("3.0")),
         "params": static_check.check_target(tree, _target("conditional", ("x",)), v1),

@@ -64,9 +64,5 @@ class LaunchConfigError(ConfigError):
     """A launch plan (command line or YAML file) that cannot be run as written."""
 
 
-class NoGpu(ClusterError):
-    """The launcher found no usable NVIDIA GPU, so it starts nothing."""
-
-
 class LaunchFailed(ClusterError):
     """A server of a launch exited, or did not become ready in time."""

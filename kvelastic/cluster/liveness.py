@@ -61,6 +61,17 @@ def process_start_time(pid: int | None = None) -> int:
     return stat[1] if stat else 0
 
 
+_own: tuple[int, int] = (0, 0)
+
+
+def own_start_time() -> int:
+    """This process's start time, read once per process (a forked child reads its own)."""
+    global _own
+    if _own[0] != os.getpid():
+        _own = (os.getpid(), process_start_time())
+    return _own[1]
+
+
 def is_alive(pid: int, start_time: int) -> bool:
     """True while the process ``pid`` that started at ``start_time`` runs (zombies are dead)."""
     if pid <= 0:

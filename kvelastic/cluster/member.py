@@ -9,6 +9,7 @@ Every call is one short locked transaction on the account file.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -48,7 +49,13 @@ class Member:
 
     @contextmanager
     def _mine(self) -> Iterator[tuple[Snapshot, MemberRecord]]:
-        """The account's transaction plus this member's own record (MemberGone if it vanished)."""
+        """The account's transaction plus this member's own record (MemberGone if it vanished).
+
+        A member belongs to the process that joined: a forked child must join on its own.
+        """
+        if os.getpid() != self._identity[0]:
+            raise MemberGone(f"instance {self.name!r} belongs to process {self._identity[0]}, "
+                             f"not to this one ({os.getpid()})")
         with self.account._transaction() as snap:
             record = snap.records[self._slot]
             if self._left or record.name != self.name or (record.pid, record.start_time) != self._identity:

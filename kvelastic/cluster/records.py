@@ -28,6 +28,8 @@ _HEADER = struct.Struct(f"<8sIIIQd{GPU_ID_BYTES}s")
 # name, model, pid, start time, port, min, max, mapped, cached, host, wanted,
 # wanted_at, heartbeat, joined_at
 _RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3d")
+_PID = struct.Struct("<q")
+_PID_OFFSET = NAME_BYTES + MODEL_BYTES
 assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
 
 
@@ -113,6 +115,8 @@ class MemberRecord:
 
     @classmethod
     def unpack(cls, data: bytes, slot: int) -> "MemberRecord":
+        if not _PID.unpack_from(data, _PID_OFFSET)[0]:
+            return cls(slot=slot)  # a free slot: nothing to decode (most of the file, usually)
         (name, model, pid, start_time, port, min_b, max_b, mapped, cached, host, wanted,
          wanted_at, heartbeat, joined_at) = _RECORD.unpack_from(data)
         return cls(name=_decode(name), model=_decode(model), pid=pid, start_time=start_time, port=port,

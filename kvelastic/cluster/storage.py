@@ -76,6 +76,8 @@ class AccountFile:
     # ------------------------------------------------------------ open/close
     def _open(self) -> None:
         flags = os.O_RDWR | (os.O_CREAT if self._create_with is not None else 0)
+        if self._create_with is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(self.path, flags, 0o666)
         except FileNotFoundError:

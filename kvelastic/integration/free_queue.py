@@ -306,6 +306,8 @@ class PageAwareFreeQueue:
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: map what is missing and wait for it."""
+        if not self._mappable_blocks():
+            return  # the pool can map nothing now: do not wait on the worker for a refusal
         groups = self._pop_unmapped(-(-blocks_short // self.cache.blocks_per_group))
         self._requested.update(groups)
         self.mapper.map_now(groups)

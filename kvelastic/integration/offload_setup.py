@@ -26,7 +26,7 @@ def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
     views = []
     for runs in cache.layout.regions:
         region = regions[runs.region]
-        raw = pool.backend.tensor_view(region.address, region.nbytes, owner=None)
+        raw = pool.view_of(region)
         for start, length in runs.runs:
             views.append(torch.as_strided(raw, (cache.num_blocks, length), (runs.block_stride, 1), start))
     return views

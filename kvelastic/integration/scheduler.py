@@ -50,8 +50,8 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
         method = getattr(scheduler, name, None)
         if method is not None:
             after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
-            flush = offload.flush if (offload is not None and name == "schedule") else None
-            setattr(scheduler, name, _locked(lock, method, flush or after))
+            flush = offload.flush if offload is not None else None  # no copy outlives a call
+            setattr(scheduler, name, _locked(lock, method, after or flush))
     reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
     reclaimer.offload = offload

@@ -46,14 +46,18 @@ class OffloadManager:
         self.block_pool = block_pool
         self.counters = OffloadCounters()
         self._pending_loads: list[tuple[int, int]] = []
+        self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
 
     # ------------------------------------------------------------------ spill
     def spill(self, blocks: Sequence[Any], *, before_reuse: bool) -> Fence | None:
-        """Copy the cached ``blocks`` to the host tier; the fence passes when they are there.
+        """Copy the cached ``blocks`` to the host tier.
 
-        ``before_reuse``: the blocks are about to be handed to new requests, so
-        later compute must not overwrite them before the copy has read them.
+        ``before_reuse``: the blocks are being handed to new requests in this
+        scheduling step. Their copies are batched and issued at :meth:`flush`,
+        before the step's compute, which then waits for them. Otherwise (a
+        group is being released) the copy is issued now and the returned fence
+        passes when it is done, so the group is unmapped only after it.
         """
         ids: list[int] = []
         slots: list[int] = []
@@ -67,12 +71,14 @@ class OffloadManager:
                 slots.append(slot)
         if not ids:
             return None
-        fence = self.copier.store(ids, slots, block_compute=before_reuse)
         self.counters.spilled_blocks += len(ids)
-        self.counters.spill_batches += 1
         if not self.counters.first_spill:
             self.counters.first_spill = time.monotonic()
-        return fence
+        if before_reuse:
+            self._pending_spills.extend(zip(ids, slots))
+            return None
+        self.counters.spill_batches += 1
+        return self.copier.store(ids, slots)
 
     # ----------------------------------------------------------------- reload
     def load_on_miss(self, key: Hashable) -> Any | None:
@@ -102,8 +108,14 @@ class OffloadManager:
         self._matched.add(block.block_id)
 
     def flush(self) -> None:
-        """Issue the loads gathered during one scheduling step as one batch."""
+        """Issue the step's spills, then its loads, each as one batch (in that order on one stream)."""
         self._matched.clear()
+        if self._pending_spills:
+            ids = [b for b, _ in self._pending_spills]
+            slots = [s for _, s in self._pending_spills]
+            self._pending_spills.clear()
+            self.copier.store(ids, slots, block_compute=True)
+            self.counters.spill_batches += 1
         if not self._pending_loads:
             return
         ids = [b for b, _ in self._pending_loads]
@@ -115,7 +127,7 @@ class OffloadManager:
 
     def reset(self) -> None:
         """vLLM reset its prefix cache (new weights, say): drop the host copies too."""
-        self._pending_loads.clear()
+        self.flush()
         self.tier.clear()
 
     def stats(self) -> dict[str, Any]:

@@ -129,7 +129,10 @@ def _top_level(root: Path, module: str, name: str) -> tuple[ast.stmt, Path]:
 
 
 def _params(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
-    """Parameter names in ``inspect.signature`` order: positional-only, positional, *args, keyword-only, **kwargs."""
+    """Parameter names in ``inspect.signature`` order.
+
+    That is positional-only, positional, ``*args``, keyword-only, ``**kwargs``.
+    """
     arguments = function.args
     names = [a.arg for a in arguments.posonlyargs + arguments.args]
     if arguments.vararg:
@@ -154,7 +157,8 @@ def find(root: Path, target: Target) -> Found:
     node, path = _top_level(root, target.module, first)
     for part in rest:
         if not isinstance(node, ast.ClassDef):
-            raise StaticLookupError(f"{target.module}: {node.name} is not a class, has no {part}")  # type: ignore[attr-defined]
+            name = getattr(node, "name", first)
+            raise StaticLookupError(f"{target.module}: {name} is not a class, has no {part}")
         inner = _defined(node.body, part)
         if inner is None or isinstance(inner, ast.ImportFrom):
             raise StaticLookupError(f"{target.path} does not exist")

@@ -83,6 +83,13 @@ class PagePool:
             self._regions[region.region_id] = region
             return tensor
 
+    def view_of(self, region: Region) -> "torch.Tensor":
+        """Another flat int8 view of ``region``; it keeps the region alive like the original tensor."""
+        lease = region.lease_ref() if region.lease_ref is not None else None
+        if lease is None or not region.alive:
+            raise PoolError(f"region {region.region_id} has no live tensor")
+        return self.backend.tensor_view(region.address, region.nbytes, lease)
+
     def region_of(self, tensor: "torch.Tensor") -> Region:
         """The region a tensor (or a view of it) lives in."""
         pointer = tensor.data_ptr()
