@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from kvelastic.errors import ConfigError
 
@@ -32,9 +33,9 @@ def parse_size(text: str, *, name: str = "size") -> int:
     scale = _UNITS.get(unit.upper())
     if scale is None:
         raise ConfigError(f"{name}={text!r} has an unknown unit {unit!r}: expected {SIZE_FORM}")
-    value = float(number) * scale
-    if value != int(value):
-        raise ConfigError(f"{name}={text!r} is not a whole number of bytes")
+    value = Decimal(number) * scale  # exact: 4.1MB is 4100000 bytes, not 4099999.99...
+    if value != value.to_integral_value():
+        raise ConfigError(f"{name}={text!r} is not a whole number of bytes: expected {SIZE_FORM}")
     return int(value)
 
 

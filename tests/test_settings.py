@@ -54,16 +54,12 @@ def test_a_fraction_of_a_byte_is_rejected_naming_the_variable():
         parse_size("0.3", name="KVELASTIC_RESERVE")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: units.parse_size's 'not a whole number of bytes' message omits the "
-                                       "accepted form, which settings.py promises for every bad value")
 def test_a_fraction_of_a_byte_also_names_the_accepted_form():
     with pytest.raises(ConfigError) as info:
         parse_size("3.5B", name="KVELASTIC_LIMIT")
     assert SIZE_FORM in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: units.parse_size multiplies a binary float, so exact decimal sizes "
-                                       "such as 4.1MB (4100000 bytes) are rejected as fractional")
 @pytest.mark.parametrize("text, expected", [("4.1MB", 4_100_000), ("8.3MB", 8_300_000), ("8.2GB", 8_200_000_000)])
 def test_exact_decimal_sizes_are_not_lost_to_float_rounding(text, expected):
     assert parse_size(text, name="KVELASTIC_LIMIT") == expected

@@ -73,6 +73,10 @@ class Reclaimer:
                 self.queue.set_idle()
             over = pool.stats().over_limit_bytes
             if over:
+                self.queue.set_idle()  # empty groups mapped ahead go first
+                pool.collect()
+                over = pool.stats().over_limit_bytes
+            if over:
                 groups = -(-over // max(1, self.cache.group_bytes))
                 self.queue.reclaim_cached(groups_wanted=groups)
         pool.collect()
