@@ -51,6 +51,12 @@ def _size(name: str, text: str) -> int:
     return value
 
 
+def _port(name: str, text: str) -> int:
+    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"{name}={text!r} is not a TCP port: expected a number from 1 to 65535")
+    return int(text)
+
+
 def _name(name: str, text: str) -> str:
     value = text.strip()
     if not value or not all(c.isalnum() or c in "-_." for c in value) or len(value) > 64:
@@ -72,6 +78,9 @@ class Settings:
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
     name: str | None = None
+    min_bytes: int = 0
+    port: int = 0
+    shared_budget_bytes: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -101,4 +110,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "name": ("KVELASTIC_NAME", _name),
+    "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
+    "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),
+    "shared_budget_bytes": ("KVELASTIC_SHARED_BUDGET", _size),
 }

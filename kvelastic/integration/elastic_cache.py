@@ -8,7 +8,7 @@ once its blocks are free. Both run in the engine-core process on one GPU.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from kvelastic.integration.kv_layout import KVGroupLayout
 from kvelastic.pool import Fence, PagePool
@@ -30,6 +30,8 @@ class ElasticKVCache:
         self.group_bytes = layout.bytes_per_group()
         self._device_free_cache: tuple[float, int | None] = (0.0, None)
         self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
+        #: Bytes a budget outside this process still grants us (the GPU's shared account), or None.
+        self.external_headroom: Callable[[], int | None] | None = None
         pool.map_groups([NULL_GROUP])
 
     @property
@@ -80,6 +82,9 @@ class ElasticKVCache:
             device_free = self.pool.backend.device_free_bytes()
             if device_free is not None:
                 device_free = max(0, device_free - self.device_margin)
+            external = self.external_headroom() if self.external_headroom is not None else None
+            if external is not None:
+                device_free = external if device_free is None else min(device_free, external)
             self._device_free_cache = (now, device_free)
         available = self.pool.headroom_estimate(device_free)
         if available is None:

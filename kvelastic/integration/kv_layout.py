@@ -33,6 +33,9 @@ def runs_of_view(shape: Sequence[int], stride: Sequence[int], element_size: int,
                  byte_offset: int, num_blocks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries."""
     candidates = [d for d, n in enumerate(shape) if n >= num_blocks and n % num_blocks == 0]
+    exact = [d for d in candidates if shape[d] == num_blocks]
+    if len(exact) == 1:
+        candidates = exact  # a kernel block split only applies when no dimension matches exactly
     if len(candidates) != 1:
         raise LayoutError(f"cannot tell the block dimension of a KV view of shape {tuple(shape)} "
                           f"for {num_blocks} blocks (candidates: {candidates})")

@@ -40,6 +40,7 @@ class Reclaimer:
         self.clock = clock
         self.after_tick = after_tick
         self.offload: Any = None
+        self.link: Any = None  # the engine's membership in the GPU's shared account
         self._last_log = 0.0
         self._last_line = ""
         self._stop = threading.Event()
@@ -65,7 +66,12 @@ class Reclaimer:
         """One round of upkeep; safe to call from tests without the thread."""
         now = self.clock()
         pool = self.cache.pool
+        pressure = self.link.tick(self.queue, self.offload) if self.link is not None else 0
         with self.lock:
+            if pressure:  # other engines on this GPU are waiting: warm and cached memory goes first
+                self.queue.set_idle()
+                pool.trim_reserve(0)
+                self.queue.reclaim_cached(groups_wanted=-(-pressure // max(1, self.cache.group_bytes)))
             if math.isfinite(self.cache_ttl_s):
                 self.queue.reclaim_cached(idle_before=now - self.cache_ttl_s)
             busy = now - self.queue.last_allocation < max(self.cache_ttl_s, 1.0)

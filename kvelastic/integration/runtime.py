@@ -19,6 +19,7 @@ from kvelastic.units import format_size
 if TYPE_CHECKING:
     from kvelastic.integration.elastic_cache import ElasticKVCache
     from kvelastic.pool import PagePool, PhysicalBackend
+    from kvelastic.pool.sources import PageSource
 
 log = logging.getLogger("kvelastic")
 
@@ -47,6 +48,7 @@ class Runtime:
         self.plan: CapacityPlan | None = None
         self.cache: "ElasticKVCache | None" = None
         self._pools: list["PagePool"] = []
+        self.budget_sources: dict[int, Any] = {}
         self._allocating = threading.local()
         self._lock = threading.Lock()
 
@@ -67,8 +69,19 @@ class Runtime:
         """A pool for the allocation in progress; earlier pools retire once their tensors die."""
         from kvelastic.pool import PagePool
 
-        # No limit yet: start-up warm-up maps what it needs; the scheduler applies the limit.
-        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, zero_on_map="fresh")
+        from kvelastic.cluster.source import SharedBudgetSource
+
+        # No limit and no shared-budget gate yet: start-up warm-up maps what it needs;
+        # the scheduler applies the limit and joins the GPU's shared account.
+        holder: list[SharedBudgetSource] = []
+
+        def gate(device: "PageSource") -> "PageSource":
+            holder.append(SharedBudgetSource(device))
+            return holder[0]
+
+        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, zero_on_map="fresh",
+                        wrap_device=gate)
+        self.budget_sources[id(pool)] = holder[0]
         with self._lock:
             self._pools.append(pool)
         self._allocating.pool = pool
@@ -98,6 +111,7 @@ class Runtime:
                     keep.append(pool)
                 else:
                     pool.close()
+                    self.budget_sources.pop(id(pool), None)
             self._pools = keep
 
     def describe(self) -> dict[str, Any]:

@@ -55,11 +55,23 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
     reclaimer.offload = offload
+    reclaimer.link = _join_cluster(scheduler, runtime, cache, limit)
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
              cache.num_blocks, cache.num_groups, cache.blocks_per_group)
     return reclaimer
+
+
+def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:
+    """Join the GPU's shared account; None where the pool has no shared-budget gate."""
+    source = runtime.budget_sources.get(id(cache.pool))
+    if source is None:
+        return None
+    from kvelastic.integration.cluster_link import ClusterLink
+
+    model = str(getattr(getattr(scheduler.vllm_config, "model_config", None), "model", "") or "")
+    return ClusterLink(cache, source, runtime.settings, model, limit)
 
 
 def _locked(lock: threading.RLock, method: Any, then: Any = None) -> Any:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError
 from kvelastic.pool.backend import Fence, MapRun, PhysicalBackend
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
 from kvelastic.pool.region import Region, RegionLease
-from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
+from kvelastic.pool.sources import DeviceSource, LimitedSource, PageSource, ReserveSource
 from kvelastic.pool.stats import PoolStats
 from kvelastic.units import align_up
 
@@ -32,10 +32,13 @@ class PagePool:
     """Tensors over reserved virtual memory, backed page group by page group."""
 
     def __init__(self, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 limit_bytes: int | None = None, zero_on_map: bool | str = True):
+                 limit_bytes: int | None = None, zero_on_map: bool | str = True,
+                 wrap_device: Callable[[PageSource], PageSource] | None = None):
         """``zero_on_map``: True zeroes every page as it is mapped (torch.zeros semantics);
         ``"fresh"`` zeroes only pages never mapped before by this pool (recycled pages
         keep this pool's own old data, as reused vLLM blocks do); False never zeroes.
+        ``wrap_device`` inserts a source above the device (a budget shared with
+        other processes), so that it sees every page created or destroyed.
         """
         if zero_on_map not in (True, False, "fresh"):
             raise PoolError(f"zero_on_map must be True, False or 'fresh', not {zero_on_map!r}")
@@ -47,7 +50,8 @@ class PagePool:
         backend.use_page_size(page_bytes)
         self.zero_on_map = zero_on_map
         self._device = DeviceSource(backend, page_bytes)
-        self._limited = LimitedSource(self._device, limit_bytes)
+        upstream: PageSource = wrap_device(self._device) if wrap_device else self._device
+        self._limited = LimitedSource(upstream, limit_bytes)
         self._reserve = ReserveSource(self._limited, on_drop=self._forget_handles)
         self._lock = threading.RLock()
         self._regions: dict[int, Region] = {}
