@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import publish_views, startup_blocks
+from kvelastic.integration.allocation import publish_after_initialize
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._common import ALL, argument
+from kvelastic.patches._common import ALL
 
 TARGET = Target(
     module="vllm.v1.worker.gpu.model_runner",
@@ -17,18 +17,8 @@ TARGET = Target(
 )
 
 
-def _initialize(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    result = wrapped(*args, **kwargs)
-    pool = runtime.finish_allocation()
-    if pool is not None:
-        config = argument(wrapped, args, kwargs, "kv_cache_config")
-        publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
-                      premap_blocks=startup_blocks(instance, config))
-    return result
-
-
 def apply(patcher: Any, runtime: Any) -> None:
-    patcher.wrap(TARGET, functools.partial(_initialize, runtime))
+    patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime))
 
 
 PATCH = Patch("v2_initialize_kv_cache", "V2 runner: publish the KV block layout to the scheduler",

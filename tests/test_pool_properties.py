@@ -8,22 +8,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvelastic.errors import PoolExhausted
-from kvelastic.pool import Fence, HostBackend, PagePool
+from kvelastic.pool import HostBackend, PagePool
+from tests.test_pool_host import ManualFence
 
 PAGE = 16 * 1024
 GROUPS = 12
 TENSOR_PAGES = (12, 12, 7)
-
-
-class _Fence(Fence):
-    def __init__(self) -> None:
-        self.done = False
-
-    def is_done(self) -> bool:
-        return self.done
-
-    def wait(self) -> None:
-        self.done = True
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -34,7 +24,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = PagePool(HostBackend(max_bytes=40 * PAGE), page_bytes=PAGE)
         self.tensors = [self.pool.add_tensor(n * PAGE) for n in TENSOR_PAGES]
         self.mapped: set[int] = set()
-        self.fences: list[_Fence] = []
+        self.fences: list[ManualFence] = []
         self.stamp: dict[int, int] = {}
         self.counter = 0
 
@@ -60,7 +50,7 @@ class PoolMachine(RuleBasedStateMachine):
     def unmap(self, groups: set[int], fenced: bool) -> None:
         fence = None
         if fenced:
-            fence = _Fence()
+            fence = ManualFence()
             self.fences.append(fence)
         self.pool.unmap_groups(groups, fence=fence)
         self.mapped -= groups

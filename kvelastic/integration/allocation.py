@@ -88,3 +88,20 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
              layout.num_groups, layout.blocks_per_group, format_size(cache.group_bytes),
              format_size(stats.mapped_bytes))
     return cache
+
+
+def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Wrapper body shared by both runners' ``initialize_kv_cache``: run it, then publish the views.
+
+    Both runners bind their reshaped KV views to ``runner.kv_caches`` before
+    returning; the allocation in progress (if it went to the pool) is published.
+    """
+    import inspect
+
+    result = wrapped(*args, **kwargs)
+    pool = runtime.finish_allocation()
+    if pool is not None:
+        config = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments["kv_cache_config"]
+        publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
+                      premap_blocks=startup_blocks(instance, config))
+    return result
