@@ -84,6 +84,9 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
             log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
             return None
         _Once.current = Activation(runtime, patcher, version, result.band)
+        from kvelastic.integration.metrics import register_collector
+
+        register_collector()  # serves kvelastic_* on /metrics in the API-server process
         log.info("kvelastic %s on vLLM %s (band %s): patches applied: %s", __version__, version,
                  result.band, ", ".join(p.name for p in result.patches))
         return _Once.current

@@ -41,6 +41,7 @@ class Reclaimer:
         self.after_tick = after_tick
         self.offload: Any = None
         self.link: Any = None  # the engine's membership in the GPU's shared account
+        self.publisher: Any = None  # writes the snapshot behind kvelastic_* metrics
         self._last_log = 0.0
         self._last_line = ""
         self._stop = threading.Event()
@@ -93,8 +94,20 @@ class Reclaimer:
         else:
             pool.trim_reserve(0)
         self._log_stats(now)
+        if self.publisher is not None:
+            self.publisher.publish(self.snapshot())
         if self.after_tick is not None:
             self.after_tick()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Numbers behind the kvelastic_* metrics."""
+        stats = self.cache.pool.stats()
+        values: dict[str, Any] = {"mapped_bytes": stats.mapped_bytes, "held_bytes": stats.held_bytes,
+                                  "limit_bytes": stats.limit_bytes or 0,
+                                  "cached_bytes": self.queue.cached_groups() * self.cache.group_bytes}
+        if self.offload is not None:
+            values.update(self.offload.stats())
+        return values
 
     def _log_stats(self, now: float) -> None:
         """One line every ``STATS_PERIOD_S`` while something changed: pool and host tier."""

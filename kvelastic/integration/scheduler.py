@@ -56,11 +56,25 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
     reclaimer.offload = offload
     reclaimer.link = _join_cluster(scheduler, runtime, cache, limit)
+    reclaimer.publisher = _publisher(reclaimer.link)
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
              cache.num_blocks, cache.num_groups, cache.blocks_per_group)
     return reclaimer
+
+
+def _publisher(link: Any) -> Any:
+    """The metrics snapshot writer, named like the engine's account membership."""
+    import os
+
+    from kvelastic.integration.metrics import StatsPublisher
+
+    publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}")
+    import atexit
+
+    atexit.register(publisher.remove)
+    return publisher
 
 
 def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:

@@ -1,0 +1,121 @@
+"""kvelastic_* metrics on vLLM's Prometheus ``/metrics``.
+
+The numbers live in the engine-core process (pool, host tier), but ``/metrics``
+is served by the API-server process. The engine therefore publishes a small
+JSON snapshot under ``/dev/shm`` on every reclaimer tick, and a collector
+registered in the API server's default registry reads the snapshots of its own
+engine processes (those whose parent it is) when Prometheus scrapes. With
+``PROMETHEUS_MULTIPROC_DIR`` set vLLM serves a separate registry, which this
+collector does not reach: the values are still logged every 10 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+PREFIX = "kvelastic-stats-"
+GAUGES = {
+    "mapped_bytes": "Physical KV bytes mapped on the GPU",
+    "held_bytes": "Physical KV bytes held (mapped, waiting for a fence, or warm)",
+    "limit_bytes": "Physical KV byte limit of this engine (0: none)",
+    "cached_bytes": "GPU bytes in groups holding only cached prefix blocks",
+    "host_bytes_used": "Host-tier bytes holding spilled blocks",
+    "arc_p": "ARC's target size of its recency list, in blocks",
+}
+COUNTERS = {
+    "spilled_bytes": "KV bytes copied from the GPU to the host tier",
+    "reloaded_bytes": "KV bytes copied back from the host tier on a prefix hit",
+    "host_hits": "Prefix lookups served by the host tier",
+    "host_misses": "Prefix lookups the host tier could not serve",
+}
+
+
+def stats_dir() -> Path:
+    return Path(os.environ.get("KVELASTIC_SHARED_DIR", "/dev/shm"))
+
+
+class StatsPublisher:
+    """Writes this engine's snapshot atomically (write, then rename) for the collector."""
+
+    def __init__(self, name: str, directory: Path | None = None):
+        self.name = name
+        self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}.json"
+
+    def publish(self, values: dict[str, Any]) -> None:
+        record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
+                  "values": values}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def read_snapshots(directory: Path, parent: int) -> list[dict[str, Any]]:
+    """Snapshots written by ``parent``'s children (or by ``parent`` itself), skipping dead ones."""
+    found = []
+    for path in directory.glob(f"{PREFIX}*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if parent not in (record.get("ppid"), record.get("pid")):
+            continue
+        if not Path(f"/proc/{record['pid']}").exists():
+            path.unlink(missing_ok=True)
+            continue
+        found.append(record)
+    return found
+
+
+class KvelasticCollector:
+    """A prometheus_client collector over the snapshots of this process's engines."""
+
+    def __init__(self, directory: Path | None = None, parent: int | None = None):
+        self.directory = directory or stats_dir()
+        self.parent = parent or os.getpid()
+
+    def describe(self) -> list:
+        return []  # values are read at scrape time; nothing to pre-declare
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots(self.directory, self.parent)
+        for key, help_text in GAUGES.items():
+            family = GaugeMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
+            for s in snapshots:
+                if s["values"].get(key) is not None:
+                    family.add_metric([s["name"]], float(s["values"][key]))
+            yield family
+        for key, help_text in COUNTERS.items():
+            family = CounterMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
+            for s in snapshots:
+                if s["values"].get(key) is not None:
+                    family.add_metric([s["name"]], float(s["values"][key]))
+            yield family
+
+
+class _Registered:
+    lock = threading.Lock()
+    done = False
+
+
+def register_collector() -> bool:
+    """Register the collector in prometheus_client's default registry, once per process."""
+    with _Registered.lock:
+        if _Registered.done:
+            return True
+        try:
+            from prometheus_client import REGISTRY
+        except ImportError:
+            return False
+        REGISTRY.register(KvelasticCollector())
+        _Registered.done = True
+        return True
