@@ -13,48 +13,19 @@ import time
 import types
 
 import pytest
-import torch
 
 from kvelastic.errors import PatchError
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.scheduler import LOCKED_METHODS, attach_scheduler
-from kvelastic.pool import HostBackend, PagePool
+from kvelastic.pool import PagePool
 from kvelastic.settings import Settings
+from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, HALF, LAYERS, PAGE, N,  # noqa: F401
+                                StandInRequest,
+                                build_cache)
 
-N, BS, H, D, LAYERS = 256, 16, 2, 32, 3
-HALF = BS * H * D * 2              # bytes of a block's K (or V) half in one layer
-PAGE = 32 * HALF                   # 64 KiB pages: 32 blocks per group
-BLOCKS_PER_GROUP = 32
-GROUP_PAGES = 2 * LAYERS           # K and V page of every layer
-GROUP_BYTES = GROUP_PAGES * PAGE
 TTL = 100.0
-
-
-class StandInRequest:
-    """The one attribute ``BlockPool.cache_full_blocks`` reads from a request."""
-
-    def __init__(self, hashes: list[bytes]):
-        self.block_hashes = hashes
-
-
-def build_cache(limit_groups: int | None = None):
-    pool = PagePool(HostBackend(), page_bytes=PAGE)
-    raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
-    views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
-    per_view = []
-    for raw, view in zip(raws, views):
-        region = pool.region_of(raw)
-        per_view.append((region.region_id, *runs_of_view(view.shape, view.stride(), 2,
-                                                          view.data_ptr() - region.address, N)))
-    layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
-    if limit_groups is not None:
-        pool.set_limit(limit_groups * GROUP_BYTES)
-    cache = ElasticKVCache(pool, layout)
-    return pool, views, cache
 
 
 @pytest.fixture

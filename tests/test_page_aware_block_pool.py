@@ -15,37 +15,16 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
-from kvelastic.pool import HostBackend, PagePool
+
+from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache  # noqa: E402,F401
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 BlockPool = block_pool_module.BlockPool
 
-N, BS, H, D, LAYERS = 256, 16, 2, 32, 3
-HALF = BS * H * D * 2
-PAGE = 32 * HALF  # 32 blocks per group
-GROUP_PAGES = 2 * LAYERS
-
-
-class StandInRequest:
-    def __init__(self, hashes: list[bytes]):
-        self.block_hashes = hashes
 
 
 def build(limit_groups: int | None):
-    pool = PagePool(HostBackend(), page_bytes=PAGE)
-    raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
-    views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
-    per_view = []
-    for raw, view in zip(raws, views):
-        region = pool.region_of(raw)
-        per_view.append((region.region_id, *runs_of_view(view.shape, view.stride(), 2,
-                                                          view.data_ptr() - region.address, N)))
-    layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
-    if limit_groups is not None:
-        pool.set_limit(limit_groups * GROUP_PAGES * PAGE)
-    cache = ElasticKVCache(pool, layout)
+    pool, views, cache = build_cache(limit_groups)
     block_pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(block_pool, cache)
     return pool, views, cache, block_pool, queue

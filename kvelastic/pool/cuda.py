@@ -15,7 +15,6 @@ extra page when given a whole run, hence one access call and one zero-fill per
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kvelastic.errors import BackendUnavailable, DeviceOutOfMemory, DriverError, PoolClosedError, PoolError

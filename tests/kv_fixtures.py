@@ -1,0 +1,43 @@
+"""A small host-backed KV cache shaped like vLLM's FlashAttention layout, shared by the tests.
+
+Three layers of (2, N, 16, 2, 32) bf16 views: each block has a K half and a V
+half of 2 KiB per layer; 64 KiB pages hold 32 blocks, so a group is 6 pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.pool import HostBackend, PagePool
+
+N, BS, H, D, LAYERS = 256, 16, 2, 32, 3
+HALF = BS * H * D * 2              # bytes of a block's K (or V) half in one layer
+PAGE = 32 * HALF                   # 64 KiB pages: 32 blocks per group
+BLOCKS_PER_GROUP = 32
+GROUP_PAGES = 2 * LAYERS           # K and V page of every layer
+GROUP_BYTES = GROUP_PAGES * PAGE
+
+
+class StandInRequest:
+    """The one attribute ``BlockPool.cache_full_blocks`` reads from a request."""
+
+    def __init__(self, hashes: list[bytes]):
+        self.block_hashes = hashes
+
+
+def build_cache(limit_groups: int | None = None):
+    """(pool, per-layer views, elastic cache) over the host backend."""
+    pool = PagePool(HostBackend(), page_bytes=PAGE)
+    raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
+    views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
+    per_view = []
+    for raw, view in zip(raws, views):
+        region = pool.region_of(raw)
+        per_view.append((region.region_id, *runs_of_view(view.shape, view.stride(), 2,
+                                                          view.data_ptr() - region.address, N)))
+    layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
+    if limit_groups is not None:
+        pool.set_limit(limit_groups * GROUP_BYTES)
+    return pool, views, ElasticKVCache(pool, layout)
