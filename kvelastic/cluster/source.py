@@ -50,17 +50,19 @@ class SharedBudgetSource(PageSource):
             member.adopt(self._outstanding)
             self.member = member
 
-    def acquire(self, count: int) -> list[Any]:
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
         if count <= 0:
             return []
         with self._lock:
-            return self._acquire(count)
+            return self._acquire(count, force)
 
-    def _acquire(self, count: int) -> list[Any]:
+    def _acquire(self, count: int, force: bool) -> list[Any]:
         nbytes = count * self.page_bytes
-        if self.member is None:
+        if self.member is None or force:
             handles = self.upstream.acquire(count)
             self._outstanding += nbytes
+            if self.member is not None:
+                self.member.adopt(nbytes)  # counted, not asked: the account must show what exists
             return handles
         grant = self.member.request(nbytes)
         if not grant.granted:

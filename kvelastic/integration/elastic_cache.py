@@ -52,9 +52,9 @@ class ElasticKVCache:
     def blocks_of_group(self, group: int) -> range:
         return self.layout.blocks_of_group(group)
 
-    def map_groups(self, groups: Iterable[int]) -> None:
+    def map_groups(self, groups: Iterable[int], *, force: bool = False) -> None:
         """Map groups before their blocks are handed out; raises PoolExhausted."""
-        self.pool.map_groups(groups)
+        self.pool.map_groups(groups, force=force)
         self._device_free_cache = (0.0, None)
 
     def unmap_groups(self, groups: Iterable[int], after: Sequence[Fence] = ()) -> None:

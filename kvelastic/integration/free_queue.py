@@ -22,12 +22,15 @@ request needs, so running out of physical memory is a scheduling miss.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable
 
 from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.integration.mapper import GroupMapper
+
+log = logging.getLogger("kvelastic")
 
 BURST_WINDOW_S = 2.0
 MAPPABLE_TTL_S = 0.001
@@ -113,6 +116,8 @@ class PageAwareFreeQueue:
             self.spill_hook(evicted, before_reuse=True)
         taken.extend(evicted)
         if len(taken) < n:
+            self._overcommit(n - len(taken), taken)
+        if len(taken) < n:
             for block in taken:
                 self._to_free(block)
             raise ValueError(f"Cannot get {n} free blocks from the pool: "
@@ -128,6 +133,23 @@ class PageAwareFreeQueue:
         self._note_burst(now, n)
         self._balance()
         return taken
+
+    def _overcommit(self, blocks_short: int, taken: list[Any]) -> None:
+        """vLLM counted on blocks our estimate promised but the limit or budget now refuses.
+
+        Going over the (soft) limit keeps the scheduler's decision valid; the
+        reclaimer brings the pool back under it. Only the device saying no
+        turns this into an error.
+        """
+        groups = self._pop_unmapped(-(-blocks_short // self.cache.blocks_per_group))
+        self._requested.update(groups)
+        self.mapper.map_now(groups, force=True)
+        self._adopt_mapped()
+        before = len(taken)
+        self._take_uncached(len(taken) + blocks_short, taken)
+        if len(taken) > before:
+            log.warning("kvelastic: mapped %d blocks past the limit to honour a scheduling decision made "
+                        "on a stale estimate; the reclaimer will return them", len(taken) - before)
 
     def take_block_for_load(self, protected: set[int]) -> Any | None:
         """One free block to load a host-tier block into, or None.

@@ -23,7 +23,7 @@ from kvelastic.integration.elastic_cache import ElasticKVCache
 
 log = logging.getLogger("kvelastic")
 
-MAP, UNMAP = "map", "unmap"
+MAP, UNMAP, FORCE_MAP = "map", "unmap", "force-map"
 
 
 class GroupMapper:
@@ -56,10 +56,13 @@ class GroupMapper:
         """Unmap ``groups`` once the GPU is done with them, and once fence ``after`` passes."""
         self._submit(UNMAP, groups, None, after)
 
-    def map_now(self, groups: list[int]) -> None:
-        """Map ``groups`` after everything queued before them, and wait until done."""
+    def map_now(self, groups: list[int], *, force: bool = False) -> None:
+        """Map ``groups`` after everything queued before them, and wait until done.
+
+        ``force``: past the limit and the shared budget (never past the device).
+        """
         done = threading.Event()
-        self._submit(MAP, groups, done)
+        self._submit(FORCE_MAP if force else MAP, groups, done)
         if self._thread is not None:
             done.wait()
 
@@ -93,8 +96,8 @@ class GroupMapper:
                 batch.append(self._commands.popleft())
             groups = [g for _, g, _, _ in batch]
             try:
-                if kind == MAP:
-                    self._map(groups)
+                if kind in (MAP, FORCE_MAP):
+                    self._map(groups, force=kind == FORCE_MAP)
                 else:
                     after = [a for a in {id(a): a for _, _, _, a in batch if a is not None}.values()]
                     self.cache.unmap_groups(groups, after=after)
@@ -103,16 +106,16 @@ class GroupMapper:
                     if done is not None:
                         done.set()
 
-    def _map(self, groups: list[int]) -> None:
+    def _map(self, groups: list[int], force: bool = False) -> None:
         try:
-            self.cache.map_groups(groups)
+            self.cache.map_groups(groups, force=force)
             self.mapped.extend(groups)
             return
         except PoolExhausted:
             pass
         for i, group in enumerate(groups):
             try:
-                self.cache.map_groups([group])
+                self.cache.map_groups([group], force=force)
             except PoolExhausted:
                 self.refused.extend(groups[i:])
                 return

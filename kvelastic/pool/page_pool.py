@@ -132,11 +132,12 @@ class PagePool:
             self._layout = layout
 
     # ----------------------------------------------------------- map / unmap
-    def map_groups(self, groups: Iterable[int]) -> int:
+    def map_groups(self, groups: Iterable[int], *, force: bool = False) -> int:
         """Map every group in ``groups`` that is not mapped yet; return how many were new.
 
         All or nothing: if the limit or the device refuses, nothing changes and
-        :class:`PoolExhausted` (or a subclass) is raised.
+        :class:`PoolExhausted` (or a subclass) is raised. ``force`` goes past the
+        limit (and any budget above the device), never past the device itself.
         """
         with self._lock:
             self._check_open()
@@ -147,7 +148,7 @@ class PagePool:
                 return 0
             wanted = self._pages_to_back(layout, new_groups)
             fresh = [ref for ref in wanted if ref not in self._handles]
-            handles = self._reserve.acquire(len(fresh))
+            handles = self._reserve.acquire(len(fresh), force=force)
             try:
                 self._map_fresh(fresh, handles)
             except BaseException:

@@ -26,8 +26,12 @@ class PageSource(ABC):
         self.page_bytes = page_bytes
 
     @abstractmethod
-    def acquire(self, count: int) -> list[Any]:
-        """Return ``count`` page handles or raise :class:`PoolExhausted` having taken none."""
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
+        """Return ``count`` page handles or raise :class:`PoolExhausted` having taken none.
+
+        ``force`` overrides policy (limits, budgets) but not physics: the device
+        may still refuse. It exists for commitments made on a stale estimate.
+        """
 
     @abstractmethod
     def release(self, handles: list[Any]) -> None:
@@ -48,7 +52,7 @@ class DeviceSource(PageSource):
         self._live = 0
         self.created_total = 0
 
-    def acquire(self, count: int) -> list[Any]:
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
         handles: list[Any] = []
         try:
             for _ in range(count):
@@ -86,15 +90,15 @@ class LimitedSource(PageSource):
             return None
         return max(0, self.limit_bytes - self._outstanding)
 
-    def acquire(self, count: int) -> list[Any]:
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
         wanted = count * self.page_bytes
         headroom = self.headroom_bytes()
-        if headroom is not None and wanted > headroom:
+        if headroom is not None and wanted > headroom and not force:
             raise PoolLimitExceeded(
                 f"mapping {format_size(wanted)} more would exceed the limit of "
                 f"{format_size(self.limit_bytes or 0)} ({format_size(self._outstanding)} held)",
                 requested_bytes=wanted, available_bytes=headroom)
-        handles = self.upstream.acquire(count)
+        handles = self.upstream.acquire(count, force=force)
         self._outstanding += wanted
         return handles
 
@@ -124,9 +128,9 @@ class ReserveSource(PageSource):
     def cached_pages(self) -> int:
         return len(self._cached)
 
-    def acquire(self, count: int) -> list[Any]:
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
         from_cache = min(count, len(self._cached))
-        fresh = self.upstream.acquire(count - from_cache) if count > from_cache else []
+        fresh = self.upstream.acquire(count - from_cache, force=force) if count > from_cache else []
         handles = [self._cached.popleft() for _ in range(from_cache)] + fresh
         self.hits += from_cache
         self.misses += len(fresh)
