@@ -82,10 +82,18 @@ def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | Non
     source = runtime.budget_sources.get(id(cache.pool))
     if source is None:
         return None
+    from kvelastic.cluster.errors import NameInUse
     from kvelastic.integration.cluster_link import ClusterLink
 
     model = str(getattr(getattr(scheduler.vllm_config, "model_config", None), "model", "") or "")
-    return ClusterLink(cache, source, runtime.settings, model, limit)
+    try:
+        return ClusterLink(cache, source, runtime.settings, model, limit)
+    except NameInUse:
+        raise  # a configuration error the user must fix: two live engines with one name
+    except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
+        log.warning("kvelastic: could not join this GPU's shared KV account (%s); this engine runs "
+                    "with its own limit only", exc)
+        return None
 
 
 def _locked(lock: threading.RLock, method: Any, then: Any = None) -> Any:
