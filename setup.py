@@ -13,7 +13,11 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "kvelastic-autopatch.pth"
-HERE = Path(__file__).resolve().parent
+# One line, run by `site` at every interpreter start: imports nothing unless KVELASTIC is on.
+PTH_LINE = (
+    'import os; os.environ.get("KVELASTIC", "").strip().lower() not in ("", "0", "false", "no", "off") '
+    'and __import__("kvelastic._autopatch")._autopatch.install_if_enabled()\n'
+)
 
 
 class BuildPyWithPth(build_py):
@@ -21,7 +25,7 @@ class BuildPyWithPth(build_py):
 
     def run(self) -> None:
         super().run()
-        self.copy_file(str(HERE / PTH), str(Path(self.build_lib) / PTH), preserve_mode=0)
+        Path(self.build_lib, PTH).write_text(PTH_LINE)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / PTH)]
@@ -35,7 +39,7 @@ class _StrategyAddingPth:
 
     def __call__(self, wheel, files, mapping):  # noqa: ANN001
         self.inner(wheel, files, mapping)
-        wheel.writestr(PTH, (HERE / PTH).read_text())
+        wheel.writestr(PTH, PTH_LINE)
 
     def __enter__(self):
         self.inner.__enter__()

@@ -28,6 +28,17 @@ PTH = "kvelastic-autopatch.pth"
 TIMEOUT_S = 300
 MARK = "KVELASTIC-TEST-RESULT:"
 
+
+def pth_line() -> str:
+    """The hook line as setup.py writes it (read from setup.py's source, without running setup())."""
+    import ast
+
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PTH_LINE" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no PTH_LINE")
+
 PROBE = f"""
 import json, sys, types
 import vllm
@@ -124,7 +135,7 @@ def test_the_pth_hook_is_installed_in_site_packages():
     found = [d / PTH for d in dirs if (d / PTH).is_file()]
     assert found, f"{PTH} is in none of {dirs}: reinstall kvelastic (pip install -e .)"
     installed = found[0].read_text().strip()
-    assert installed == (REPO / PTH).read_text().strip(), "the installed hook is stale: reinstall kvelastic"
+    assert installed == pth_line().strip(), "the installed hook is stale: reinstall kvelastic"
     assert installed.count("\n") == 0, "a .pth runs only single lines that start with 'import'"
     assert installed.startswith("import ")
 
@@ -143,7 +154,7 @@ def test_the_pth_line_hands_every_value_but_off_to_the_autopatch(monkeypatch, va
         monkeypatch.delenv("KVELASTIC", raising=False)
     else:
         monkeypatch.setenv("KVELASTIC", value)
-    exec((REPO / PTH).read_text(), {})  # noqa: S102 - our own one-line hook, run as site.py would
+    exec(pth_line(), {})  # noqa: S102 - our own one-line hook, run as site.py would
     assert len(seen) == calls
     if calls and value != "banana":
         assert autopatch.enabled() is True
@@ -238,7 +249,7 @@ def test_wheel_carries_the_pth_hook_at_its_root(tmp_path):
     with zipfile.ZipFile(wheels[0]) as wheel:
         names = wheel.namelist()
         assert PTH in names, "the .pth must sit at the root of the wheel (site-packages)"
-        assert wheel.read(PTH).decode().strip() == (REPO / PTH).read_text().strip()
+        assert wheel.read(PTH).decode().strip() == pth_line().strip()
         assert "kvelastic/patches/__init__.py" in names
         assert "kvelastic/patches/v2_allocate_kv_cache.py" in names
         assert "kvelastic/_autopatch.py" in names and "kvelastic/plugin.py" in names
