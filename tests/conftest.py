@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvelastic.pool import HostBackend, PagePool
@@ -24,3 +26,13 @@ def pytest_configure(config):
 
     if os.environ.get("KVELASTIC_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
         raise pytest.UsageError("KVELASTIC_REQUIRE_VLLM=1 but vllm is not installed")
+
+
+@pytest.fixture
+def kv_log(caplog):
+    """Records of the 'kvelastic' logger, which activation may detach from the root logger."""
+    logger = logging.getLogger("kvelastic")
+    caplog.set_level(logging.INFO, logger="kvelastic")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -32,15 +32,6 @@ def no_leaked_patches():
     activation.deactivate()
 
 
-@pytest.fixture
-def kv_log(caplog):
-    """Records of the 'kvelastic' logger, which activation may detach from the root logger."""
-    logger = logging.getLogger("kvelastic")
-    caplog.set_level(logging.INFO, logger="kvelastic")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
 
 def all_targets(patches=ALL_PATCHES):
     return [target for patch in patches for target in patch.targets]

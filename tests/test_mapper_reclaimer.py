@@ -7,7 +7,6 @@ offset the test moves forward, so the queue's own time stamps stay real.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import types
@@ -35,14 +34,6 @@ def cache_and_pool():
     pool.close()
     assert pool.leak_report() == []
 
-
-@pytest.fixture
-def kv_log(caplog):
-    logger = logging.getLogger("kvelastic")
-    caplog.set_level(logging.INFO, logger="kvelastic")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 class GatedBackend:

@@ -113,9 +113,3 @@ class Runtime:
                     pool.close()
                     self.budget_sources.pop(id(pool), None)
             self._pools = keep
-
-    def describe(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"settings": self.settings, "plan": self.plan}
-        if self.cache is not None:
-            data["pool"] = self.cache.stats().as_dict()
-        return data

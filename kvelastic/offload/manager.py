@@ -18,7 +18,6 @@ never evict a block the scheduler has just matched for the same request.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
@@ -33,7 +32,6 @@ class OffloadCounters:
     reloaded_blocks: int = 0
     spill_batches: int = 0
     load_batches: int = 0
-    first_spill: float = 0.0
 
 
 class OffloadManager:
@@ -72,8 +70,6 @@ class OffloadManager:
         if not ids:
             return None
         self.counters.spilled_blocks += len(ids)
-        if not self.counters.first_spill:
-            self.counters.first_spill = time.monotonic()
         if before_reuse:
             self._pending_spills.extend(zip(ids, slots))
             return None
