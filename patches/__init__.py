@@ -16,6 +16,7 @@ from kvelastic.patches import (
     v2_allocate_kv_cache,
     v2_initialize_kv_cache,
     worker_capacity,
+    worker_execute_model,
 )
 
 ALL_PATCHES: tuple[Patch, ...] = (
@@ -25,5 +26,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     v2_allocate_kv_cache.PATCH,
     v2_initialize_kv_cache.PATCH,
     worker_capacity.PATCH,
+    worker_execute_model.PATCH,
     scheduler_block_pool.PATCH,
 )

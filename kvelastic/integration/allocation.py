@@ -102,6 +102,10 @@ def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args
     pool = runtime.finish_allocation()
     if pool is not None:
         config = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments["kv_cache_config"]
-        publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
-                      premap_blocks=startup_blocks(instance, config))
+        cache = publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
+                              premap_blocks=startup_blocks(instance, config))
+        from kvelastic.tp.worker_side import scheduler_elsewhere, serve_as_rank
+
+        if scheduler_elsewhere(instance):
+            serve_as_rank(runtime, instance, cache)
     return result

@@ -253,12 +253,27 @@ class PageAwareFreeQueue:
         self.ahead_groups = 0
         self._balance()
 
+    def want_blocks(self, blocks: int) -> None:
+        """A request is waiting for ``blocks``: map enough empty groups for it (within the room)."""
+        self._adopt_mapped()
+        short = blocks - self._free_uncached_total - len(self._cached)
+        if short <= 0:
+            return
+        self.ahead_groups = max(self.ahead_groups, len(self._empty) + -(-short // self.cache.blocks_per_group))
+        self._balance()
+
     def cached_groups(self) -> int:
         return sum(1 for g, n in enumerate(self._cached_count) if n and not self._in_use[g])
 
     # ----------------------------------------------------------------- helpers
     def _mappable_blocks(self) -> int:
-        """Blocks in groups the pool could still map; recomputed at most every millisecond."""
+        """Blocks in groups the pool could still map; recomputed at most every millisecond.
+
+        Zero when mapping is not synchronous (ranks in other processes must
+        confirm a group first): blocks are promised only once really mapped.
+        """
+        if not getattr(self.mapper, "synchronous", True):
+            return 0
         now = self._clock()
         if now < self._mappable_until:
             return self._mappable_value

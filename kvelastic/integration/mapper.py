@@ -29,6 +29,8 @@ MAP, UNMAP, FORCE_MAP = "map", "unmap", "force-map"
 class GroupMapper:
     """Executes map/unmap commands for one elastic cache, inline or on a daemon thread."""
 
+    synchronous = True  # map_now returns with the groups mapped (or refused)
+
     def __init__(self, cache: ElasticKVCache):
         self.cache = cache
         self.mapped: deque[int] = deque()    # groups now mapped, for the queue to adopt

@@ -49,6 +49,7 @@ class Runtime:
         self.cache: "ElasticKVCache | None" = None
         self._pools: list["PagePool"] = []
         self.budget_sources: dict[int, Any] = {}
+        self.rank_worker: Any = None  # set on a worker rank whose scheduler is another process
         self._allocating = threading.local()
         self._lock = threading.Lock()
 

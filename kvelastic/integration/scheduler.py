@@ -1,8 +1,11 @@
-"""Attach a vLLM scheduler to the elastic KV cache of its process.
+"""Attach a vLLM scheduler to the elastic KV cache of its engine.
 
 Called right after ``Scheduler.__init__``: the GPU block pool becomes
 page-aware, the scheduler's entry points that touch the block pool take one
-lock (shared with the reclaimer thread), and the reclaimer starts.
+lock (shared with the reclaimer thread), and the reclaimer starts. The cache
+is in this process (one GPU, uniprocess executor) or sharded over worker ranks
+in child processes (tensor parallelism, multiprocess executor: see
+:mod:`kvelastic.tp`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import logging
 import threading
 from typing import Any
 
-from kvelastic.errors import PatchError
 from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.reclaimer import Reclaimer
@@ -25,43 +27,65 @@ LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_pr
 
 
 def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
-    cache = runtime.cache
-    if cache is None:
-        raise PatchError(
-            "kvelastic: the scheduler found no elastic KV cache in its process. The model worker "
-            "runs in another process (tensor/pipeline parallelism or a multiprocess executor), "
-            "which this kvelastic version does not support; run with one GPU, or set KVELASTIC=0")
     settings = runtime.settings
-    limit = runtime.plan.limit_bytes if runtime.plan else settings.limit_bytes
-    cache.pool.set_limit(limit)  # start-up warm-up ran unlimited; from here the limit holds
-    mapper = GroupMapper(cache)
-    mapper.start()
+    cache = runtime.cache
+    remote = cache is None
+    if remote:
+        from kvelastic.tp.scheduler_side import connect_ranks
+
+        cache, mapper = connect_ranks(scheduler, runtime)
+        limit = cache.pool.limit_bytes
+    else:
+        limit = runtime.plan.limit_bytes if runtime.plan else settings.limit_bytes
+        cache.pool.set_limit(limit)  # start-up warm-up ran unlimited; from here the limit holds
+        mapper = GroupMapper(cache)
+        mapper.start()
     block_pool = scheduler.kv_cache_manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
     lock = threading.RLock()
-    offload = None
-    if settings.cpu_bytes:
-        from kvelastic.integration.offload_setup import attach_offload
-
-        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes)
-        scheduler.kvelastic_offload = offload
+    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings.cpu_bytes)
     for name in LOCKED_METHODS:
         method = getattr(scheduler, name, None)
-        if method is not None:
-            after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
-            flush = offload.flush if offload is not None else None  # no copy outlives a call
+        if method is None:
+            continue
+        after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
+        flush = offload.flush if offload is not None else None  # no copy outlives a call
+        if remote and name == "schedule":
+            from kvelastic.tp.scheduler_side import locked_schedule
+
+            setattr(scheduler, name, locked_schedule(lock, method, flush, mapper, queue, scheduler))
+        else:
             setattr(scheduler, name, _locked(lock, method, after or flush))
+    if remote:
+        cache.pool.lock = lock  # idle delivery of commands must not race a scheduling step
     reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                           reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
     reclaimer.offload = offload
-    reclaimer.link = _join_cluster(scheduler, runtime, cache, limit)
+    reclaimer.link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
     reclaimer.publisher = _publisher(reclaimer.link)
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
              cache.num_blocks, cache.num_groups, cache.blocks_per_group)
     return reclaimer
+
+
+def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, mapper: Any, remote: bool,
+                    cpu_bytes: int | None) -> Any:
+    """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
+    if not cpu_bytes:
+        return None
+    if remote:
+        from kvelastic.tp.scheduler_side import attach_remote_offload
+
+        offload = attach_remote_offload(block_pool, queue, cache, mapper)
+    else:
+        from kvelastic.integration.offload_setup import attach_offload
+
+        offload = attach_offload(block_pool, queue, cache, cpu_bytes)
+    scheduler.kvelastic_offload = offload
+    return offload
 
 
 def _publisher(link: Any) -> Any:

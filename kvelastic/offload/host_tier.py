@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Hashable
+from typing import TYPE_CHECKING, Hashable
 
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.offload.arc import ARC
 from kvelastic.offload.lru import LRU
 from kvelastic.offload.policy import EvictionPolicy
 from kvelastic.units import format_size
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvelastic")
 
@@ -44,21 +47,28 @@ class HostTierStats:
         return self.slots_used * self.slot_bytes
 
 
+def allocate_slots(slots: int, slot_bytes: int, *, pin: bool) -> "torch.Tensor":
+    """One (slots, slot_bytes) int8 host buffer, pinned if asked; a clear error if it cannot be had."""
+    import torch
+
+    try:
+        return torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=pin)
+    except RuntimeError as exc:
+        raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
+                            f"of host memory for the KV host tier ({exc}); lower KVELASTIC_CPU_BYTES") from exc
+
+
 class HostTier:
     """Slots of pinned host memory indexed by block hash."""
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc"):
-        import torch
-
+    def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc",
+                 allocate: bool = True):
+        """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank)."""
         slots = capacity_bytes // slot_bytes
         if slots < 1:
             raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
         start = time.perf_counter()
-        try:
-            self.buffer = torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=pin)
-        except RuntimeError as exc:
-            raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
-                                f"of host memory for the KV host tier ({exc}); lower KVELASTIC_CPU_BYTES") from exc
+        self.buffer = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
         self.pin_seconds = time.perf_counter() - start
         self.slot_bytes = slot_bytes
         self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots, on_evict=self._evicted)
@@ -67,7 +77,8 @@ class HostTier:
         self.hits = self.misses = self.admitted = self.evicted = 0
         log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s, policy %s",
                  format_size(slots * slot_bytes), slots, format_size(slot_bytes),
-                 "pinned" if pin else "allocated", self.pin_seconds, policy)
+                 "pinned" if pin and allocate else "allocated" if allocate else "indexed", self.pin_seconds,
+                 policy)
 
     def admit(self, key: Hashable) -> int | None:
         """A slot to copy ``key``'s block into, or None when the tier already holds it."""

@@ -1,0 +1,11 @@
+"""Tensor parallelism: one scheduler deciding which page groups every worker rank maps.
+
+With TP (or any multiprocess executor) each rank owns KV tensors on its own GPU
+while the scheduler runs in the engine-core process. The scheduler-side
+:class:`~kvelastic.tp.remote_mapper.RemoteMapper` turns the page-aware queue's
+map/unmap (and host-tier copy) decisions into numbered commands that ride the
+step's ``SchedulerOutput``; each rank's :class:`~kvelastic.tp.rank.RankWorker`
+applies them before the forward pass and reports what it mapped on a
+shared-memory board. A group's blocks are handed out only once every rank has
+confirmed it.
+"""

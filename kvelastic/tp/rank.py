@@ -1,0 +1,162 @@
+"""The worker-rank side: apply the scheduler's commands to this rank's pool, report back.
+
+Commands arrive with each step (``RankWorker.before_step``, called before the
+forward pass) or, while the engine is idle, as files in the engine's folder
+(picked up by a daemon thread). Both paths apply commands in number order
+under one lock, each at most once. A rank never waits for another rank or for
+the scheduler: a map it cannot make is reported as refused on its board and
+the scheduler turns that into a scheduling miss.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvelastic.errors import PoolExhausted
+from kvelastic.integration.elastic_cache import NULL_GROUP
+from kvelastic.pool.backend import Fence
+from kvelastic.tp import board as shm
+from kvelastic.tp.protocol import LOAD, MAP, START_SEQ, STORE, UNMAP, Command, StepPlan
+
+log = logging.getLogger("kvelastic")
+
+IDLE_POLL_S = 0.02
+DEVICE_FREE_PERIOD_S = 0.05
+
+
+class RankWorker:
+    """Applies page-group and copy commands on one rank's elastic KV cache."""
+
+    def __init__(self, cache: Any, folder: Path, info: shm.RankInfo, copier: Any = None):
+        self.cache = cache
+        self.folder = folder
+        self.info = info
+        self.copier = copier
+        self.board = shm.RankBoard.of_rank(folder, info.rank, cache.num_groups, create=True)
+        self.board.set(shm.PID, os.getpid())
+        for g in cache.pool.mapped_groups():
+            self.board.groups[g] = START_SEQ
+        self._copies: list[Fence] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_free = 0.0
+        self.refused_groups = 0
+        self._report_memory(force=True)
+        shm.write_info(folder, info)
+
+    # ----------------------------------------------------------------- steps
+    def before_step(self, plan: StepPlan) -> None:
+        """Apply what the step carries (after any idle commands it depends on), before the forward."""
+        with self._lock:
+            if plan.idle_upto > self.applied:
+                self._apply_idle_files()
+            self._apply(plan.commands)
+
+    def after_step(self, plan: StepPlan) -> None:
+        """The step's forward pass is queued: any later unmap is fenced behind it."""
+        self.board.set(shm.STEPS_DONE, plan.step)
+
+    @property
+    def applied(self) -> int:
+        return self.board.get(shm.APPLIED)
+
+    # ------------------------------------------------------------- idle path
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kvelastic-rank{self.info.rank}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        for name in (f"rank{self.info.rank}.board", f"rank{self.info.rank}.info"):
+            try:
+                (self.folder / name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(IDLE_POLL_S):
+            try:
+                with self._lock:
+                    self._apply_idle_files()
+                self.cache.pool.collect()
+                self._report_memory()
+            except Exception:  # noqa: BLE001 - the rank must keep serving steps
+                log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
+
+    def _apply_idle_files(self) -> None:
+        applied = self.applied
+        for _, last, path in shm.idle_files(self.folder):
+            if last > applied:
+                try:
+                    commands = shm.read_idle_commands(path)
+                except FileNotFoundError:
+                    continue  # the scheduler removed it: every rank had applied it
+                self._apply(commands)
+                applied = self.applied
+
+    # -------------------------------------------------------------- commands
+    def _apply(self, commands: Sequence[Command]) -> None:
+        applied = self.applied
+        for command in commands:
+            seq, kind = command[0], command[1]
+            if seq <= applied:
+                continue
+            if kind == MAP:
+                self._map(seq, command[2])
+            elif kind == UNMAP:
+                self._unmap(command[2])
+            elif kind == STORE:
+                self._copies.append(self.copier.store(command[2], command[3], block_compute=command[4]))
+            elif kind == LOAD:
+                self.copier.load(command[2], command[3])
+            else:
+                raise ValueError(f"unknown kvelastic command {kind!r}")
+            applied = seq
+            self.board.set(shm.APPLIED, seq)
+        self._copies = [f for f in self._copies if not f.is_done()]
+        self._report_memory()
+
+    def _map(self, seq: int, groups: Sequence[int]) -> None:
+        pool = self.cache.pool
+        todo = [g for g in groups if not pool.is_mapped(g)]
+        try:
+            self.cache.map_groups(todo)
+            todo = []
+        except PoolExhausted:
+            pass
+        for g in groups:
+            if g in todo:
+                try:
+                    self.cache.map_groups([g])
+                except PoolExhausted:
+                    self.board.groups[g] = -seq
+                    self.refused_groups += 1
+                    continue
+            self.board.groups[g] = seq
+
+    def _unmap(self, groups: Sequence[int]) -> None:
+        groups = [g for g in groups if g != NULL_GROUP]
+        for g in groups:
+            self.board.groups[g] = 0
+        self.cache.unmap_groups(groups, after=list(self._copies))
+
+    def _report_memory(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_free < DEVICE_FREE_PERIOD_S:
+            return
+        self._last_free = now
+        free = self.cache.pool.backend.device_free_bytes()
+        stats = self.cache.pool.stats()
+        self.board.set(shm.DEVICE_FREE, -1 if free is None else free)
+        self.board.set(shm.MAPPED_BYTES, stats.mapped_bytes)
+        self.board.set(shm.HELD_BYTES, stats.held_bytes)

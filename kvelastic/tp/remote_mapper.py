@@ -1,0 +1,196 @@
+"""The scheduler side: a stand-in for ``GroupMapper`` whose commands go to every rank.
+
+The page-aware queue asks for groups to be mapped ahead of need and unmapped
+once free, exactly as on one GPU. Here each request becomes a numbered command
+in an outbox that the next step's ``SchedulerOutput`` carries to every rank
+(:meth:`take_plan`). A group is reported ``mapped`` only when every rank's
+board shows that command's number for it; if any rank refused it, it is
+reported ``refused`` and unmapped everywhere. Nothing here ever waits for a
+rank: an unconfirmed group is simply not handed out yet (a scheduling miss).
+
+While the engine is idle no step runs, so :meth:`deliver_idle` (called by the
+reclaimer) writes the outbox to the engine's folder for the ranks' idle
+threads, but only when every step sent has been run by every rank: an unmap
+must never overtake a step that still uses the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from kvelastic.tp import board as shm
+from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, store_command,
+                                   unmap_command)
+
+log = logging.getLogger("kvelastic")
+
+LIVENESS_PERIOD_S = 1.0
+REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long
+
+
+class RankDied(RuntimeError):
+    """A worker rank's process is gone; vLLM's executor reports it, we stop waiting for it."""
+
+
+class RemoteMapper:
+    """Queues map/unmap/copy commands for all ranks and adopts groups every rank confirmed."""
+
+    synchronous = False  # the queue must never wait for a map: it cannot be confirmed in the call
+
+    def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start_mapped: Iterable[int] = ()):
+        self.folder = folder
+        self.boards = list(boards)
+        self._mapped: deque[int] = deque()
+        self._refused: deque[int] = deque()
+        self._outbox: list[Command] = []
+        self._pending: dict[int, int] = {}  # group -> seq of the map command awaiting confirmation
+        self.mapped_groups: set[int] = set(start_mapped)
+        self._seq = max([b.get(shm.APPLIED) for b in self.boards] + [START_SEQ])
+        self._steps = 0
+        self._idle_upto = 0
+        self._next_liveness = 0.0
+        self.dead_ranks: set[int] = set()
+        self.backoff_until = 0.0
+
+    # ------------------------------------------------- the GroupMapper interface
+    @property
+    def mapped(self) -> deque[int]:
+        if self._pending:
+            self.poll()
+        return self._mapped
+
+    @property
+    def refused(self) -> deque[int]:
+        if self._pending:
+            self.poll()
+        return self._refused
+
+    def start(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def request_map(self, groups: Iterable[int]) -> None:
+        groups = list(groups)
+        if not groups:
+            return
+        seq = self._next()
+        for g in groups:
+            self._pending[g] = seq
+        self._outbox.append(map_command(seq, groups))
+
+    def request_unmap(self, groups: Iterable[int], after: Any = None) -> None:
+        """Unmap on every rank; ``after`` is moot: earlier copies precede this command on each rank."""
+        groups = list(groups)
+        if groups:
+            self.mapped_groups.difference_update(groups)
+            self._outbox.append(unmap_command(self._next(), groups))
+
+    def map_now(self, groups: list[int], *, force: bool = False) -> None:
+        """No synchronous mapping across processes: the groups are requested and adopted later."""
+        self.request_map(groups)
+
+    # ------------------------------------------------------------- copies
+    def request_store(self, block_ids: Sequence[int], slots: Sequence[int], block_compute: bool) -> None:
+        self._outbox.append(store_command(self._next(), block_ids, slots, block_compute))
+
+    def request_load(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        self._outbox.append(load_command(self._next(), block_ids, slots))
+
+    # ---------------------------------------------------------- delivery
+    def take_plan(self) -> StepPlan:
+        """The commands queued since the last step, for the step being sent now."""
+        self._steps += 1
+        commands, self._outbox = tuple(self._outbox), []
+        return StepPlan(step=self._steps, commands=commands, idle_upto=self._idle_upto)
+
+    def deliver_idle(self) -> bool:
+        """Hand queued commands to idle ranks through files, if no step is in flight; True if sent."""
+        self._clean_idle_files()
+        if not self._outbox or not self.no_step_in_flight():
+            return False
+        shm.write_idle_commands(self.folder, self._outbox)
+        self._idle_upto = self._outbox[-1][0]
+        self._outbox = []
+        return True
+
+    def no_step_in_flight(self) -> bool:
+        return all(b.get(shm.STEPS_DONE) >= self._steps for b in self.boards)
+
+    @property
+    def pending_commands(self) -> int:
+        return len(self._outbox)
+
+    # --------------------------------------------------------- confirmation
+    def poll(self) -> None:
+        """Move groups every rank has mapped to ``mapped``, groups any rank refused to ``refused``."""
+        self._check_liveness()
+        applied = min(b.get(shm.APPLIED) for b in self.boards)
+        failed: list[int] = []
+        for g, seq in list(self._pending.items()):
+            states = [int(b.groups[g]) for b in self.boards]
+            if all(s == seq for s in states):
+                del self._pending[g]
+                self.mapped_groups.add(g)
+                self._mapped.append(g)
+            elif (applied >= seq and -seq in states) or self.dead_ranks:
+                del self._pending[g]
+                failed.append(g)
+        if failed:
+            self.backoff_until = time.monotonic() + REFUSAL_BACKOFF_S
+            self._outbox.append(unmap_command(self._next(), failed))  # ranks that did map give it back
+            self._refused.extend(failed)
+            log.debug("kvelastic: %d groups refused by a rank; they stay unmapped", len(failed))
+
+    def backing_off(self) -> bool:
+        """True shortly after a refusal, or for good once a rank died: asking again would only fail."""
+        return bool(self.dead_ranks) or time.monotonic() < self.backoff_until
+
+    def device_free_bytes(self) -> int | None:
+        """The smallest free device memory any rank reported, or None if none reports it."""
+        values = [b.get(shm.DEVICE_FREE) for b in self.boards]
+        known = [v for v in values if v >= 0]
+        return min(known) if known else None
+
+    def rank_memory(self) -> list[dict[str, int]]:
+        return [{"rank": r, "mapped_bytes": b.get(shm.MAPPED_BYTES), "held_bytes": b.get(shm.HELD_BYTES)}
+                for r, b in enumerate(self.boards)]
+
+    # ------------------------------------------------------------- helpers
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + LIVENESS_PERIOD_S
+        for rank, b in enumerate(self.boards):
+            pid = b.get(shm.PID)
+            if rank not in self.dead_ranks and pid and not _alive(pid):
+                self.dead_ranks.add(rank)
+                log.error("kvelastic: worker rank %d (pid %d) is gone; its groups will never be "
+                          "confirmed, so no new KV memory is handed out", rank, pid)
+
+    def _clean_idle_files(self) -> None:
+        applied = min(b.get(shm.APPLIED) for b in self.boards)
+        for _, last, path in shm.idle_files(self.folder):
+            if last <= applied:
+                path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

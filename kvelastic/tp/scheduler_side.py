@@ -1,0 +1,142 @@
+"""Connect an engine's scheduler to worker ranks running in other processes.
+
+Called by ``attach_scheduler`` when its process holds no KV cache: the ranks
+(children of this engine-core process) have already allocated their caches and
+described them in the engine's folder. Builds the remote mapper and sharded
+cache view, and the step hook that attaches each step's commands to its
+``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from kvelastic.errors import PatchError
+from kvelastic.pool.backend import DoneFence
+from kvelastic.tp import board as shm
+from kvelastic.tp.remote_mapper import RemoteMapper
+from kvelastic.tp.sharded_cache import ShardedKVCache
+
+log = logging.getLogger("kvelastic")
+
+RANKS_WAIT_S = 30.0
+
+
+def connect_ranks(scheduler: Any, runtime: Any, wait_s: float = RANKS_WAIT_S) -> tuple[ShardedKVCache, RemoteMapper]:
+    parallel = getattr(scheduler.vllm_config, "parallel_config", None)
+    world = int(getattr(parallel, "world_size", 1) or 1)
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise PatchError("kvelastic: pipeline parallelism is not supported (each stage holds different "
+                         "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
+    folder = shm.engine_dir(os.getpid())
+    infos = _wait_for_ranks(folder, world, wait_s)
+    first = infos[0]
+    if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
+           != first.layout.blocks_per_group for i in infos):
+        raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
+                         "every rank must hold the same blocks")
+    boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
+    start_mapped = [g for g in range(first.layout.num_groups)
+                    if all(int(b.groups[g]) > 0 for b in boards)]
+    mapper = RemoteMapper(folder, boards, start_mapped)
+    limits = [i.limit_bytes for i in infos if i.limit_bytes]
+    limit = runtime.settings.limit_bytes or (min(limits) if limits else None)
+    cache = ShardedKVCache(mapper, first, limit)
+    cache.host_slots = min(i.host_slots for i in infos)
+    partial = [g for g in range(first.layout.num_groups) if g not in mapper.mapped_groups
+               and any(int(b.groups[g]) > 0 for b in boards)]
+    mapper.request_unmap(partial)
+    log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
+    return cache, mapper
+
+
+def _wait_for_ranks(folder: Any, world: int, wait_s: float) -> list[shm.RankInfo]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        infos = [shm.read_info(folder, r) for r in range(world)]
+        if all(infos):
+            return infos  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            missing = [r for r, i in enumerate(infos) if i is None]
+            raise PatchError(
+                f"kvelastic: the scheduler found no elastic KV cache in its process and worker ranks "
+                f"{missing} of {world} did not describe theirs in {folder}. The executor is not one "
+                f"kvelastic supports (use the default uniprocess or multiprocess executor), or the "
+                f"workers run without KVELASTIC=1")
+        time.sleep(0.05)
+
+
+def demand_of(scheduler: Any) -> int:
+    """Blocks the waiting requests at the head of the queue need, up to one step's token budget."""
+    waiting = getattr(scheduler, "waiting", None)
+    if not waiting:
+        return 0
+    block = int(getattr(getattr(scheduler, "cache_config", None), "block_size", 16) or 16)
+    budget = int(getattr(getattr(scheduler, "scheduler_config", None), "max_num_batched_tokens", 8192) or 8192)
+    tokens = 0
+    try:
+        for request in waiting:
+            tokens += max(0, request.num_tokens - request.num_computed_tokens)
+            if tokens >= budget:
+                break
+    except (TypeError, AttributeError):
+        return 0
+    return -(-tokens // block)
+
+
+def locked_schedule(lock: Any, method: Callable[..., Any], flush: Callable[[], None] | None,
+                    mapper: RemoteMapper, queue: Any, scheduler: Any) -> Callable[..., Any]:
+    """``schedule`` under the lock; the step's output then carries every command queued so far."""
+
+    @functools.wraps(method)
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            output = method(*args, **kwargs)
+            if flush is not None:
+                flush()
+            wanted = demand_of(scheduler)
+            if wanted:
+                queue.want_blocks(wanted)
+            output.kvelastic_plan = mapper.take_plan()
+            return output
+
+    return schedule
+
+
+class RemoteCopier:
+    """The copier interface of the offload manager, as commands every rank runs on its own shard."""
+
+    def __init__(self, mapper: RemoteMapper, bytes_per_block: int):
+        self.mapper = mapper
+        self.bytes_per_block = bytes_per_block
+
+    def store(self, block_ids: Any, slots: Any, *, block_compute: bool = False) -> DoneFence:
+        if block_ids:
+            self.mapper.request_store(block_ids, slots, block_compute)
+        return DoneFence()  # each rank orders the copy before any later unmap of those blocks
+
+    def load(self, block_ids: Any, slots: Any) -> DoneFence:
+        if block_ids:
+            self.mapper.request_load(block_ids, slots)
+        return DoneFence()
+
+
+def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, mapper: RemoteMapper) -> Any:
+    """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
+    from kvelastic.integration.offload_setup import hook_lookup
+    from kvelastic.offload.host_tier import HostTier
+    from kvelastic.offload.manager import OffloadManager
+
+    if not cache.host_slots:
+        raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
+                         "set up no host tier; give every process of the engine the same environment")
+    slot_bytes = cache.info.slot_bytes * cache.world
+    tier = HostTier(cache.host_slots * slot_bytes, slot_bytes, pin=False, allocate=False)
+    manager = OffloadManager(tier, RemoteCopier(mapper, slot_bytes), queue, block_pool)
+    queue.spill_hook = manager.spill
+    hook_lookup(block_pool, manager)
+    return manager

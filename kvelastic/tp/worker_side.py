@@ -1,0 +1,76 @@
+"""Set up a worker rank whose scheduler runs in another process (TP, multiprocess executor).
+
+Runs right after the rank has published its elastic KV cache: describes it in
+the engine's folder, allocates this rank's share of the host tier (pinning
+takes seconds, so it is done at start-up, not on the serving path) and starts
+the :class:`~kvelastic.tp.rank.RankWorker` that the patched
+``Worker.execute_model`` feeds each step's commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kvelastic.tp import board as shm
+from kvelastic.tp.rank import RankWorker
+
+log = logging.getLogger("kvelastic")
+
+
+def scheduler_elsewhere(runner: Any) -> bool:
+    """True when this worker's scheduler lives in the parent process (vLLM's multiprocess executor)."""
+    parallel = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
+    return getattr(parallel, "distributed_executor_backend", None) == "mp"
+
+
+def rank_and_world(runner: Any) -> tuple[int, int]:
+    parallel = runner.vllm_config.parallel_config
+    world = int(getattr(parallel, "world_size", 1) or 1)
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(), world
+
+
+def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
+    rank, world = rank_and_world(runner)
+    settings = runtime.settings
+    plan = runtime.plan
+    limit = plan.limit_bytes if plan else settings.limit_bytes
+    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, limit, settings.cpu_bytes)
+    runtime.rank_worker = worker
+    log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
+             os.getppid(), worker.folder)
+    return worker
+
+
+def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int | None,
+               cpu_bytes: int | None) -> RankWorker:
+    """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
+    copier, slots, slot_bytes = None, 0, 0
+    if cpu_bytes:
+        copier, slots, slot_bytes = _host_share(cache, cpu_bytes, world)
+    info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
+                        group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
+                        limit_bytes=limit_bytes, host_slots=slots, slot_bytes=slot_bytes)
+    worker = RankWorker(cache, folder, info, copier)
+    worker.start()
+    return worker
+
+
+def _host_share(cache: Any, cpu_bytes: int, world: int) -> tuple[Any, int, int]:
+    """This rank's pinned slots: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
+    from kvelastic.integration.offload_setup import block_views
+    from kvelastic.offload.copier import BlockCopier
+    from kvelastic.offload.host_tier import allocate_slots
+
+    views = block_views(cache)
+    slot_bytes = sum(v.shape[1] for v in views)
+    slots = cpu_bytes // (slot_bytes * world)
+    if slots < 1:
+        return None, 0, slot_bytes
+    buffer = allocate_slots(slots, slot_bytes, pin=views[0].device.type == "cuda")
+    return BlockCopier(views, buffer), slots, slot_bytes

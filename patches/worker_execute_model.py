@@ -1,0 +1,42 @@
+"""Worker: apply the scheduler's page-group and copy commands before each step's forward pass.
+
+Only on worker ranks whose scheduler is another process (tensor parallelism,
+multiprocess executor); elsewhere the wrapper passes straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patches._common import ALL
+
+TARGET = Target(
+    module="vllm.v1.worker.gpu_worker",
+    qualname="Worker.execute_model",
+    kind="method",
+    signatures=(Signature(ALL, ("self", "scheduler_output")),),
+)
+
+
+def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    worker = runtime.rank_worker
+    if worker is None:
+        return wrapped(*args, **kwargs)
+    scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+    plan = getattr(scheduler_output, "kvelastic_plan", None)
+    if plan is None:
+        return wrapped(*args, **kwargs)
+    worker.before_step(plan)
+    result = wrapped(*args, **kwargs)
+    worker.after_step(plan)
+    return result
+
+
+def apply(patcher: Any, runtime: Any) -> None:
+    patcher.wrap(TARGET, functools.partial(_execute, runtime))
+
+
+PATCH = Patch("worker_execute_model", "Worker: apply the scheduler's KV page commands before the forward pass",
+              ALL, (TARGET,), apply)

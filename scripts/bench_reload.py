@@ -1,0 +1,295 @@
+"""TTFT of a 16k-token prefix served from the host tier vs recomputed (8B shape): issue #4, item 3.
+
+Each configuration runs in its own subprocess (so its environment applies when vLLM is
+imported) and writes ``<outdir>/<config>.json``; this process prints a table and writes --json.
+
+* ``vanilla``: vLLM with prefix caching: cold TTFT (the prefix is recomputed) and GPU-hit TTFT.
+* ``kvelastic``: ``KVELASTIC=1``, ``KVELASTIC_CPU_BYTES=--cpu-bytes``, ``KVELASTIC_CACHE_TTL=--ttl``.
+  The engine idles ``--wait`` seconds after the prefix was used: the reclaimer (a tick every
+  0.25 s) spills the groups holding only the idle cached prefix to the host tier and unmaps
+  them, so the next request with that prefix is served from the host tier. kvelastic's stats
+  snapshot (``/dev/shm/kvelastic-stats-<pid>.json``) is read around each reload: a reload is
+  "verified" when vLLM counted the prefix as cached and the host tier had a hit for every
+  prefix block (a quiet recompute or a GPU hit would fail this).
+* ``offload-arc``: vLLM's OffloadingConnector (ARC, block size 16 as in bench_multiturn.py,
+  ``cpu_bytes_to_use=--cpu-bytes``). After ``--settle`` seconds (its asynchronous stores finish;
+  the engine keeps stepping while they are pending) ``LLM.reset_prefix_cache()`` drops the GPU
+  copy and keeps the connector's CPU store (``reset_connector`` is False), so the next request
+  is a CPU hit loaded by the connector. Evicting by filler prompts under a small
+  ``kv_cache_memory_bytes`` would do the same, slower and less surely. Verified: the reset
+  succeeded and vLLM counted the prefix as cached.
+
+Per repetition (``--reps`` distinct seeded random prefixes, after ``--warmup`` discarded ones):
+cold ``P+s0`` (TTFT); ``P+s0`` with ``--check-tokens`` greedy tokens (GPU hit: the reference);
+[off the GPU]; ``P+s1`` (reload TTFT); ``P+s2`` (GPU-hit TTFT); [off the GPU again]; ``P+s0``
+with ``--check-tokens`` tokens, served from the host/CPU tier. "identical": those tokens equal
+the reference; "1st=cold": their first token equals the cold run's (the cold run makes one
+token only, so that its wall time stays a TTFT). vanilla has no off-GPU steps. TTFT is the wall
+time of ``llm.generate`` with ``max_tokens=1`` (prefill + first token); vLLM's own first-token
+latency is recorded too. Medians over the repetitions.
+
+    python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvelastic.units import parse_size
+
+CONFIGS = ("vanilla", "kvelastic", "offload-arc")
+OFFLOAD_BLOCK = 16  # the connector's block size, as in bench_multiturn.py
+TICK_WAIT_S = 0.6  # more than two reclaimer ticks (0.25 s): the snapshot counts the last request
+
+
+def make_prompts(seed: int, prefix_len: int, suffix_len: int) -> tuple[list[int], list[list[int]]]:
+    """One random prefix and three random suffixes (token ids in the range the other scripts use)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1000, 100000) for _ in range(prefix_len)]
+    return prefix, [[rng.randrange(1000, 100000) for _ in range(suffix_len)] for _ in range(3)]
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {"model": args.model, "load_format": "dummy", "skip_tokenizer_init": True, "seed": 0,
+                          "gpu_memory_utilization": args.gpu_memory_utilization,
+                          "max_model_len": args.max_model_len, "enable_prefix_caching": True,
+                          "enforce_eager": args.eager, "disable_log_stats": False}
+    if args.config == "offload-arc":
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"block_size": OFFLOAD_BLOCK, "cpu_bytes_to_use": args.cpu_bytes,
+                                       "eviction_policy": "arc"})
+    return LLM(**kw)
+
+
+def ask(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One greedy request: wall time, vLLM's first-token latency, cached prompt tokens, output."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    ttft = getattr(getattr(out, "metrics", None), "first_token_latency", None)
+    return {"wall_ms": wall * 1e3, "ttft_ms": ttft * 1e3 if ttft else None,
+            "cached_tokens": getattr(out, "num_cached_tokens", None),
+            "tokens": list(out.outputs[0].token_ids)}
+
+
+def kv_stats() -> dict[str, Any] | None:
+    """The latest kvelastic snapshot of this process's engine (None without kvelastic)."""
+    try:
+        from kvelastic.integration.metrics import read_snapshots, stats_dir
+    except ImportError:
+        return None
+    found = read_snapshots(stats_dir(), os.getpid())
+    return found[0]["values"] if found else None
+
+
+def off_gpu(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit."""
+    if args.config == "kvelastic":
+        time.sleep(args.wait)
+        return {"stats": kv_stats()}
+    time.sleep(args.settle)
+    return {"reset_ok": bool(llm.reset_prefix_cache())}
+
+
+def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | None:
+    """Did both reloads skip recomputing the prefix, and (kvelastic) come from the host tier?"""
+    if args.config == "vanilla":
+        return None
+    need = args.prefix_len // block * block
+    cached = all((rep[k]["cached_tokens"] or 0) >= need for k in ("reload", "check"))
+    if args.config == "offload-arc":
+        return cached and rep["before_reload"]["reset_ok"] and rep["before_check"]["reset_ok"]
+    a, b, c = (rep[k]["stats"] for k in ("before_reload", "before_check", "after_check"))
+    if not (a and b and c):
+        return None
+    rep["host_hits"] = [b["host_hits"] - a["host_hits"], c["host_hits"] - b["host_hits"]]
+    rep["reloaded_bytes"] = [b["reloaded_bytes"] - a["reloaded_bytes"],
+                             c["reloaded_bytes"] - b["reloaded_bytes"]]
+    rep["cached_gpu_bytes_before_reload"] = a["cached_bytes"]
+    return cached and min(rep["host_hits"]) >= args.prefix_len // block
+
+
+def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[str, Any]:
+    """Cold, reference, [off GPU], reload, GPU hit, [off GPU], check; see the module docstring."""
+    prefix, (s0, s1, s2) = make_prompts(seed, args.prefix_len, args.suffix_len)
+    moves = args.config != "vanilla"
+    rep: dict[str, Any] = {"seed": seed, "cold": ask(llm, prefix + s0, 1),
+                           "reference": ask(llm, prefix + s0, args.check_tokens)}
+    if moves:
+        rep["before_reload"] = off_gpu(llm, args)
+        rep["reload"] = ask(llm, prefix + s1, 1)
+    rep["gpu_hit"] = ask(llm, prefix + s2, 1)
+    if moves:
+        rep["before_check"] = off_gpu(llm, args)
+    rep["check"] = ask(llm, prefix + s0, args.check_tokens)
+    if args.config == "kvelastic":
+        time.sleep(TICK_WAIT_S)
+        rep["after_check"] = {"stats": kv_stats()}
+    rep["identical"] = rep["check"]["tokens"] == rep["reference"]["tokens"]
+    rep["first_token_as_cold"] = rep["check"]["tokens"][:1] == rep["cold"]["tokens"][:1]
+    rep["verified"] = verify(rep, args, block)
+    return rep
+
+
+def host_tier_warning(args: argparse.Namespace, block: int) -> str | None:
+    """ARC keeps older (re-used) blocks over new ones: past capacity, new prefixes would not stay."""
+    if args.config != "kvelastic":
+        return None
+    stats = kv_stats()
+    if stats is None:
+        return "no kvelastic stats snapshot found: is kvelastic active (KVELASTIC=1, installed)?"
+    per_rep = (args.prefix_len + 3 * args.suffix_len + args.check_tokens) // block + 3
+    if stats.get("host_slots", 0) < per_rep * (args.reps + args.warmup):
+        return (f"host tier holds {stats.get('host_slots')} blocks, the run needs about "
+                f"{per_rep * (args.reps + args.warmup)}: later reloads may miss; raise --cpu-bytes")
+    return None
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import vllm
+
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    startup = time.perf_counter() - t0
+    config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    block = int(getattr(config, "block_size", None) or OFFLOAD_BLOCK)
+    result: dict[str, Any] = {"config": args.config, "vllm": vllm.__version__, "block_size": block,
+                              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                              "startup_s": startup, "warning": host_tier_warning(args, block), "reps": []}
+    for i in range(args.warmup + args.reps):
+        rep = run_rep(llm, args, args.seed + i, block)
+        rep["warmup"] = i < args.warmup
+        result["reps"].append(rep)
+        times = ", ".join(f"{k} {rep[k]['wall_ms']:.1f} ms" for k in ("cold", "reload", "gpu_hit") if k in rep)
+        print(f"{args.config} rep {i}{' (warmup)' if rep['warmup'] else ''}: {times}; "
+              f"identical {rep['identical']}, verified {rep['verified']}", flush=True)
+    result["final_stats"] = kv_stats() if args.config == "kvelastic" else None
+    return result
+
+
+def median(reps: list[dict[str, Any]], key: str, field: str = "wall_ms") -> float | None:
+    values = [r[key][field] for r in reps if key in r and r[key][field] is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(result: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    reps = [r for r in result["reps"] if not r["warmup"]]
+    row: dict[str, Any] = {"config": result["config"], "gpu": result["gpu"], "vllm": result["vllm"],
+                           "reps": len(reps), "warning": result.get("warning")}
+    for key in ("cold", "reload", "gpu_hit"):
+        row[f"{key}_ms"] = median(reps, key)
+        row[f"{key}_ttft_metric_ms"] = median(reps, key, "ttft_ms")
+    row["speedup"] = row["cold_ms"] / row["reload_ms"] if row["reload_ms"] else None
+    row["identical"] = [sum(r["identical"] for r in reps), len(reps)]
+    row["first_token_as_cold"] = [sum(r["first_token_as_cold"] for r in reps), len(reps)]
+    row["verified"] = (None if result["config"] == "vanilla"
+                       else [sum(bool(r["verified"]) for r in reps), len(reps)])
+    if "reloaded_bytes" in (reps[0] if reps else {}):
+        row["reloaded_bytes_median"] = statistics.median(r["reloaded_bytes"][0] for r in reps)
+        row["host_hits_median"] = statistics.median(r["host_hits"][0] for r in reps)
+    if base is not None:  # the same seeds in every configuration: references should agree
+        pairs = [(a, b) for a, b in zip(base["reps"], result["reps"]) if not b["warmup"]]
+        row["reference_as_vanilla"] = [sum(a["reference"]["tokens"] == b["reference"]["tokens"]
+                                           for a, b in pairs), len(pairs)]
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    def frac(x: list[int] | None) -> str:
+        return "-" if x is None else f"{x[0]}/{x[1]}"
+
+    print(f"{'config':<12} {'cold TTFT ms':>13} {'reload TTFT ms':>15} {'GPU-hit TTFT ms':>16} "
+          f"{'speedup':>8} {'identical':>10} {'1st=cold':>9} {'verified':>9}")
+    for r in rows:
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.1f}x"
+        print(f"{r['config']:<12} {ms(r['cold_ms']):>13} {ms(r['reload_ms']):>15} {ms(r['gpu_hit_ms']):>16} "
+              f"{speedup:>8} {frac(r['identical']):>10} {frac(r['first_token_as_cold']):>9} "
+              f"{frac(r['verified']):>9}")
+        if r.get("warning"):
+            print(f"  warning ({r['config']}): {r['warning']}")
+
+
+def run_children(args: argparse.Namespace) -> None:
+    for config in args.configs:
+        env = dict(os.environ, KVELASTIC="1" if config == "kvelastic" else "0")
+        if config == "kvelastic":
+            env.update(KVELASTIC_CPU_BYTES=str(args.cpu_bytes), KVELASTIC_CACHE_TTL=str(args.ttl))
+        cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
+        Path(args.outdir, f"{config}.json").unlink(missing_ok=True)  # never tabulate a stale result
+        t0 = time.perf_counter()
+        with open(Path(args.outdir, f"{config}.log"), "w") as log:
+            code = subprocess.run(cmd, check=False, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        status = f"FAILED (exit {code}), see {args.outdir}/{config}.log" if code else "done"
+        print(f"{config}: {status} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="scripts/models/llama-8b")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=5, help="measured prefixes (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="discarded prefixes first (default 1)")
+    p.add_argument("--prefix-len", type=int, default=16384)
+    p.add_argument("--suffix-len", type=int, default=50)
+    p.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared after a reload")
+    p.add_argument("--wait", type=float, default=4.0, help="kvelastic: idle seconds for the prefix to spill")
+    p.add_argument("--ttl", type=float, default=1.0, help="kvelastic: KVELASTIC_CACHE_TTL seconds")
+    p.add_argument("--settle", type=float, default=1.0, help="offload-arc: seconds for stores to finish")
+    p.add_argument("--cpu-bytes", type=lambda t: parse_size(t, name="--cpu-bytes"), default=16 << 30,
+                   help="host/CPU tier for kvelastic and the connector, e.g. 16GiB (default)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int, default=20480)
+    p.add_argument("--eager", action="store_true", help="enforce_eager: faster start-up, no CUDA graphs")
+    p.add_argument("--seed", type=int, default=1000, help="prefix i uses seed+i")
+    p.add_argument("--outdir", default="reload")
+    p.add_argument("--json", default="reload.json")
+    p.add_argument("--collect-only", action="store_true", help="tabulate <outdir>/*.json from earlier runs")
+    args = p.parse_args()
+    if args.prefix_len + args.suffix_len + args.check_tokens > args.max_model_len:
+        p.error("--prefix-len + --suffix-len + --check-tokens must fit --max-model-len")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.config:
+        Path(args.outdir, f"{args.config}.json").write_text(json.dumps(run_one(args)))
+        return 0
+    Path(args.outdir).mkdir(parents=True, exist_ok=True)
+    if not args.collect_only:
+        run_children(args)
+    wanted = CONFIGS if args.collect_only else args.configs
+    files = [Path(args.outdir, f"{c}.json") for c in wanted]
+    results = {f.stem: json.loads(f.read_text()) for f in files if f.exists()}
+    base = results.get("vanilla")
+    rows = [summarize(r, base if r is not base else None) for r in results.values()]
+    print_table(rows)
+    Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "config"},
+                                           "rows": rows}, indent=2))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

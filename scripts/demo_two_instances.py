@@ -1,0 +1,478 @@
+#!/usr/bin/env python3
+"""Two kvelastic vLLM servers sharing one GPU, end to end (issue #5: many models on one GPU).
+
+Starts two dummy-weight llama-1b servers with ``python3 -m kvelastic.launch`` and samples
+``python3 -m kvelastic.cli status --json`` every 0.25 s. Phase A loads instance 1; while it idles
+with a warm prefix cache its cap is lowered at run time (``kvelastic limit``): the cache must
+spill to the host tier, and the same prompts must come back token-identical. Phase B loads
+instance 2, phase C both; ``kvelastic_*`` is read from each ``/metrics``. Writes demo.json,
+memory.png (if matplotlib imports), launch.log and servers/*.log under --outdir and prints the
+checks. Exit 0: every hard check passed; 1: one failed; 2: bad setup, nothing started.
+Run from the repository root, with kvelastic installed in python3 (pip install -e . --no-deps):
+
+    python3 scripts/demo_two_instances.py --outdir "$OUT" --enforce-eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from kvelastic.units import format_size, parse_size  # noqa: E402
+
+GIB = 1 << 30
+NAMES = ["demo-a", "demo-b"]
+PROBES, FAMILIES, PREFIX_WORDS, SUFFIX_WORDS = 16, 8, 360, 150  # ~4.4 tokens a word: ~2.3k-token prompts
+CACHE_TTL_S, LIMIT_TIMEOUT_S, PERIOD_S = 600, 60.0, 0.25
+FIELDS = ("mapped_bytes", "cached_bytes", "host_bytes", "min_bytes", "max_bytes", "wanted_bytes")
+SYLLABLES = "ka lo mi ren tas vo qui dra nel por sun fey gal bri tor zen ash mur pel oth".split()
+METRIC = re.compile(r"^(kvelastic_\w+)(?:\{([^}]*)\})?\s+(\S+)")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--outdir", default=os.environ.get("OUT") or "demo-out", help="default: $OUT, else ./demo-out")
+    add("--model", default=str(HERE / "models" / "llama-1b"))
+    add("--ports", type=int, nargs=2, default=[8001, 8002])
+    add("--gpu-util", type=float, default=0.3, help="--gpu-memory-utilization of each server")
+    add("--budget", default="24GiB", help="shared KV budget, below the two caps together ('none': GPU memory)")
+    add("--cpu-bytes", default="8GiB", help="KVELASTIC_CPU_BYTES (host tier) of each server")
+    add("--new-limit", default="1GiB", help="cap given to instance 1 at run time")
+    add("--vllm-args", default="--load-format dummy --max-model-len 4096 --enable-prompt-tokens-details")
+    add("--enforce-eager", action="store_true", help="start faster: no torch.compile, no CUDA graphs")
+    add("--ready-timeout", type=float, default=420.0, help="seconds until both servers answer /health")
+    add("--phase-s", type=float, default=20.0, help="seconds of load per phase")
+    add("--gap-s", type=float, default=8.0, help="idle seconds after each phase")
+    add("--concurrency", type=int, default=32, help="requests in flight per loaded instance")
+    add("--max-tokens", type=int, default=64)
+    add("--skip-install-check", action="store_true", help="start even if kvelastic is not pip-installed")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ prompts, HTTP, parsing
+@functools.lru_cache(maxsize=None)
+def words(seed: str, count: int) -> str:
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(count))
+
+
+def prompt(index: int) -> str:
+    """Prompts share one of FAMILIES long prefixes; prompt i < PROBES is a probe."""
+    family = index % FAMILIES
+    return (f"Briefing {family}: {words(f'family-{family}', PREFIX_WORDS)}\n"
+            f"Request {index}: {words(f'request-{index}', SUFFIX_WORDS)}\nAnswer:")
+
+
+def http(url: str, body: dict | None = None, timeout: float = 180.0) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return reply.read()
+
+
+def healthy(url: str) -> bool:
+    try:
+        http(url + "/health", timeout=2)
+    except Exception:  # noqa: BLE001 - any failure means not (yet) healthy
+        return False
+    return True
+
+
+def run_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def complete(url: str, model: str, text: str, max_tokens: int) -> dict[str, Any]:
+    """One greedy completion; ``key`` is its token ids (its text if the server sends no ids)."""
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reply = json.loads(http(url + "/v1/completions", body))
+    choice, usage = reply["choices"][0], reply.get("usage") or {}
+    ids = choice.get("token_ids")
+    return {"key": choice.get("text", "") if ids is None else ids, "by": "text" if ids is None else "ids",
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    """``kvelastic_*`` samples of a Prometheus text page: name -> engine label -> value."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if match := METRIC.match(line):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            found.setdefault(match.group(1), {})[labels.get("engine", "")] = float(match.group(3))
+    return found
+
+
+def metric(snapshot: dict, name: str, engine: str) -> float | None:
+    """A gauge, or a counter (exported with ``_total``)."""
+    values = snapshot.get(name) or snapshot.get(name + "_total") or {}
+    return values.get(engine)
+
+
+def to_sample(status: dict | None, t: float) -> dict | None:
+    """``kvelastic status --json`` reduced to the account that holds our instances."""
+    for acct in (status or {}).get("accounts", []):
+        members = {m["name"]: {k: m[k] for k in FIELDS} for m in acct["members"] if m["name"] in NAMES}
+        if members:
+            return {"t": round(t, 3), "budget": acct["budget_bytes"], "total_mapped": acct["mapped_bytes"],
+                    "charged": acct["charged_bytes"], "members": members}
+    return None
+
+
+def read_status(t: float = 0.0) -> dict | None:
+    try:
+        done = subprocess.run([sys.executable, "-m", "kvelastic.cli", "status", "--json"],
+                              capture_output=True, text=True, timeout=15)
+        return to_sample(json.loads(done.stdout) if done.stdout.lstrip().startswith("{") else None, t)
+    except (subprocess.SubprocessError, ValueError, KeyError):
+        return None
+
+
+def mapped(sample: dict | None, name: str, field: str = "mapped_bytes") -> float:
+    member = (sample or {}).get("members", {}).get(name)
+    return float("nan") if member is None else member[field]
+
+
+def budget_excess(samples: list[dict]) -> tuple[int, int]:
+    """(largest excess of all members' mapped bytes over the budget, samples over it)."""
+    excess = [s["total_mapped"] - s["budget"] for s in samples]
+    return max(excess, default=0), sum(e > 0 for e in excess)
+
+
+def summarize_phases(phases: list[dict], samples: list[dict]) -> None:
+    """Add each instance's mapped bytes at the start, peak and end of every phase."""
+    for phase in phases:
+        inside = [s for s in samples if phase["start"] <= s["t"] <= phase["end"]]
+        before = [s for s in samples if s["t"] <= phase["start"]] or inside[:1]
+        phase["mapped"] = {n: {"start": mapped(before[-1] if before else None, n),
+                               "peak": max((mapped(s, n) for s in inside), default=float("nan")),
+                               "end": mapped(inside[-1] if inside else None, n)} for n in NAMES}
+
+
+def same(a: list[dict], b: list[dict]) -> tuple[int, int]:
+    return sum(x["key"] == y["key"] for x, y in zip(a, b)), max(len(a), len(b))
+
+
+# ------------------------------------------------------------------ the demo
+class Demo:
+    def __init__(self, args: argparse.Namespace, out: Path):
+        self.args, self.out, self.t0, self.model = args, out, time.monotonic(), args.model
+        self.urls = [f"http://127.0.0.1:{port}" for port in args.ports]
+        self.launcher: subprocess.Popen | None = None
+        self.samples: list[dict] = []
+        self.halted = threading.Event()
+        self.phases: list[dict] = []
+        self.events: list[tuple[float, str]] = []
+        self.checks: list[dict] = []
+        self.data: dict[str, Any] = {"outputs": {}, "metrics": {}, "errors": []}
+        self.ready = False
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+    def event(self, label: str) -> None:
+        self.events.append((self.now(), label))
+        print(f"[{self.now():7.1f}s] {label}", flush=True)
+
+    def check(self, name: str, ok: bool, hard: bool, detail: str) -> None:
+        self.checks.append({"check": name, "ok": bool(ok), "hard": hard, "detail": detail})
+
+    def sample_forever(self) -> None:
+        while not self.halted.is_set():
+            began = time.monotonic()
+            if sample := read_status(began - self.t0):
+                self.samples.append(sample)
+            self.halted.wait(max(0.0, PERIOD_S - (time.monotonic() - began)))
+
+    def launch_command(self) -> list[str]:
+        a = self.args
+        vllm = shlex.split(a.vllm_args) + (["--enforce-eager"] if a.enforce_eager else [])
+        cmd = [sys.executable, "-m", "kvelastic.launch", "--gpu-util", str(a.gpu_util),
+               "--log-dir", str(self.out / "servers"), "--startup-timeout", str(a.ready_timeout)]
+        cmd += [] if a.budget.lower() == "none" else ["--budget", a.budget]
+        for i, (name, port) in enumerate(zip(NAMES, a.ports)):
+            cmd += ["--and"] * (i > 0) + ["--model", self.model, "--port", str(port), "--name", name,
+                                          "--env", f"KVELASTIC_CPU_BYTES={a.cpu_bytes}",
+                                          "--env", f"KVELASTIC_CACHE_TTL={CACHE_TTL_S}", "--", *vllm]
+        return cmd
+
+    def start(self) -> bool:
+        """Start the launcher and the sampler; wait until both servers answer /health."""
+        cmd = self.launch_command()
+        self.data["launch_command"] = shlex.join(cmd)
+        with open(self.out / "launch.log", "wb") as log:
+            self.launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        threading.Thread(target=self.sample_forever, daemon=True).start()
+        self.event(f"launcher started (pid {self.launcher.pid})")
+        deadline, up = time.monotonic() + self.args.ready_timeout, set()
+        while len(up) < 2 and time.monotonic() < deadline and self.launcher.poll() is None:
+            for i in set(range(2)) - up:
+                if healthy(self.urls[i]):
+                    up.add(i)
+                    self.event(f"{NAMES[i]} ready")
+            time.sleep(1.0)
+        self.ready = len(up) == 2
+        self.check("both servers ready", self.ready, True, f"launcher exit {self.launcher.poll()}")
+        if self.ready:
+            self.model = json.loads(http(self.urls[0] + "/v1/models"))["data"][0]["id"]
+            joined = sorted((read_status() or {}).get("members", {}))
+            self.check("both joined the shared account", joined == sorted(NAMES), True, f"seen {joined}")
+        return self.ready
+
+    def member(self, name: str) -> dict:
+        return ((read_status(self.now()) or {}).get("members") or {}).get(name) or {}
+
+    def scrape(self, i: int, label: str) -> dict:
+        try:
+            snapshot = parse_metrics(http(self.urls[i] + "/metrics", timeout=10).decode())
+        except Exception as error:  # noqa: BLE001 - recorded; the checks judge it
+            snapshot = {}
+            self.data["errors"].append(f"/metrics of {NAMES[i]}: {error!r}")
+        self.data["metrics"][f"{NAMES[i]} {label}"] = snapshot
+        return snapshot
+
+    def cli(self, *argv: str) -> int:
+        done = subprocess.run([sys.executable, "-m", "kvelastic.cli", *argv], capture_output=True, text=True)
+        self.event(f"kvelastic {' '.join(argv)} -> exit {done.returncode}: {(done.stdout + done.stderr).strip()}")
+        return done.returncode
+
+    def load(self, i: int, offset: int, result: dict) -> None:
+        """Closed-loop load on instance ``i`` for --phase-s seconds, counted into ``result``."""
+        deadline, counter, lock = time.monotonic() + self.args.phase_s, itertools.count(offset), threading.Lock()
+
+        def worker() -> None:
+            while time.monotonic() < deadline:
+                with lock:
+                    index = next(counter)
+                try:
+                    complete(self.urls[i], self.model, prompt(index), self.args.max_tokens)
+                    outcome = "requests"
+                except Exception as error:  # noqa: BLE001 - counted; any failure fails a hard check
+                    outcome = "errors"
+                    result.setdefault("first_error", repr(error))
+                    time.sleep(0.5)
+                with lock:
+                    result[outcome] += 1
+        run_all([threading.Thread(target=worker) for _ in range(self.args.concurrency)])
+
+    def phase(self, label: str, plan: list[tuple[int, int]]) -> dict:
+        """Load the instances of ``plan`` ((index, first prompt)) together, then idle --gap-s."""
+        phase = {"name": label, "kind": "load", "start": self.now(), "instances": [NAMES[i] for i, _ in plan],
+                 "results": {NAMES[i]: {"requests": 0, "errors": 0} for i, _ in plan}}
+        self.event(f"phase {label}: load on {', '.join(phase['instances'])}")
+        run_all([threading.Thread(target=self.load, args=(i, first, phase["results"][NAMES[i]]))
+                 for i, first in plan])
+        phase["end"] = self.now()
+        time.sleep(self.args.gap_s)
+        self.phases += [phase, {"name": f"idle after {label}", "kind": "idle", "start": phase["end"],
+                                "end": self.now()}]
+        return phase
+
+    def probe(self, i: int, passes: int) -> list[dict]:
+        """The probe prompts one at a time (the same batch shape each time); the last pass."""
+        results: list[dict] = []
+        for _ in range(passes):
+            results = []
+            for index in range(PROBES):
+                try:
+                    results.append(complete(self.urls[i], self.model, prompt(index), self.args.max_tokens))
+                except Exception as error:  # noqa: BLE001 - an error never matches an output
+                    self.data["errors"].append(f"probe {index} on {NAMES[i]}: {error!r}")
+                    results.append({"key": f"error {error!r}", "by": "error"})
+        return results
+
+
+def limit_step(demo: Demo) -> list[dict]:
+    """Lower instance 1's cap while its prefix cache is warm: spill, reload, identical outputs."""
+    name, new = NAMES[0], parse_size(demo.args.new_limit)
+    reference = demo.probe(0, passes=2)  # second pass: every full prompt block is a prefix hit
+    before, m0 = demo.member(name), demo.scrape(0, "before limit")
+    started = time.monotonic()
+    rc, latency = demo.cli("limit", name, demo.args.new_limit), None
+    while latency is None and time.monotonic() - started < LIMIT_TIMEOUT_S:
+        if demo.member(name).get("mapped_bytes", new + 1) <= new:
+            latency = round(time.monotonic() - started, 3)
+    after, m1 = demo.member(name), demo.scrape(0, "after limit")
+    replay = demo.probe(0, passes=1)
+    m2 = demo.scrape(0, "after replay")
+    demo.cli("limit", name, str(before.get("max_bytes") or "none"))  # back to the start-up cap
+    delta = {k: (metric(y, f"kvelastic_{k}", name) or 0) - (metric(x, f"kvelastic_{k}", name) or 0)
+             for k, x, y in (("spilled_bytes", m0, m1), ("reloaded_bytes", m1, m2), ("host_hits", m1, m2))}
+    was, host = before.get("mapped_bytes", 0), (before.get("host_bytes", 0), after.get("host_bytes", 0))
+    demo.data["limit_change"] = {"new_limit_bytes": new, "cli_exit": rc, "latency_s": latency,
+                                 "before": before, "after": after, "metric_deltas": delta}
+    demo.data["outputs"].update(reference=reference, replay=replay)
+    demo.check("lowered cap held at run time", rc == 0 and latency is not None, True,
+               f"{format_size(was)} -> <= {demo.args.new_limit} after {latency} s")
+    demo.check("cache was above the new cap", was > new, False, "else the limit step proves little")
+    demo.check("cache spilled to the host tier", delta["spilled_bytes"] > 0 or host[1] > host[0], False,
+               f"spilled +{format_size(delta['spilled_bytes'])}, host {format_size(host[0])} -> {format_size(host[1])}")
+    demo.check("replay reloaded from the host tier", delta["reloaded_bytes"] > 0, False,
+               f"reloaded +{format_size(delta['reloaded_bytes'])}, host hits +{delta['host_hits']:.0f}")
+    n, total = same(reference, replay)
+    demo.check("outputs identical after spill/reload", n == total > 0, True, f"{n}/{total} identical")
+    return reference
+
+
+def scenario(demo: Demo) -> None:
+    demo.phase("A", [(0, 0)])
+    reference = limit_step(demo)
+    demo.phase("B", [(1, 0)])
+    other = demo.data["outputs"]["instance_2"] = demo.probe(1, passes=2)
+    n, total = same(reference, other)
+    demo.check("both instances give the same outputs", n == total, False, f"{n}/{total} identical (info)")
+    demo.phase("C", [(0, 100_000), (1, 200_000)])
+    for i, name in enumerate(NAMES):
+        found = demo.scrape(i, "end")
+        demo.check(f"kvelastic_* on /metrics of {name}", metric(found, "kvelastic_mapped_bytes", name) is not None,
+                   False, ", ".join(sorted(found)) or "none")
+    alive = demo.launcher.poll() is None and all(healthy(url) for url in demo.urls)
+    demo.check("both servers alive at the end", alive, True, f"launcher exit {demo.launcher.poll()}")
+
+
+# ------------------------------------------------------------------ stop, judge, report
+def stop_launcher(launcher: subprocess.Popen | None, log: Path) -> str:
+    """SIGINT to the launcher's group (it stops its servers), then SIGTERM, SIGKILL; then orphans."""
+    sent: list[str] = []
+    for signum, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        if launcher is None or launcher.poll() is not None:
+            break
+        sent.append(signum.name)
+        try:
+            os.killpg(launcher.pid, signum)
+            launcher.wait(timeout=wait)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+    if "SIGKILL" in sent:  # the launcher could not stop its servers: kill their process groups
+        for pid in re.findall(r"starting pid (\d+)", log.read_text(errors="replace")):
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return "launcher never started" if launcher is None else f"launcher exit {launcher.poll()} ({sent})"
+
+
+def judge(demo: Demo) -> None:
+    excess, over = budget_excess(demo.samples)
+    demo.check("status sampled", len(demo.samples) > 10, True, f"{len(demo.samples)} samples")
+    demo.check("sum of mapped bytes <= budget", bool(demo.samples) and over == 0, True,
+               f"max excess {format_size(max(excess, 0))} in {over} samples")
+    results = [r for p in demo.phases if p["kind"] == "load" for r in p["results"].values()]
+    errors = sum(r["errors"] for r in results) + len(demo.data["errors"])
+    demo.check("no failed requests", demo.ready and errors == 0, True,
+               f"{sum(r['requests'] for r in results)} ok, {errors} failed")
+    summarize_phases(demo.phases, demo.samples)
+    for phase in (p for p in demo.phases if p["kind"] == "load"):
+        grew = all(phase["mapped"][n]["peak"] > phase["mapped"][n]["start"] for n in phase["instances"])
+        demo.check(f"phase {phase['name']}: loaded instance grew", grew, False, "; ".join(
+            f"{n} {v['start'] / GIB:.2f}/{v['peak'] / GIB:.2f}/{v['end'] / GIB:.2f}"
+            for n, v in phase["mapped"].items()) + " GiB mapped start/peak/end")
+
+
+def plot(demo: Demo, path: Path) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: no matplotlib"
+    ts, samples = [s["t"] for s in demo.samples], demo.samples
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for i, name in enumerate(NAMES):
+        ax.plot(ts, [mapped(s, name) / GIB for s in samples], color=f"C{i}", label=f"{name} mapped KV")
+        ax.plot(ts, [mapped(s, name, "host_bytes") / GIB for s in samples], color=f"C{i}", ls="--",
+                label=f"{name} host tier")
+    ax.plot(ts, [s["budget"] / GIB for s in samples], color="black", ls=":", label="shared budget")
+    axis_x = ax.get_xaxis_transform()
+    for phase in (p for p in demo.phases if p["kind"] == "load"):
+        ax.axvspan(phase["start"], phase["end"], color="grey", alpha=0.15)
+        ax.text(phase["start"] + 0.5, 0.97, f"phase {phase['name']}", transform=axis_x, va="top")
+    for t, label in (e for e in demo.events if e[1].startswith("kvelastic limit")):
+        ax.axvline(t, color="red", lw=0.8, ls=":")
+        ax.text(t, 0.5, label.split(" -> ")[0][10:], rotation=90, fontsize=7, transform=axis_x)
+    ax.set(xlabel="seconds since launch", ylabel="GiB", title="Two kvelastic vLLM servers on one GPU")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def report(demo: Demo, stop: str) -> int:
+    png = plot(demo, demo.out / "memory.png") if demo.samples else "skipped: no samples"
+    record = {"args": vars(demo.args), "stop": stop, "events": demo.events, "phases": demo.phases,
+              "checks": demo.checks, "plot": png, "samples": demo.samples, **demo.data}
+    (demo.out / "demo.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"\n{'check':<42} {'result':<6} {'kind':<4} detail")
+    for c in demo.checks:
+        print(f"{c['check']:<42} {'PASS' if c['ok'] else 'FAIL':<6} {'hard' if c['hard'] else 'soft':<4} {c['detail']}")
+    print(f"\n{stop}; plot: {png}; all data: {demo.out / 'demo.json'}")
+    return int("crash" in demo.data or any(c["hard"] and not c["ok"] for c in demo.checks))
+
+
+def setup_problem(args: argparse.Namespace) -> str | None:
+    """Why the demo cannot start (a bad size, kvelastic not installed for vLLM's plugins), or None."""
+    from importlib import metadata
+
+    try:
+        [parse_size(s) for s in (args.new_limit, args.cpu_bytes, args.budget) if s.lower() != "none"]
+    except ValueError as error:
+        return str(error)
+    plugins = [ep.value for ep in metadata.entry_points(group="vllm.general_plugins")]
+    if not args.skip_install_check and not any(value.startswith("kvelastic") for value in plugins):
+        return "kvelastic is not installed in this Python, so KVELASTIC=1 would do nothing in vLLM " \
+               "(pip install -e . --no-deps, or --skip-install-check)"
+    return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if problem := setup_problem(args):
+        print(f"demo: {problem}", file=sys.stderr)
+        return 2
+    (out := Path(args.outdir)).mkdir(parents=True, exist_ok=True)
+    demo = Demo(args, out)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the launcher must not inherit an ignored SIGINT
+    try:
+        if demo.start():
+            scenario(demo)
+    except BaseException as error:  # noqa: BLE001 - Ctrl-C included: the servers are always stopped
+        demo.data["crash"] = "".join(traceback.format_exception(error))
+        print(demo.data["crash"], file=sys.stderr)
+    finally:
+        demo.halted.set()
+        stop = stop_launcher(demo.launcher, out / "launch.log")
+        demo.event(stop)
+    judge(demo)
+    return report(demo, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

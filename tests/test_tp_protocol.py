@@ -1,0 +1,252 @@
+"""One scheduler, two worker ranks in separate processes, host-backed pools: the TP protocol.
+
+The scheduler side is the real one (vLLM's BlockPool made page-aware over a
+:class:`ShardedKVCache` and a :class:`RemoteMapper`); each rank is a spawned
+process with its own pool and :class:`RankWorker`. Steps travel over a pipe as
+vLLM's broadcast would carry them: the plan, then the blocks the "forward pass"
+writes and reads. Every rank checks that each block it touches is mapped and
+holds what was written, so a block handed out before every rank mapped it, or
+unmapped while still in use, fails the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+
+from kvelastic.integration.block_pool import make_page_aware  # noqa: E402
+from kvelastic.tp import board as shm  # noqa: E402
+from kvelastic.tp.remote_mapper import RemoteMapper  # noqa: E402
+from kvelastic.tp.sharded_cache import ShardedKVCache  # noqa: E402
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
+
+WORLD = 2
+CPU_BYTES = 1 << 20
+
+
+def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
+    """A worker rank: apply each step's plan, then do its writes and checks on its own shard."""
+    from pathlib import Path
+
+    from kvelastic.tp.worker_side import start_rank
+    from tests.kv_fixtures import build_cache
+
+    pool, views, cache = build_cache(limit_groups)
+    worker = start_rank(cache, Path(folder), rank, WORLD, None, cpu_bytes)
+    conn.send("ready")
+    while True:
+        message = conn.recv()
+        if message == "stop":
+            break
+        plan, writes, checks = message
+        try:
+            worker.before_step(plan)
+            for block_id, value in writes:
+                assert pool.is_mapped(cache.group_of_block(block_id)), f"write to unmapped block {block_id}"
+                for view in views:
+                    view[:, block_id].fill_(value + rank)
+            for block_id, value in checks:
+                assert pool.is_mapped(cache.group_of_block(block_id)), f"read of unmapped block {block_id}"
+                for view in views:
+                    assert bool((view[:, block_id] == value + rank).all()), f"block {block_id} lost its data"
+            worker.after_step(plan)
+            conn.send(("ok", pool.stats().mapped_bytes))
+        except AssertionError as exc:
+            conn.send(("error", str(exc)))
+    worker.close()
+    pool.close()
+    conn.send("closed")
+
+
+class Cluster:
+    """The scheduler side plus two rank processes."""
+
+    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None):
+        self.folder = tmp_path / "engine"
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(WORLD):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(child, str(self.folder), rank, limits[rank], cpu_bytes),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:
+            assert conn.poll(60) and conn.recv() == "ready"
+        infos = [shm.read_info(self.folder, r) for r in range(WORLD)]
+        boards = [shm.RankBoard.of_rank(self.folder, r, infos[0].layout.num_groups, create=False)
+                  for r in range(WORLD)]
+        start = [g for g in range(infos[0].layout.num_groups) if all(b.groups[g] > 0 for b in boards)]
+        self.mapper = RemoteMapper(self.folder, boards, start)
+        self.cache = ShardedKVCache(self.mapper, infos[0], None)
+        self.cache.host_slots = min(i.host_slots for i in infos)
+        self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+        self.queue = make_page_aware(self.bp, self.cache, self.mapper, max_ahead_groups=2)
+        self.mapped_bytes = [0] * WORLD
+
+    def step(self, writes=(), checks=(), live=None) -> list:
+        plan = self.mapper.take_plan()
+        ranks = range(WORLD) if live is None else live
+        for r in ranks:
+            self.conns[r].send((plan, list(writes), list(checks)))
+        replies = []
+        for r in ranks:
+            assert self.conns[r].poll(30), f"rank {r} did not answer"
+            status, value = self.conns[r].recv()
+            assert status == "ok", value
+            self.mapped_bytes[r] = value
+            replies.append(value)
+        return replies
+
+    def allocate(self, n: int) -> list | None:
+        """vLLM's check, then its allocation; None is a scheduling miss (demand is recorded)."""
+        if n > self.bp.get_num_free_blocks():
+            self.queue.want_blocks(n)
+            return None
+        return self.bp.get_new_blocks(n)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                conn.send("stop")
+                conn.poll(10)
+            proc.join(10)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(**kw):
+        made.append(Cluster(tmp_path, **kw))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def allocate_within(c: Cluster, n: int, steps: int = 5) -> list:
+    """Allocate ``n`` blocks, running empty steps while the ranks map what the scheduler asked for."""
+    for _ in range(steps):
+        blocks = c.allocate(n)
+        if blocks is not None:
+            return blocks
+        c.step()
+    raise AssertionError(f"{n} blocks never became available")
+
+
+def test_blocks_are_handed_out_only_once_every_rank_mapped_them(cluster):
+    c = cluster()
+    assert c.allocate(3 * BLOCKS_PER_GROUP) is None  # nothing confirmed yet: a scheduling miss
+    assert c.mapper.pending_commands, "the miss must turn into map commands for the next step"
+    blocks = allocate_within(c, 3 * BLOCKS_PER_GROUP)
+    groups = {c.cache.group_of_block(b.block_id) for b in blocks}
+    for board in c.mapper.boards:
+        assert all(board.groups[g] > 0 for g in groups)
+    c.step(writes=[(b.block_id, 7) for b in blocks])
+    c.step(checks=[(b.block_id, 7) for b in blocks])
+    assert all(m >= 3 * GROUP_BYTES for m in c.mapped_bytes)
+
+
+def test_freed_groups_are_unmapped_on_every_rank_with_the_next_step(cluster):
+    c = cluster()
+    blocks = allocate_within(c, 4 * BLOCKS_PER_GROUP)
+    c.step(writes=[(b.block_id, 3) for b in blocks])
+    peak = list(c.mapped_bytes)
+    c.bp.free_blocks(blocks)
+    c.queue.set_idle()
+    c.step()
+    assert all(after < before for after, before in zip(c.mapped_bytes, peak))
+    assert c.mapped_bytes[0] == c.mapped_bytes[1]
+
+
+def test_commands_reach_idle_ranks_without_a_step_but_never_overtake_one(cluster):
+    c = cluster()
+    blocks = allocate_within(c, 2 * BLOCKS_PER_GROUP)
+    plan = c.mapper.take_plan()  # a step is sent but the ranks have not run it yet
+    c.bp.free_blocks(blocks)
+    c.queue.set_idle()
+    assert not c.mapper.deliver_idle(), "an unmap must wait while a step that may use the group is in flight"
+    for conn in c.conns:
+        conn.send((plan, [(b.block_id, 1) for b in blocks], []))
+    for conn in c.conns:
+        assert conn.recv()[0] == "ok"
+    assert c.mapper.deliver_idle()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(b.get(shm.MAPPED_BYTES) <= GROUP_BYTES for b in c.mapper.boards):
+            break
+        time.sleep(0.05)
+    assert all(b.get(shm.MAPPED_BYTES) <= GROUP_BYTES for b in c.mapper.boards), "idle ranks kept their pages"
+
+
+def test_a_rank_out_of_memory_turns_into_a_scheduling_miss(cluster):
+    c = cluster(limits=(None, 3))  # rank 1's GPU has room for 3 groups (the null group included)
+    got = allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
+    assert c.allocate(4 * BLOCKS_PER_GROUP) is None
+    c.step()  # rank 0 maps the extra groups, rank 1 refuses them
+    assert c.allocate(4 * BLOCKS_PER_GROUP) is None, "a group refused by one rank must not be handed out"
+    assert c.mapper.pending_commands, "the groups rank 0 did map must be given back"
+    c.step()
+    assert c.mapped_bytes[0] == c.mapped_bytes[1] == 3 * GROUP_BYTES
+    c.step(writes=[(b.block_id, 5) for b in got], checks=[])
+    c.bp.free_blocks(got)
+    assert allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)  # the engine keeps serving within what fits
+
+
+def test_a_dead_rank_is_noticed_and_never_waited_for(cluster):
+    c = cluster()
+    allocate_within(c, BLOCKS_PER_GROUP)
+    os.kill(c.procs[1].pid, signal.SIGKILL)
+    c.procs[1].join(10)
+    c.mapper._next_liveness = 0.0
+    started = time.monotonic()
+    assert c.allocate(6 * BLOCKS_PER_GROUP) is None
+    c.step(live=[0])
+    c.mapper._next_liveness = 0.0
+    assert c.allocate(6 * BLOCKS_PER_GROUP) is None
+    assert c.mapper.dead_ranks == {1}
+    assert time.monotonic() - started < 5
+
+
+def test_spilled_blocks_come_back_on_every_rank(cluster):
+    from kvelastic.tp.scheduler_side import attach_remote_offload
+
+    c = cluster(cpu_bytes=CPU_BYTES)
+    manager = attach_remote_offload(c.bp, c.queue, c.cache, c.mapper)
+    assert manager.tier.stats().slots == c.cache.host_slots > 0
+    allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
+    blocks = allocate_within(c, BLOCKS_PER_GROUP)
+    c.step(writes=[(b.block_id, 40 + i % 50) for i, b in enumerate(blocks)])
+    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(len(blocks))]
+    c.bp.cache_full_blocks(StandInRequest(hashes), blocks, 0, len(blocks), BS, 0)
+    c.bp.free_blocks(blocks)
+    assert c.queue.reclaim_cached(groups_wanted=8) >= 1  # spill, then unmap, in that order on each rank
+    c.queue.set_idle()
+    c.step()
+    assert manager.counters.spilled_blocks == len(blocks)
+    assert all(c.mapped_bytes[r] == c.mapper.boards[r].get(shm.MAPPED_BYTES) for r in range(WORLD))
+    c.queue.want_blocks(len(blocks))  # free mapped blocks to load into
+    c.step()
+    found = [c.bp.get_cached_block(h, [0]) for h in hashes]  # host-tier hits become GPU blocks
+    assert all(f is not None for f in found)
+    manager.flush()
+    new_ids = [f[0].block_id for f in found]
+    assert len(set(new_ids)) == len(new_ids)
+    steps = 0
+    while not all(c.cache.group_of_block(b) in c.mapper.mapped_groups for b in new_ids) and steps < 5:
+        c.step()
+        steps += 1
+    c.step(checks=[(b, 40 + i % 50) for i, b in enumerate(new_ids)])
+    assert manager.counters.reloaded_blocks == len(blocks)
