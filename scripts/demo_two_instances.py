@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Two kvelastic vLLM servers sharing one GPU, end to end (issue #5: many models on one GPU).
 
 Starts two dummy-weight llama-1b servers with ``python3 -m kvelastic.launch`` and samples
@@ -68,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ prompts, HTTP, parsing
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def words(seed: str, count: int) -> str:
     rng = random.Random(seed)
     return " ".join("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(count))
@@ -98,6 +97,7 @@ def healthy(url: str) -> bool:
 
 def run_all(threads: list[threading.Thread]) -> None:
     for thread in threads:
+        thread.daemon = True  # an interrupted demo must not wait for its load to run out
         thread.start()
     for thread in threads:
         thread.join()
@@ -143,7 +143,7 @@ def to_sample(status: dict | None, t: float) -> dict | None:
 def read_status(t: float = 0.0) -> dict | None:
     try:
         done = subprocess.run([sys.executable, "-m", "kvelastic.cli", "status", "--json"],
-                              capture_output=True, text=True, timeout=15)
+                              capture_output=True, text=True, timeout=15, check=False)
         return to_sample(json.loads(done.stdout) if done.stdout.lstrip().startswith("{") else None, t)
     except (subprocess.SubprocessError, ValueError, KeyError):
         return None
@@ -211,7 +211,7 @@ class Demo:
         cmd = [sys.executable, "-m", "kvelastic.launch", "--gpu-util", str(a.gpu_util),
                "--log-dir", str(self.out / "servers"), "--startup-timeout", str(a.ready_timeout)]
         cmd += [] if a.budget.lower() == "none" else ["--budget", a.budget]
-        for i, (name, port) in enumerate(zip(NAMES, a.ports)):
+        for i, (name, port) in enumerate(zip(NAMES, a.ports, strict=True)):
             cmd += ["--and"] * (i > 0) + ["--model", self.model, "--port", str(port), "--name", name,
                                           "--env", f"KVELASTIC_CPU_BYTES={a.cpu_bytes}",
                                           "--env", f"KVELASTIC_CACHE_TTL={CACHE_TTL_S}", "--", *vllm]
@@ -234,7 +234,9 @@ class Demo:
                     self.event(f"{NAMES[i]} ready")
             time.sleep(1.0)
         self.ready = len(up) == 2
-        self.check("both servers ready", self.ready, True, f"launcher exit {self.launcher.poll()}")
+        code = self.launcher.poll()
+        self.check("both servers ready", self.ready, True, "" if self.ready else
+                   f"{'timeout' if code is None else f'launcher exit {code}'}; see launch.log, servers/")
         if self.ready:
             self.model = json.loads(http(self.urls[0] + "/v1/models"))["data"][0]["id"]
             joined = sorted((read_status() or {}).get("members", {}))
@@ -254,7 +256,8 @@ class Demo:
         return snapshot
 
     def cli(self, *argv: str) -> int:
-        done = subprocess.run([sys.executable, "-m", "kvelastic.cli", *argv], capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "kvelastic.cli", *argv], capture_output=True, text=True,
+                              check=False)
         self.event(f"kvelastic {' '.join(argv)} -> exit {done.returncode}: {(done.stdout + done.stderr).strip()}")
         return done.returncode
 
@@ -309,15 +312,18 @@ def limit_step(demo: Demo) -> list[dict]:
     name, new = NAMES[0], parse_size(demo.args.new_limit)
     reference = demo.probe(0, passes=2)  # second pass: every full prompt block is a prefix hit
     before, m0 = demo.member(name), demo.scrape(0, "before limit")
+    demo.event(f"cap {name} -> {demo.args.new_limit}")
     started = time.monotonic()
     rc, latency = demo.cli("limit", name, demo.args.new_limit), None
     while latency is None and time.monotonic() - started < LIMIT_TIMEOUT_S:
         if demo.member(name).get("mapped_bytes", new + 1) <= new:
             latency = round(time.monotonic() - started, 3)
+    time.sleep(1.0)  # host bytes reach the account on the instance's next ticks
     after, m1 = demo.member(name), demo.scrape(0, "after limit")
     replay = demo.probe(0, passes=1)
     m2 = demo.scrape(0, "after replay")
     demo.cli("limit", name, str(before.get("max_bytes") or "none"))  # back to the start-up cap
+    demo.event(f"cap {name} restored")
     delta = {k: (metric(y, f"kvelastic_{k}", name) or 0) - (metric(x, f"kvelastic_{k}", name) or 0)
              for k, x, y in (("spilled_bytes", m0, m1), ("reloaded_bytes", m1, m2), ("host_hits", m1, m2))}
     was, host = before.get("mapped_bytes", 0), (before.get("host_bytes", 0), after.get("host_bytes", 0))
@@ -332,7 +338,8 @@ def limit_step(demo: Demo) -> list[dict]:
     demo.check("replay reloaded from the host tier", delta["reloaded_bytes"] > 0, False,
                f"reloaded +{format_size(delta['reloaded_bytes'])}, host hits +{delta['host_hits']:.0f}")
     n, total = same(reference, replay)
-    demo.check("outputs identical after spill/reload", n == total > 0, True, f"{n}/{total} identical")
+    demo.check("outputs identical after spill/reload", n == total > 0, True,
+               f"{n}/{total} identical, by {reference[0]['by']}")
     return reference
 
 
@@ -375,7 +382,13 @@ def stop_launcher(launcher: subprocess.Popen | None, log: Path) -> str:
 
 
 def judge(demo: Demo) -> None:
+    if not demo.ready:  # the start-up failure is the one check that matters; show the logs
+        for log in [demo.out / "launch.log", *sorted((demo.out / "servers").glob("*.log"))]:
+            print(f"--- last lines of {log}:", *log.read_text(errors="replace").splitlines()[-25:], sep="\n")
+        return
     excess, over = budget_excess(demo.samples)
+    crash = demo.data.get("crash", "").strip().splitlines()[-1:]
+    demo.check("ran to the end", not crash, True, crash[0] if crash else "")
     demo.check("status sampled", len(demo.samples) > 10, True, f"{len(demo.samples)} samples")
     demo.check("sum of mapped bytes <= budget", bool(demo.samples) and over == 0, True,
                f"max excess {format_size(max(excess, 0))} in {over} samples")
@@ -385,8 +398,8 @@ def judge(demo: Demo) -> None:
                f"{sum(r['requests'] for r in results)} ok, {errors} failed")
     summarize_phases(demo.phases, demo.samples)
     for phase in (p for p in demo.phases if p["kind"] == "load"):
-        grew = all(phase["mapped"][n]["peak"] > phase["mapped"][n]["start"] for n in phase["instances"])
-        demo.check(f"phase {phase['name']}: loaded instance grew", grew, False, "; ".join(
+        grew = any(phase["mapped"][n]["peak"] > phase["mapped"][n]["start"] for n in phase["instances"])
+        demo.check(f"phase {phase['name']}: a loaded instance grew", grew, False, "; ".join(
             f"{n} {v['start'] / GIB:.2f}/{v['peak'] / GIB:.2f}/{v['end'] / GIB:.2f}"
             for n, v in phase["mapped"].items()) + " GiB mapped start/peak/end")
 
@@ -408,10 +421,10 @@ def plot(demo: Demo, path: Path) -> str:
     axis_x = ax.get_xaxis_transform()
     for phase in (p for p in demo.phases if p["kind"] == "load"):
         ax.axvspan(phase["start"], phase["end"], color="grey", alpha=0.15)
-        ax.text(phase["start"] + 0.5, 0.97, f"phase {phase['name']}", transform=axis_x, va="top")
-    for t, label in (e for e in demo.events if e[1].startswith("kvelastic limit")):
+        ax.text(phase["start"] + 0.5, 0.01, f"phase {phase['name']}", transform=axis_x, va="bottom")
+    for t, label in (e for e in demo.events if e[1].startswith("cap ")):
         ax.axvline(t, color="red", lw=0.8, ls=":")
-        ax.text(t, 0.5, label.split(" -> ")[0][10:], rotation=90, fontsize=7, transform=axis_x)
+        ax.text(t, 0.5, label, rotation=90, fontsize=7, transform=axis_x)
     ax.set(xlabel="seconds since launch", ylabel="GiB", title="Two kvelastic vLLM servers on one GPU")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -467,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         demo.data["crash"] = "".join(traceback.format_exception(error))
         print(demo.data["crash"], file=sys.stderr)
     finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a repeated signal must not cut the stop short
+            signal.signal(signum, signal.SIG_IGN)
         demo.halted.set()
         stop = stop_launcher(demo.launcher, out / "launch.log")
         demo.event(stop)

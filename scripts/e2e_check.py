@@ -23,6 +23,10 @@ CONFIGS = {
     "v2-offload": ["--offload"],
     "v1-offload": ["--v1", "--offload"],
     "v2-eager": ["--eager"],
+    "mp1": ["--mp"],            # TP=1 through the multiprocess executor: the worker is another process
+    "v1-mp1": ["--v1", "--mp"],
+    "tp2": ["--tp", "2"],
+    "v1-tp2": ["--v1", "--tp", "2"],
 }
 
 
@@ -43,9 +47,14 @@ def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], 
 def summary(r: dict) -> dict:
     first = r["passes"][0]
     ttft = sorted(first["ttft_s"]) or [float("nan")]
-    return {"seconds": first["seconds"], "tok_s": (first["output_tokens"] + first["prompt_tokens"]) / first["seconds"],
-            "out_tok_s": first["output_tokens"] / first["seconds"], "ttft_p50": ttft[len(ttft) // 2],
-            "peak_gib": max(m for _, m in r["memory"]) / 2**30}
+    row = {"seconds": first["seconds"], "tok_s": (first["output_tokens"] + first["prompt_tokens"]) / first["seconds"],
+           "out_tok_s": first["output_tokens"] / first["seconds"], "ttft_p50": ttft[len(ttft) // 2],
+           "peak_gib": max(m for _, m in r["memory"]) / 2**30}
+    per_gpu = r.get("memory_per_gpu") or []
+    if per_gpu and len(per_gpu[0][1]) > 1:  # several GPUs: each one's peak and its last sample
+        row["peak_gib_per_gpu"] = [max(s[1][i] for s in per_gpu) / 2**30 for i in range(len(per_gpu[0][1]))]
+        row["end_gib_per_gpu"] = [v / 2**30 for v in per_gpu[-1][1]]
+    return row
 
 
 def compare(a: dict, b: dict) -> tuple[int, int]:
@@ -91,6 +100,12 @@ def main() -> int:
         print(f"{row['config']:<12} {row['identical']:>4}/{row['total']:<4} {v['tok_s']:>10.0f} {k['tok_s']:>10.0f} "
               f"{k['tok_s'] / v['tok_s']:>6.3f} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
               f"{v['peak_gib']:>13.1f} {k['peak_gib']:>13.1f}")
+    for row in rows:
+        for label in ("vanilla", "kvelastic"):
+            if "peak_gib_per_gpu" in row[label]:
+                print(f"{row['config']:<12} {label:<9} per-GPU peak GiB "
+                      f"{[round(v, 1) for v in row[label]['peak_gib_per_gpu']]}, at the end "
+                      f"{[round(v, 1) for v in row[label]['end_gib_per_gpu']]}")
     if args.summary:
         Path(args.summary).write_text(json.dumps(rows, indent=2))
     return 1 if failed else 0

@@ -25,19 +25,23 @@ class GpuMemorySampler:
     def __init__(self, period: float = 0.2):
         self.period = period
         self.samples: list[tuple[float, int]] = []
+        self.per_gpu: list[tuple[float, list[int]]] = []
         self.marks: list[tuple[float, str]] = []
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> int:
+    def _read(self) -> list[int]:
         text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, check=True).stdout
-        return int(text.split()[0]) * MIB
+        return [int(v) * MIB for v in text.split()]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic() - self._t0, self._read()))
+            per_gpu = self._read()
+            now = time.monotonic() - self._t0
+            self.samples.append((now, per_gpu[0]))  # the first GPU: every run uses it
+            self.per_gpu.append((now, per_gpu))
             self._stop.wait(self.period)
 
     def mark(self, label: str) -> None:
@@ -70,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--v1", action="store_true", help="force the V1 model runner")
     p.add_argument("--offload", action="store_true", help="vLLM OffloadingConnector (4 GiB CPU)")
     p.add_argument("--eager", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--mp", action="store_true", help="multiprocess executor even at TP=1 (worker in a child)")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--min-len", type=int, default=50)
     p.add_argument("--max-len", type=int, default=1500)
@@ -91,6 +97,10 @@ def build_llm(args: argparse.Namespace):
                   enable_prefix_caching=True, enforce_eager=args.eager, disable_log_stats=False)
     if args.kv_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_bytes
+    if args.tp > 1:
+        kwargs["tensor_parallel_size"] = args.tp
+    if args.mp or args.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
     if args.offload:
         from vllm.config import KVTransferConfig
 
@@ -133,6 +143,7 @@ def main() -> None:
             time.sleep(args.idle_after)
             sampler.mark("idle end")
     result["memory"] = sampler.samples
+    result["memory_per_gpu"] = sampler.per_gpu
     result["marks"] = sampler.marks
     with open(args.out, "w") as f:
         json.dump(result, f)

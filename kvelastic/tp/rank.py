@@ -84,6 +84,7 @@ class RankWorker:
                 pass
 
     def _run(self) -> None:
+        _use_device_of(self.cache.pool.backend)
         while not self._stop.wait(IDLE_POLL_S):
             try:
                 with self._lock:
@@ -160,3 +161,12 @@ class RankWorker:
         self.board.set(shm.DEVICE_FREE, -1 if free is None else free)
         self.board.set(shm.MAPPED_BYTES, stats.mapped_bytes)
         self.board.set(shm.HELD_BYTES, stats.held_bytes)
+
+
+def _use_device_of(backend: Any) -> None:
+    """Make this thread's current CUDA device the pool's (copies issued here allocate on it)."""
+    device = getattr(backend, "device", None)
+    if isinstance(device, int):
+        import torch
+
+        torch.cuda.set_device(device)

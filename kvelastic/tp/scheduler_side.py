@@ -9,6 +9,7 @@ cache view, and the step hook that attaches each step's commands to its
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -50,8 +51,18 @@ def connect_ranks(scheduler: Any, runtime: Any, wait_s: float = RANKS_WAIT_S) ->
     partial = [g for g in range(first.layout.num_groups) if g not in mapper.mapped_groups
                and any(int(b.groups[g]) > 0 for b in boards)]
     mapper.request_unmap(partial)
+    atexit.register(_remove_idle_files, folder)
     log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
     return cache, mapper
+
+
+def _remove_idle_files(folder: Any) -> None:
+    for _, _, path in shm.idle_files(folder):
+        path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()  # the ranks remove their own files; the last one out removes the folder
+    except OSError:
+        pass
 
 
 def _wait_for_ranks(folder: Any, world: int, wait_s: float) -> list[shm.RankInfo]:

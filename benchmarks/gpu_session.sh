@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU runs of one device session, by stage; everything lands under $OUT (tarred at the end,
+# since only a few files come back). Run from the repo root after staging the vLLM bundle:
+#   bash benchmarks/gpu_session.sh tp       # TP=2 8B: identical outputs, both GPUs' KV memory rises and falls
+#   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
+#   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
+#   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+OUT=${OUT:-./gpu-out}
+stage=$1
+W=$OUT/w-$stage  # everything goes here, then into one tarball: only a few files come back
+mkdir -p "$W"
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$W/gpus-$stage.txt"
+date -u >>"$W/gpus-$stage.txt"
+e2e() { python3 scripts/e2e_check.py "$@"; }
+case $stage in
+tp)
+    e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
+        --summary "$W/tp/summary.json" --extra --idle-after 8 2>&1 | tee "$W/tp.log" ;;
+tp-spill)
+    e2e --model scripts/models/llama-1b --outdir "$W/mp1" --matrix mp1 --summary "$W/mp1/summary.json" \
+        2>&1 | tee "$W/mp1.log"
+    e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label -spill \
+        --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 \
+        --summary "$W/tp-spill/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/tp-spill.log" ;;
+demo)
+    python3 scripts/demo_two_instances.py --outdir "$W/demo" 2>&1 | tee "$W/demo.log" ;;
+reload)
+    python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
+        2>&1 | tee "$W/reload.log" ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+rc=$?
+tar czf "$OUT/$stage.tgz" -C "$W" . && rm -rf "$W"
+exit $rc
