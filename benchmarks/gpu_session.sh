@@ -17,15 +17,15 @@ e2e() { python3 scripts/e2e_check.py "$@"; }
 case $stage in
 tp)
     e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
-        --summary "$W/tp/summary.json" --extra --idle-after 8 2>&1 | tee "$W/tp.log" ;;
+        --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log" ;;
 tp-spill)
-    e2e --model scripts/models/llama-1b --outdir "$W/mp1" --matrix mp1 --summary "$W/mp1/summary.json" \
-        2>&1 | tee "$W/mp1.log"
-    e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label -spill \
+    e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
+        --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log"
+    e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 \
         --summary "$W/tp-spill/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/tp-spill.log" ;;
 demo)
-    python3 scripts/demo_two_instances.py --outdir "$W/demo" 2>&1 | tee "$W/demo.log" ;;
+    python3 scripts/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
         2>&1 | tee "$W/reload.log" ;;

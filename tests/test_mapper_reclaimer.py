@@ -355,15 +355,28 @@ def test_the_reclaimer_thread_ticks_until_stopped_and_survives_errors(engine, kv
 
 
 # ------------------------------------------------------------ attach_scheduler
-def test_attach_scheduler_without_a_cache_explains_the_other_process():
+def _scheduler_with(world: int = 1, pipeline: int = 1) -> types.SimpleNamespace:
+    parallel = types.SimpleNamespace(world_size=world * pipeline, pipeline_parallel_size=pipeline)
+    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel))
+
+
+def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp_path):
+    import kvelastic.tp.scheduler_side as scheduler_side
+
+    monkeypatch.setenv("KVELASTIC_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(scheduler_side, "RANKS_WAIT_S", 0.2)
     runtime = Runtime(Settings(enabled=True))
     with pytest.raises(PatchError) as info:
-        attach_scheduler(types.SimpleNamespace(), runtime)
+        attach_scheduler(_scheduler_with(world=2), runtime)
     message = str(info.value)
     assert "no elastic KV cache in its process" in message
-    assert "tensor/pipeline parallelism" in message
-    assert "another process" in message
+    assert "worker ranks [0, 1] of 2" in message
     assert "KVELASTIC=0" in message
+
+
+def test_attach_scheduler_refuses_pipeline_parallelism():
+    with pytest.raises(PatchError, match="pipeline parallelism is not supported"):
+        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)))
 
 
 def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():

@@ -182,13 +182,34 @@ def test_commands_reach_idle_ranks_without_a_step_but_never_overtake_one(cluster
         conn.send((plan, [(b.block_id, 1) for b in blocks], []))
     for conn in c.conns:
         assert conn.recv()[0] == "ok"
+    c.queue.set_idle()  # the reclaimer's next tick: groups mapped ahead by that step are surplus too
     assert c.mapper.deliver_idle()
-    deadline = time.monotonic() + 10
+    assert wait_for(lambda: all(b.get(shm.HELD_BYTES) <= GROUP_BYTES for b in c.mapper.boards)), \
+        "idle ranks kept their pages (mapped, or warm in their reserve)"
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if all(b.get(shm.MAPPED_BYTES) <= GROUP_BYTES for b in c.mapper.boards):
-            break
+        if condition():
+            return True
         time.sleep(0.05)
-    assert all(b.get(shm.MAPPED_BYTES) <= GROUP_BYTES for b in c.mapper.boards), "idle ranks kept their pages"
+    return condition()
+
+
+def test_ranks_keep_the_warm_reserve_the_reclaimer_asks_for(cluster):
+    c = cluster()
+    c.step()  # the null group and one group mapped ahead
+    baseline = [b.get(shm.HELD_BYTES) for b in c.mapper.boards]
+    pages = 2 * GROUP_BYTES // c.cache.pool.page_bytes
+    c.cache.pool.grow_reserve(pages)
+    assert c.cache.pool.stats().reserve_bytes == 2 * GROUP_BYTES
+    c.step()
+    assert wait_for(lambda: [b.get(shm.HELD_BYTES) for b in c.mapper.boards]
+                    == [v + 2 * GROUP_BYTES for v in baseline]), "the ranks did not build the warm reserve"
+    c.cache.pool.trim_reserve(0)
+    c.step()
+    assert [b.get(shm.HELD_BYTES) for b in c.mapper.boards] == baseline
 
 
 def test_a_rank_out_of_memory_turns_into_a_scheduling_miss(cluster):

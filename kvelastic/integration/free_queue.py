@@ -49,6 +49,7 @@ class PageAwareFreeQueue:
         self._clock = clock
         self.max_ahead_groups = max_ahead_groups
         self.ahead_groups = 1
+        self.demand_groups = 0  # empty groups the waiting requests need (see want_blocks)
         self.report_all_free = False
         self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
         self.last_allocation = clock()
@@ -251,15 +252,19 @@ class PageAwareFreeQueue:
         """No allocation lately: keep no empty group mapped ahead."""
         self._bursts.clear()
         self.ahead_groups = 0
+        self.demand_groups = 0
         self._balance()
 
     def want_blocks(self, blocks: int) -> None:
-        """A request is waiting for ``blocks``: map enough empty groups for it (within the room)."""
+        """The scheduler's requests need ``blocks`` more soon: keep enough empty groups mapped for them.
+
+        Used where mapping is asynchronous (ranks in other processes): the
+        demand holds until the next call replaces it, so groups mapped for
+        waiting requests are not released as surplus before they are used.
+        """
         self._adopt_mapped()
-        short = blocks - self._free_uncached_total - len(self._cached)
-        if short <= 0:
-            return
-        self.ahead_groups = max(self.ahead_groups, len(self._empty) + -(-short // self.cache.blocks_per_group))
+        short = max(0, blocks - self._free_uncached_total - len(self._cached))
+        self.demand_groups = len(self._empty) + -(-short // self.cache.blocks_per_group) if short else 0
         self._balance()
 
     def cached_groups(self) -> int:
@@ -383,7 +388,7 @@ class PageAwareFreeQueue:
     def _balance(self) -> None:
         """Keep ``ahead_groups`` empty groups mapped: request more, or release the surplus."""
         self._adopt_mapped()
-        want = self.ahead_groups
+        want = max(self.ahead_groups, self.demand_groups)
         have = len(self._empty) + len(self._requested)
         if have < want:
             room = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))

@@ -15,6 +15,7 @@ MAP = "map"          # (seq, MAP, groups)
 UNMAP = "unmap"      # (seq, UNMAP, groups)
 STORE = "store"      # (seq, STORE, block_ids, slots, block_compute)
 LOAD = "load"        # (seq, LOAD, block_ids, slots)
+RESERVE = "reserve"  # (seq, RESERVE, pages): warm pages each rank keeps for fast mapping
 
 #: Board value of a group mapped before the scheduler existed (start-up warm-up, the null block).
 START_SEQ = 1
@@ -36,6 +37,10 @@ def store_command(seq: int, block_ids: Sequence[int], slots: Sequence[int], bloc
 
 def load_command(seq: int, block_ids: Sequence[int], slots: Sequence[int]) -> Command:
     return (seq, LOAD, tuple(block_ids), tuple(slots))
+
+
+def reserve_command(seq: int, pages: int) -> Command:
+    return (seq, RESERVE, int(pages))
 
 
 @dataclass(frozen=True)

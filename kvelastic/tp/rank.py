@@ -22,7 +22,7 @@ from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import NULL_GROUP
 from kvelastic.pool.backend import Fence
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import LOAD, MAP, START_SEQ, STORE, UNMAP, Command, StepPlan
+from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
 
 log = logging.getLogger("kvelastic")
 
@@ -48,6 +48,7 @@ class RankWorker:
         self._thread: threading.Thread | None = None
         self._last_free = 0.0
         self.refused_groups = 0
+        self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -90,6 +91,7 @@ class RankWorker:
                 with self._lock:
                     self._apply_idle_files()
                 self.cache.pool.collect()
+                self._fit_reserve(grow=True)
                 self._report_memory()
             except Exception:  # noqa: BLE001 - the rank must keep serving steps
                 log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
@@ -120,12 +122,15 @@ class RankWorker:
                 self._copies.append(self.copier.store(command[2], command[3], block_compute=command[4]))
             elif kind == LOAD:
                 self.copier.load(command[2], command[3])
+            elif kind == RESERVE:
+                self.reserve_pages = command[2]
             else:
                 raise ValueError(f"unknown kvelastic command {kind!r}")
             applied = seq
             self.board.set(shm.APPLIED, seq)
         self._copies = [f for f in self._copies if not f.is_done()]
-        self._report_memory()
+        self._fit_reserve(grow=False)
+        self._report_memory(force=True)
 
     def _map(self, seq: int, groups: Sequence[int]) -> None:
         pool = self.cache.pool
@@ -150,6 +155,15 @@ class RankWorker:
         for g in groups:
             self.board.groups[g] = 0
         self.cache.unmap_groups(groups, after=list(self._copies))
+
+    def _fit_reserve(self, *, grow: bool) -> None:
+        """Give back warm pages beyond the target; create missing ones only off the step path."""
+        pool = self.cache.pool
+        have = pool.stats().reserve_bytes // pool.page_bytes
+        if have > self.reserve_pages:
+            pool.trim_reserve(self.reserve_pages)
+        elif grow and have < self.reserve_pages:
+            pool.grow_reserve(self.reserve_pages - have)
 
     def _report_memory(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, store_command,
-                                   unmap_command)
+from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
+                                   store_command, unmap_command)
 
 log = logging.getLogger("kvelastic")
 
@@ -102,6 +102,10 @@ class RemoteMapper:
 
     def request_load(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         self._outbox.append(load_command(self._next(), block_ids, slots))
+
+    def request_reserve(self, pages: int) -> None:
+        """Every rank keeps ``pages`` unmapped pages warm (fewer driver calls on the next map)."""
+        self._outbox.append(reserve_command(self._next(), pages))
 
     # ---------------------------------------------------------- delivery
     def take_plan(self) -> StepPlan:

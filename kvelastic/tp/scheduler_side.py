@@ -27,7 +27,9 @@ log = logging.getLogger("kvelastic")
 RANKS_WAIT_S = 30.0
 
 
-def connect_ranks(scheduler: Any, runtime: Any, wait_s: float = RANKS_WAIT_S) -> tuple[ShardedKVCache, RemoteMapper]:
+def connect_ranks(scheduler: Any, runtime: Any, wait_s: float | None = None) -> tuple[ShardedKVCache, RemoteMapper]:
+    """The ranks' caches, found through the engine's folder; PatchError if they never show up."""
+    wait_s = RANKS_WAIT_S if wait_s is None else wait_s
     parallel = getattr(scheduler.vllm_config, "parallel_config", None)
     world = int(getattr(parallel, "world_size", 1) or 1)
     if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
@@ -76,27 +78,29 @@ def _wait_for_ranks(folder: Any, world: int, wait_s: float) -> list[shm.RankInfo
             raise PatchError(
                 f"kvelastic: the scheduler found no elastic KV cache in its process and worker ranks "
                 f"{missing} of {world} did not describe theirs in {folder}. The executor is not one "
-                f"kvelastic supports (use the default uniprocess or multiprocess executor), or the "
-                f"workers run without KVELASTIC=1")
+                f"kvelastic supports (use the default uniprocess or multiprocess executor, not Ray), or "
+                f"the workers run without KVELASTIC=1; or set KVELASTIC=0 for this engine")
         time.sleep(0.05)
 
 
 def demand_of(scheduler: Any) -> int:
-    """Blocks the waiting requests at the head of the queue need, up to one step's token budget."""
+    """Blocks the requests need soon: all a waiting request still needs, one more per running one.
+
+    One miss then maps for the whole queue at once, and decoding requests find
+    their next block mapped instead of being preempted.
+    """
+    running = len(getattr(scheduler, "running", ()) or ())
     waiting = getattr(scheduler, "waiting", None)
     if not waiting:
-        return 0
+        return running
     block = int(getattr(getattr(scheduler, "cache_config", None), "block_size", 16) or 16)
-    budget = int(getattr(getattr(scheduler, "scheduler_config", None), "max_num_batched_tokens", 8192) or 8192)
-    tokens = 0
+    blocks = 0
     try:
         for request in waiting:
-            tokens += max(0, request.num_tokens - request.num_computed_tokens)
-            if tokens >= budget:
-                break
+            blocks += -(-max(0, request.num_tokens - request.num_computed_tokens) // block)
     except (TypeError, AttributeError):
-        return 0
-    return -(-tokens // block)
+        return running
+    return blocks + running
 
 
 def locked_schedule(lock: Any, method: Callable[..., Any], flush: Callable[[], None] | None,
@@ -109,9 +113,7 @@ def locked_schedule(lock: Any, method: Callable[..., Any], flush: Callable[[], N
             output = method(*args, **kwargs)
             if flush is not None:
                 flush()
-            wanted = demand_of(scheduler)
-            if wanted:
-                queue.want_blocks(wanted)
+            queue.want_blocks(demand_of(scheduler))
             output.kvelastic_plan = mapper.take_plan()
             return output
 

@@ -28,6 +28,7 @@ class ShardedPoolView:
         self.num_groups = info.layout.num_groups
         self.limit_bytes = limit_bytes
         self.lock: Any = None  # the scheduler's lock, set at attach
+        self.reserve_pages = 0  # the warm reserve every rank was last told to keep
 
     def is_mapped(self, group: int) -> bool:
         return group in self.mapper.mapped_groups
@@ -48,7 +49,7 @@ class ShardedPoolView:
     def stats(self) -> PoolStats:
         mapped = len(self.mapper.mapped_groups) * self.group_bytes
         return PoolStats(page_bytes=self.page_bytes, virtual_bytes=self.num_groups * self.group_bytes,
-                         mapped_bytes=mapped, pending_unmap_bytes=0, reserve_bytes=0,
+                         mapped_bytes=mapped, pending_unmap_bytes=0, reserve_bytes=self.reserve_pages * self.page_bytes,
                          held_bytes=self.held_bytes(), limit_bytes=self.limit_bytes,
                          groups_mapped=len(self.mapper.mapped_groups), num_groups=self.num_groups,
                          pages_created=0, reserve_hits=0, reserve_misses=0)
@@ -63,10 +64,18 @@ class ShardedPoolView:
         return 0
 
     def grow_reserve(self, pages: int) -> int:
-        return 0  # each rank's pool keeps no warm reserve under TP: mapping runs off the step path
+        """The reclaimer's warm reserve, kept by every rank: a command, sent when the target changes."""
+        return self._set_reserve(self.reserve_pages + max(0, pages))
 
     def trim_reserve(self, keep_pages: int = 0) -> int:
-        return 0
+        return self._set_reserve(min(self.reserve_pages, keep_pages))
+
+    def _set_reserve(self, pages: int) -> int:
+        if pages == self.reserve_pages:
+            return 0
+        change, self.reserve_pages = pages - self.reserve_pages, pages
+        self.mapper.request_reserve(pages)
+        return abs(change)
 
 
 class ShardedKVCache:
