@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
+#   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 OUT=${OUT:-./gpu-out}
@@ -24,6 +25,10 @@ tp-spill)
     e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 \
         --summary "$W/tp-spill/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/tp-spill.log" ;;
+matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GPU matrix)
+    ver=$(python3 -c 'import vllm; print(vllm.__version__)')
+    e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
+        --summary "$W/matrix-$ver/summary.json" 2>&1 | tee "$W/matrix-$ver.log" ;;
 demo)
     python3 scripts/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 reload)

@@ -7,6 +7,11 @@ the instance re-reads on its next upkeep tick (a few times a second);
 ``kvelastic budget`` shows or changes a GPU's shared budget. Nothing
 here imports torch or vLLM, so the command answers instantly.
 
+``kvelastic limit NAME none`` (or ``--reset``) puts back the cap the instance
+started with (vLLM's profiled KV size, or ``KVELASTIC_LIMIT``), which every
+member keeps in its record: an engine is sized around that cap at start-up, so
+a reset must never let it grow over the whole GPU.
+
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
 account or no live instance.
 """
@@ -14,21 +19,29 @@ account or no live instance.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
 from kvelastic.errors import ConfigError
+from kvelastic.integration.metrics import PREFIX as STATS_PREFIX
 from kvelastic.units import SIZE_FORM, format_size, parse_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
 EXIT_NONE = 4
-_CLEAR_WORDS = {"none", "off", "unlimited"}
+_CLEAR_WORDS = {"none", "off", "unlimited"}  # a min of 0
+_RESTORE_WORDS = {"none", "reset", "default"}  # a max: the start-up cap
+_UNCAPPED_WORDS = {"off", "unlimited"}  # a max: refused, an engine never runs without its cap
+RESTORE_START_CAP = -1  # parse_max's answer for "put back the start-up cap"
+#: Engine numbers copied from the instance's metrics snapshot into ``status --json`` when present.
+ENGINE_KEYS = ("spilled_bytes", "reloaded_bytes", "host_bytes_used", "limit_bytes")
 
 
 class CliError(Exception):
@@ -51,10 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     limit = sub.add_parser("limit", help="change an instance's cap (max) and/or reservation (min)",
-                           description="Sizes: " + SIZE_FORM + "; 'none' clears a max or a min.")
+                           description="Sizes: " + SIZE_FORM + ". A max of 'none' (or --reset) puts back "
+                           "the cap the instance started with (vLLM's profiled KV size, or KVELASTIC_LIMIT); "
+                           "an instance never runs without a cap. A min of 'none' is 0.")
     limit.add_argument("name", metavar="NAME", help="instance name (KVELASTIC_NAME)")
     limit.add_argument("size", nargs="?", metavar="MAX", help="new cap, same as --max")
-    limit.add_argument("--max", dest="max", metavar="SIZE", help="new cap, or 'none' to remove it")
+    limit.add_argument("--max", dest="max", metavar="SIZE", help="new cap, or 'none' to restore the start-up cap")
+    limit.add_argument("--reset", action="store_true", help="restore the start-up cap (same as --max none)")
     limit.add_argument("--min", dest="min", metavar="SIZE", help="new reservation, or 'none' for 0")
     limit.add_argument("--gpu", metavar="ID", help="only this GPU's account (default: every account "
                        "that has NAME; an instance spread over several GPUs gets the limit on each)")
@@ -67,11 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_limit(text: str | None, argument: str) -> int | None:
-    """Bytes from a size argument; 'none' is 0; None stays None. CliError(2) on garbage."""
+    """Bytes from a min argument; 'none' is 0; None stays None. CliError(2) on garbage."""
     if text is None:
         return None
     if text.strip().lower() in _CLEAR_WORDS:
         return 0
+    return _size(text, argument)
+
+
+def parse_max(text: str | None, argument: str) -> int | None:
+    """Bytes from a max argument; 'none' is RESTORE_START_CAP; None stays None. CliError(2) otherwise.
+
+    'off' and 'unlimited' used to remove the cap; they are refused rather than
+    silently meaning something else, since an engine now always keeps one.
+    """
+    if text is None:
+        return None
+    word = text.strip().lower()
+    if word in _RESTORE_WORDS:
+        return RESTORE_START_CAP
+    if word in _UNCAPPED_WORDS:
+        raise CliError(f"kvelastic limit: {argument}={text!r}: an instance cannot run without a cap; "
+                       f"'none' restores the cap it started with, a size sets a new one", EXIT_USAGE)
+    return _size(text, argument)
+
+
+def _size(text: str, argument: str) -> int:
     try:
         return parse_size(text, name=argument)
     except ConfigError as error:
@@ -104,10 +141,32 @@ def snapshot(accounts: list[SharedAccount]) -> list[dict]:
     for account in accounts:
         members = account.members()
         charged = sum(m.charged_bytes for m in members)
+        listed = [{**m.as_dict(), **engine_numbers(account.path.parent, m)} for m in members]
         result.append({"gpu": account.gpu_id, "path": str(account.path), "budget_bytes": account.budget,
                        "charged_bytes": charged, "mapped_bytes": sum(m.mapped_bytes for m in members),
-                       "members": [m.as_dict() for m in members]})
+                       "members": listed})
     return result
+
+
+def engine_numbers(directory: Path, member: MemberInfo) -> dict[str, int]:
+    """The ``ENGINE_KEYS`` of the member's metrics snapshot, or nothing where it has none.
+
+    The account only holds what the grants need; the host tier's traffic and
+    the limit the pool enforces live in the snapshot each engine rewrites on
+    every upkeep tick for ``/metrics`` (:mod:`kvelastic.integration.metrics`).
+    It is named after the engine's pid and must carry the member's name, so a
+    stale file of an earlier process is never shown.
+    """
+    try:
+        record = json.loads((directory / f"{STATS_PREFIX}{member.pid}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict) or record.get("name") != member.name:
+        return {}
+    values = record.get("values")
+    if not isinstance(values, dict):
+        return {}
+    return {k: int(values[k]) for k in ENGINE_KEYS if isinstance(values.get(k), (int, float))}
 
 
 # -------------------------------------------------------------------- status
@@ -126,6 +185,11 @@ def _row(m: MemberInfo, now: float) -> tuple[str, ...]:
             size(m.wanted_bytes) if m.wanted_bytes else "-", f"{max(0.0, now - m.heartbeat):.0f}s ago")
 
 
+def _member(data: dict) -> MemberInfo:
+    """The MemberInfo inside one ``status --json`` member dict (which also holds engine numbers)."""
+    return MemberInfo(**{f.name: data[f.name] for f in dataclasses.fields(MemberInfo) if f.name in data})
+
+
 def render_table(accounts: list[dict], now: float | None = None) -> str:
     """The human status text: a heading per GPU, then an aligned row per instance."""
     now = time.time() if now is None else now
@@ -135,7 +199,7 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
         share = 100.0 * charged / budget if budget else 0.0
         lines.append(f"GPU {acct['gpu']}: budget {format_size(budget)}, in use or reserved "
                      f"{format_size(charged)} ({share:.0f}%), free {format_size(max(0, budget - charged))}")
-        rows = [_row(MemberInfo(**m), now) for m in acct["members"]]
+        rows = [_row(_member(m), now) for m in acct["members"]]
         if not rows:
             lines.append("  (no live instances)")
             continue
@@ -181,8 +245,10 @@ def status_watch(gpu: str | None, as_json: bool, seconds: float) -> int:
 
 # --------------------------------------------------------------------- limit
 def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | None) -> int:
+    """Change NAME's limits on every GPU it runs on (``max_bytes=RESTORE_START_CAP``: its start-up cap)."""
     if max_bytes is None and min_bytes is None:
-        raise CliError("kvelastic limit: give a new MAX (or --max SIZE|none) and/or --min SIZE|none", EXIT_USAGE)
+        raise CliError("kvelastic limit: give a new MAX (or --max SIZE|none, --reset) and/or --min SIZE|none",
+                       EXIT_USAGE)
     accounts = open_accounts(gpu)
     changed, live = [], set()
     try:
@@ -190,11 +256,7 @@ def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | No
             names = {m.name for m in account.members()}
             live |= names
             if name in names:
-                try:
-                    changed.append((account.gpu_id, account.set_limits(name, min_bytes=min_bytes,
-                                                                       max_bytes=max_bytes)))
-                except BadLimits as error:
-                    raise CliError(f"kvelastic limit: {error}", EXIT_USAGE) from None
+                changed.append((account.gpu_id, _change(account, name, max_bytes, min_bytes)))
     finally:
         for account in accounts:
             account.close()
@@ -203,10 +265,25 @@ def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | No
         raise CliError(f"kvelastic limit: no live instance called {name!r} (live instances: {known})",
                        EXIT_UNKNOWN)
     for gpu_id, info in changed:
-        cap = format_size(info.max_bytes) if info.max_bytes else "none"
-        print(f"{name} on GPU {gpu_id}: max {cap}, min {format_size(info.min_bytes)} "
+        print(f"{name} on GPU {gpu_id}: max {_cap(info)}, min {format_size(info.min_bytes)} "
               f"(holds {format_size(info.mapped_bytes)})")
     return EXIT_OK
+
+
+def _change(account: SharedAccount, name: str, max_bytes: int | None, min_bytes: int | None) -> MemberInfo:
+    try:
+        if max_bytes == RESTORE_START_CAP:
+            return account.restore_max(name, min_bytes=min_bytes)
+        return account.set_limits(name, min_bytes=min_bytes, max_bytes=max_bytes)
+    except BadLimits as error:
+        raise CliError(f"kvelastic limit: {error}", EXIT_USAGE) from None
+
+
+def _cap(info: MemberInfo) -> str:
+    if not info.max_bytes:
+        return "none"
+    start = " (its start-up cap)" if info.max_bytes == info.start_max_bytes else ""
+    return format_size(info.max_bytes) + start
 
 
 # -------------------------------------------------------------------- budget
@@ -245,10 +322,16 @@ def run(args: argparse.Namespace) -> int:
         return status_once(args.gpu, args.json)
     if args.command == "budget":
         return budget(args.size, args.gpu)
-    if args.size is not None and args.max is not None:
-        raise CliError("kvelastic limit: give the new max either as MAX or as --max, not both", EXIT_USAGE)
-    max_bytes = parse_limit(args.size if args.size is not None else args.max,
-                            "MAX" if args.size is not None else "--max")
+    given = [flag for flag, value in (("MAX", args.size), ("--max", args.max), ("--reset", args.reset or None))
+             if value is not None]
+    if len(given) > 1:
+        raise CliError(f"kvelastic limit: give the new max one way only (MAX, --max or --reset), "
+                       f"not as {' and '.join(given)}", EXIT_USAGE)
+    if args.reset:
+        max_bytes: int | None = RESTORE_START_CAP
+    else:
+        max_bytes = parse_max(args.size if args.size is not None else args.max,
+                              "MAX" if args.size is not None else "--max")
     return limit(args.name, max_bytes, parse_limit(args.min, "--min"), args.gpu)
 
 

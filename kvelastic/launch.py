@@ -20,29 +20,59 @@ beside what the servers already running hold. Servers start one after another
 (``--parallel`` starts them together), which also keeps one server's memory
 from moving while the next one profiles.
 
+Before starting anything it checks that the Python which will run vLLM has
+kvelastic installed with a hook vLLM runs (the ``vllm.general_plugins`` entry
+point or the ``kvelastic-autopatch.pth`` line): without one the servers would
+silently run plain vLLM and never join the GPU's account.
+
+Ctrl-C (SIGINT) and SIGTERM stop everything from the first moment, even when
+the launcher was started with SIGINT ignored (a background job of a
+non-interactive shell).
+
 Exit codes: 0 stopped on request; 1 a server failed or never became ready;
-2 bad arguments or launch file; 3 no usable GPU (nothing was started).
+2 bad arguments or launch file; 3 no usable GPU; 4 kvelastic is not installed
+in the Python that runs vLLM (nothing was started in the last two cases).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from kvelastic.cluster.errors import LaunchConfigError
 from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
                                     make_instance)
 from kvelastic.cluster.supervisor import NO_GPU_ENV, Supervisor, gpu_problem, port_in_use
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_NO_KVELASTIC = 0, 1, 2, 3, 4
 SEPARATOR = "--and"
+PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "kvelastic"
+# Run by the Python that will run vLLM, with the servers' environment (KVELASTIC=1, so the .pth
+# line imports kvelastic._autopatch and wrapt if it is there). Prints one JSON line.
+_PLUGIN_PROBE = """
+import json, os, sys
+out = {"wrapt": "wrapt" in sys.modules, "pth": "kvelastic._autopatch" in sys.modules}
+try:
+    import kvelastic
+    out["where"] = os.path.dirname(kvelastic.__file__)
+except Exception as error:
+    out["error"] = f"{type(error).__name__}: {error}"
+from importlib import metadata
+found = metadata.entry_points()
+found = found.select(group=GROUP) if hasattr(found, "select") else found.get(GROUP, [])
+out["entry_points"] = [e.value for e in found if e.name == NAME]
+print(json.dumps(out))
+""".replace("GROUP", repr(PLUGIN_GROUP)).replace("NAME", repr(PLUGIN_NAME))
 
 
 def _instance_options(parser: argparse.ArgumentParser) -> None:
@@ -159,18 +189,110 @@ def describe(plan: LaunchPlan, as_json: bool) -> str:
     return "\n".join(lines)
 
 
-def _stop_on_sigterm() -> None:
-    """Make SIGTERM stop the fleet the way Ctrl-C does."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+# ------------------------------------------------------------ pre-flight
+def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
+    """Why vLLM run by ``python`` with ``env`` would not load kvelastic, or None when it would.
 
-    signal.signal(signal.SIGTERM, handler)
+    Runs ``python -c`` with a probe, in this directory (the servers' sys.path
+    starts there too): kvelastic must import, and vLLM must have a way in,
+    either the ``.pth`` hook (it ran at interpreter start, wrapt present) or
+    the ``vllm.general_plugins`` entry point not left out by ``VLLM_PLUGINS``.
+    """
+    try:
+        probe = subprocess.run([python, "-c", _PLUGIN_PROBE], capture_output=True, text=True,
+                               timeout=120, env=dict(env))
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"could not run {python} to look for kvelastic: {error}"
+    try:
+        found = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"{python} -c <probe> failed (exit {probe.returncode}): {detail}"
+    fix = f"install it there (e.g. {python} -m pip install -e <kvelastic checkout>) or pass --python"
+    if "error" in found:
+        return f"kvelastic cannot be imported by {python} ({found['error']}); {fix}"
+    allowed = env.get("VLLM_PLUGINS")
+    plugin = bool(found["entry_points"]) and (allowed is None or PLUGIN_NAME in allowed.split(","))
+    if plugin or (found["pth"] and found["wrapt"]):
+        return None
+    hooks = [f"no {PLUGIN_GROUP!r} entry point named {PLUGIN_NAME!r}" if not found["entry_points"] else
+             f"VLLM_PLUGINS={allowed!r} leaves out the {PLUGIN_NAME!r} plugin",
+             "no kvelastic-autopatch.pth hook ran" if not found["pth"] else "wrapt is not installed"]
+    return (f"kvelastic imports in {python} (from {found['where']}) but vLLM would not load it: "
+            f"{'; '.join(hooks)}, so the servers would run plain vLLM; {fix}")
 
 
+def preflight(plan: LaunchPlan, base_env: Mapping[str, str]) -> tuple[int, str] | None:
+    """(exit code, message) when the plan cannot start here; None when it can. Starts nothing."""
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    for instance in plan.instances:
+        if instance.env in seen:
+            continue  # the probe's answer depends only on the variables an instance adds
+        seen.add(instance.env)
+        problem = kvelastic_problem(plan.python, {**base_env, **plan.env(instance)})
+        if problem:
+            return EXIT_NO_KVELASTIC, f"kvelastic is not usable by {instance.name}, nothing started: {problem}"
+    problem = gpu_problem(dict(base_env), python=plan.python)
+    if problem:
+        return EXIT_NO_GPU, f"no usable NVIDIA GPU, nothing started: {problem}"
+    busy = [str(i.port) for i in plan.instances if port_in_use(i.port)]
+    if busy:
+        return EXIT_FAILED, f"port(s) {', '.join(busy)} already in use, nothing started"
+    return None
+
+
+# --------------------------------------------------------------- signals
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def install_stop_signals() -> dict[int, Any]:
+    """Make Ctrl-C and SIGTERM raise KeyboardInterrupt from now on; return the handlers replaced.
+
+    A shell starts a background job with SIGINT ignored, and Python keeps an
+    ignored SIGINT ignored, so Ctrl-C (or ``kill -INT``) would do nothing; and
+    SIGTERM's default would kill the launcher without stopping its servers.
+    Done first thing in :func:`main`, before the GPU probe, which can be slow.
+    """
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous  # only the main thread may set handlers; an embedding caller keeps its own
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _supervise(supervisor: Supervisor) -> int:
+    """Run the fleet; a stop request while stopping kills what is left at once, ignoring more of them."""
+    try:
+        return supervisor.run()
+    except KeyboardInterrupt:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        supervisor.stop_timeout_s = 0.0
+        supervisor.stop_all()
+        return EXIT_OK
+
+
+# ------------------------------------------------------------------ main
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (see the module docstring)."""
+    previous = install_stop_signals()
     try:
-        options, plan = parse(sys.argv[1:] if argv is None else argv)
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        _restore_signals(previous)
+
+
+def _main(argv: Sequence[str]) -> int:
+    try:
+        options, plan = parse(argv)
     except LaunchConfigError as error:
         print(f"kvelastic-launch: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -178,21 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(describe(plan, options.json))
         return EXIT_OK
     try:
-        problem = gpu_problem(python=plan.python)
-    except KeyboardInterrupt:  # stopped before anything started
+        refused = preflight(plan, os.environ)
+        if refused:
+            print(f"kvelastic-launch: {refused[1]}", file=sys.stderr)
+            return refused[0]
+        log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix=time.strftime("kvelastic-%Y%m%d-%H%M%S-")))
+        supervisor = Supervisor(plan, log_dir, startup_timeout_s=options.startup_timeout,
+                                stop_timeout_s=options.stop_timeout)
+    except KeyboardInterrupt:  # the probes' children are killed by subprocess.run on the way out
+        print("kvelastic-launch: stopped before anything started", file=sys.stderr)
         return EXIT_OK
-    if problem:
-        print(f"kvelastic-launch: no usable NVIDIA GPU, nothing started: {problem}", file=sys.stderr)
-        return EXIT_NO_GPU
-    busy = [str(i.port) for i in plan.instances if port_in_use(i.port)]
-    if busy:
-        print(f"kvelastic-launch: port(s) {', '.join(busy)} already in use, nothing started", file=sys.stderr)
-        return EXIT_FAILED
-    log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix=time.strftime("kvelastic-%Y%m%d-%H%M%S-")))
-    _stop_on_sigterm()
-    supervisor = Supervisor(plan, log_dir, startup_timeout_s=options.startup_timeout,
-                            stop_timeout_s=options.stop_timeout)
-    return supervisor.run()
+    return _supervise(supervisor)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,26 @@ def test_status_json_is_for_scripts(fleet, shared):
     assert members["big"]["max_bytes"] == 16 * GIB and members["big"]["pid"] == os.getpid()
 
 
+def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, shared):
+    from kvelastic.integration.metrics import StatsPublisher
+
+    publisher = StatsPublisher("small", shared)  # what the engine of "small" (this process) writes
+    publisher.publish({"mapped_bytes": 2 * GIB, "limit_bytes": 8 * GIB, "spilled_bytes": 7 * GIB,
+                       "reloaded_bytes": 3 * GIB, "host_bytes_used": 5 * GIB, "host_hits": 4})
+    (account,) = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"]
+    small, big = (next(m for m in account["members"] if m["name"] == n) for n in ("small", "big"))
+    assert (small["spilled_bytes"], small["reloaded_bytes"]) == (7 * GIB, 3 * GIB)
+    assert (small["host_bytes_used"], small["limit_bytes"]) == (5 * GIB, 8 * GIB)
+    assert "host_hits" not in small
+    assert "spilled_bytes" not in big  # no snapshot with that name: absent, not 0
+    renamed = StatsPublisher("someone-else", shared)  # same pid, another name: not small's numbers
+    renamed.publish({"spilled_bytes": 9})
+    members = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
+    assert all("spilled_bytes" not in m for m in members)
+    assert kvelastic(shared, "status").returncode == 0  # the table still renders
+    renamed.remove()
+
+
 def test_status_lists_every_gpu_or_the_one_asked_for(fleet, shared):
     with SharedAccount.open("GPU-bbbb", 80 * GIB) as other:
         other.join("solo", port=9000)
@@ -125,12 +145,37 @@ def test_limit_changes_what_the_instance_reads(fleet, shared):
     assert result.returncode == 0, result.stderr
     assert "small" in result.stdout and "8.00 GiB" in result.stdout
     assert small.limits() == (GIB, 8 * GIB)
-    assert kvelastic(shared, "limit", "big", "--max", "none").returncode == 0
-    assert big.limits() == (0, 0)
     assert kvelastic(shared, "limit", "small", "none", "--min", "none").returncode == 0
-    assert small.limits() == (0, 0)
+    assert small.limits() == (0, 0)  # it started without a cap: 'none' puts that back
     assert kvelastic(shared, "limit", "big", "--max", "1.5GB").returncode == 0
     assert big.limits() == (0, 1_500_000_000)
+
+
+@pytest.mark.parametrize("spelling", [["none"], ["--max", "none"], ["--reset"], ["reset"]])
+def test_none_restores_the_cap_the_instance_started_with(fleet, shared, spelling):
+    _, _, big = fleet  # joined with max 16 GiB, as an engine joins with its profiled KV size
+    assert kvelastic(shared, "limit", "big", "4GiB").returncode == 0
+    assert big.limits() == (0, 4 * GIB)
+    result = kvelastic(shared, "limit", "big", *spelling)
+    assert result.returncode == 0, result.stderr
+    assert big.limits() == (0, 16 * GIB)  # never 0: the engine must not grow over the whole GPU
+    assert "max 16.00 GiB (its start-up cap)" in result.stdout
+    shown = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
+    assert {m["name"]: (m["max_bytes"], m["start_max_bytes"]) for m in shown}["big"] == (16 * GIB, 16 * GIB)
+
+
+def test_a_cap_cannot_be_removed_and_a_restore_below_the_min_is_refused(fleet, shared):
+    _, small, big = fleet
+    for word in ("unlimited", "off"):
+        result = kvelastic(shared, "limit", "big", "--max", word)
+        assert result.returncode == 2 and "cannot run without a cap" in result.stderr
+    assert big.limits() == (0, 16 * GIB)
+    assert kvelastic(shared, "limit", "big", "20GiB", "--min", "18GiB").returncode == 0
+    result = kvelastic(shared, "limit", "big", "--reset")
+    assert result.returncode == 2 and "below its min" in result.stderr
+    assert big.limits() == (18 * GIB, 20 * GIB)  # nothing changed
+    assert kvelastic(shared, "limit", "big", "--reset", "--min", "1GiB").returncode == 0  # one step
+    assert big.limits() == (GIB, 16 * GIB)
 
 
 def test_limit_of_an_unknown_instance_exits_3(fleet, shared):
@@ -152,7 +197,8 @@ def test_a_bad_size_exits_2_naming_the_argument_and_the_form(fleet, shared, args
 
 @pytest.mark.parametrize("args, text", [
     (["small"], "give a new MAX"),
-    (["small", "4GiB", "--max", "5GiB"], "not both"),
+    (["small", "4GiB", "--max", "5GiB"], "one way only"),
+    (["small", "--reset", "--max", "5GiB"], "one way only"),
     (["small", "1GiB", "--min", "2GiB"], "below its min"),
     (["small", "--min", "41GiB"], "does not fit"),
 ])

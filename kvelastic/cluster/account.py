@@ -174,21 +174,44 @@ class SharedAccount:
         """Change a live member's reservation and/or cap (``max_bytes=0`` clears the cap).
 
         The member applies the new cap on its next tick by giving back what it
-        holds above it; grants beyond it are refused at once.
+        holds above it; grants beyond it are refused at once. An engine that
+        joined with a cap reads 0 as "my start-up cap" (see :meth:`restore_max`).
+        """
+        with self._transaction() as snap:
+            return self._apply_limits(snap, self._find(snap, name), min_bytes, max_bytes)
+
+    def restore_max(self, name: str, *, min_bytes: int | None = None,
+                    only_if_cleared: bool = False) -> MemberInfo:
+        """Put a live member's cap back to the one it joined with (its start-up cap), in one step.
+
+        ``only_if_cleared`` leaves a cap other than 0 alone: the engine showing
+        its restored cap must not undo a newer ``kvelastic limit``.
         """
         with self._transaction() as snap:
             record = self._find(snap, name)
-            new_min = record.min_bytes if min_bytes is None else min_bytes
-            new_max = record.max_bytes if max_bytes is None else max_bytes
-            _check_limits(name, new_min, new_max)
-            _check_reservations(snap, name, new_min)
-            record.min_bytes, record.max_bytes = new_min, new_max
-            snap.write(record)
-            return MemberInfo.of(record)
+            if only_if_cleared and record.max_bytes:
+                return MemberInfo.of(record)
+            return self._apply_limits(snap, record, min_bytes, record.start_max_bytes)
+
+    @staticmethod
+    def _apply_limits(snap: Snapshot, record: MemberRecord, min_bytes: int | None,
+                      max_bytes: int | None) -> MemberInfo:
+        new_min = record.min_bytes if min_bytes is None else min_bytes
+        new_max = record.max_bytes if max_bytes is None else max_bytes
+        _check_limits(record.name, new_min, new_max)
+        _check_reservations(snap, record.name, new_min)
+        record.min_bytes, record.max_bytes = new_min, new_max
+        snap.write(record)
+        return MemberInfo.of(record)
 
     def join(self, name: str, *, model: str = "", port: int = 0, min_bytes: int = 0,
              max_bytes: int = 0) -> "Member":
-        """Become a member called ``name``; raises NameInUse if a live process holds the name."""
+        """Become a member called ``name``; raises NameInUse if a live process holds the name.
+
+        ``max_bytes`` is also kept as the member's start-up cap, which
+        :meth:`restore_max` (``kvelastic limit NAME none``) puts back, so a
+        reset never leaves an engine free to grow over the whole GPU.
+        """
         if not name:
             raise BadLimits("a member needs a non-empty name")
         _check_limits(name, min_bytes, max_bytes)
@@ -205,7 +228,7 @@ class SharedAccount:
             slot = record.slot
             record = MemberRecord(name=name, model=model, pid=pid, start_time=started, port=port,
                                   min_bytes=min_bytes, max_bytes=max_bytes, heartbeat=snap.now,
-                                  joined_at=snap.now, slot=slot)
+                                  joined_at=snap.now, start_max_bytes=max_bytes, slot=slot)
             snap.write(record)
         return Member(self, record)
 

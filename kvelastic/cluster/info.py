@@ -24,6 +24,7 @@ class MemberInfo:
     wanted_bytes: int
     heartbeat: float
     joined_at: float
+    start_max_bytes: int = 0  # the cap it joined with (0: none); `kvelastic limit NAME none` restores it
 
     @classmethod
     def of(cls, record: MemberRecord) -> "MemberInfo":
@@ -31,7 +32,8 @@ class MemberInfo:
                    min_bytes=record.min_bytes, max_bytes=record.max_bytes,
                    mapped_bytes=record.mapped_bytes, cached_bytes=record.cached_bytes,
                    host_bytes=record.host_bytes, wanted_bytes=record.wanted_bytes,
-                   heartbeat=record.heartbeat, joined_at=record.joined_at)
+                   heartbeat=record.heartbeat, joined_at=record.joined_at,
+                   start_max_bytes=record.start_max_bytes)
 
     @property
     def charged_bytes(self) -> int:

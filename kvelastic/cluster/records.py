@@ -26,8 +26,9 @@ GPU_ID_BYTES = 112
 # magic, version, slots, record size, budget, created, gpu id
 _HEADER = struct.Struct(f"<8sIIIQd{GPU_ID_BYTES}s")
 # name, model, pid, start time, port, min, max, mapped, cached, host, wanted,
-# wanted_at, heartbeat, joined_at
-_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3d")
+# wanted_at, heartbeat, joined_at, start_max (added in the padding: files written
+# before it read 0 there, "started without a cap")
+_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3dQ")
 _PID = struct.Struct("<q")
 _PID_OFFSET = NAME_BYTES + MODEL_BYTES
 assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
@@ -95,6 +96,7 @@ class MemberRecord:
     wanted_at: float = 0.0
     heartbeat: float = 0.0
     joined_at: float = 0.0
+    start_max_bytes: int = 0  # the cap the member joined with; what `kvelastic limit NAME none` restores
     slot: int = field(default=-1, compare=False)
 
     @property
@@ -110,7 +112,8 @@ class MemberRecord:
         data = _RECORD.pack(
             _encode(self.name, NAME_BYTES), _encode(self.model, MODEL_BYTES), self.pid, self.start_time,
             self.port, self.min_bytes, self.max_bytes, self.mapped_bytes, self.cached_bytes,
-            self.host_bytes, self.wanted_bytes, self.wanted_at, self.heartbeat, self.joined_at)
+            self.host_bytes, self.wanted_bytes, self.wanted_at, self.heartbeat, self.joined_at,
+            self.start_max_bytes)
         return data.ljust(RECORD_SIZE, b"\0")
 
     @classmethod
@@ -118,11 +121,11 @@ class MemberRecord:
         if not _PID.unpack_from(data, _PID_OFFSET)[0]:
             return cls(slot=slot)  # a free slot: nothing to decode (most of the file, usually)
         (name, model, pid, start_time, port, min_b, max_b, mapped, cached, host, wanted,
-         wanted_at, heartbeat, joined_at) = _RECORD.unpack_from(data)
+         wanted_at, heartbeat, joined_at, start_max) = _RECORD.unpack_from(data)
         return cls(name=_decode(name), model=_decode(model), pid=pid, start_time=start_time, port=port,
                    min_bytes=min_b, max_bytes=max_b, mapped_bytes=mapped, cached_bytes=cached,
                    host_bytes=host, wanted_bytes=wanted, wanted_at=wanted_at, heartbeat=heartbeat,
-                   joined_at=joined_at, slot=slot)
+                   joined_at=joined_at, start_max_bytes=start_max, slot=slot)
 
 
 def record_offset(slot: int) -> int:

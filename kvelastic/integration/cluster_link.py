@@ -16,9 +16,11 @@ import socket
 from typing import Any
 
 from kvelastic.cluster.account import SharedAccount
+from kvelastic.cluster.errors import ClusterError
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
+from kvelastic.units import format_size
 
 log = logging.getLogger("kvelastic")
 
@@ -56,7 +58,8 @@ class ClusterLink:
         cache.external_headroom = self.headroom
         self.source = source
         self.cache = cache
-        self.base_limit = limit_bytes
+        self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
+        self._restore_tried = False  # wrote the start-up cap back over the account's current 0
         atexit.register(self.leave)
         log.info("kvelastic: joined the shared KV account of %s as %r", gpu_id, self.name)
 
@@ -71,11 +74,37 @@ class ClusterLink:
         cached = queue.cached_groups() * self.cache.group_bytes + stats.reserve_bytes
         host = offload.stats()["host_bytes_used"] if offload is not None else None
         t = self.member.tick(cached_bytes=cached, host_bytes=host)
-        limit = t.max_bytes or None
+        limit = self.limit_for(t.max_bytes)
         if limit != stats.limit_bytes:
             pool.set_limit(limit)
-            log.info("kvelastic: %s limit now %s", self.name, limit if limit else "none")
+            log.info("kvelastic: %s limit now %s", self.name, format_size(limit) if limit else "none")
+        if t.max_bytes:
+            self._restore_tried = False
+        elif self.base_limit and not self._restore_tried:
+            self._restore_tried = True  # once per change to 0: a refusal must not repeat every tick
+            self._show_restored_cap()
         return t.pressure_bytes
+
+    def limit_for(self, max_bytes: int) -> int | None:
+        """The pool limit for the account's ``max_bytes``: 0 means the start-up cap, never none.
+
+        vLLM sized this engine (weights, activations, CUDA graphs) around its
+        profiled KV bytes; an engine that started capped must not silently grow
+        over the whole GPU because someone cleared its cap in the account.
+        """
+        return max_bytes or self.base_limit
+
+    def _show_restored_cap(self) -> None:
+        """Write the start-up cap back where the account says 0, so ``kvelastic status`` shows what holds.
+
+        Only a writer other than ``kvelastic limit`` (which restores the cap
+        itself) leaves 0 there. Never raises: the pool holds the cap either way.
+        """
+        try:
+            self.account.restore_max(self.name, only_if_cleared=True)
+        except ClusterError as error:  # e.g. a min raised above the start-up cap meanwhile
+            log.warning("kvelastic: %s keeps its start-up cap %s but could not show it in the account: %s",
+                        self.name, format_size(self.base_limit or 0), error)
 
     def leave(self) -> None:
         self.cache.external_headroom = None

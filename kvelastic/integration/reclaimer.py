@@ -116,6 +116,9 @@ class Reclaimer:
         stats = self.cache.pool.stats()
         line = (f"mapped {format_size(stats.mapped_bytes)}, held {format_size(stats.held_bytes)}, "
                 f"limit {format_size(stats.limit_bytes) if stats.limit_bytes else 'none'}")
+        rank_held = getattr(getattr(self.cache, "mapper", None), "rank_held_bytes", None)
+        if rank_held is not None:  # tensor parallelism: what each GPU really holds
+            line += ", ranks hold " + " / ".join(format_size(b) for b in rank_held())
         if self.offload is not None:
             o = self.offload.stats()
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "

@@ -131,6 +131,11 @@ class RemoteMapper:
     def pending_commands(self) -> int:
         return len(self._outbox)
 
+    @property
+    def pending_groups(self) -> int:
+        """Groups asked for and not yet confirmed (or refused) by every rank."""
+        return len(self._pending)
+
     # --------------------------------------------------------- confirmation
     def poll(self) -> None:
         """Move groups every rank has mapped to ``mapped``, groups any rank refused to ``refused``."""
@@ -162,9 +167,9 @@ class RemoteMapper:
         known = [v for v in values if v >= 0]
         return min(known) if known else None
 
-    def rank_memory(self) -> list[dict[str, int]]:
-        return [{"rank": r, "mapped_bytes": b.get(shm.MAPPED_BYTES), "held_bytes": b.get(shm.HELD_BYTES)}
-                for r, b in enumerate(self.boards)]
+    def rank_held_bytes(self) -> list[int]:
+        """Physical bytes each rank's pool holds (mapped, waiting to be unmapped, warm), as last reported."""
+        return [b.get(shm.HELD_BYTES) for b in self.boards]
 
     # ------------------------------------------------------------- helpers
     def _next(self) -> int:

@@ -34,7 +34,7 @@ class ShardedPoolView:
         return group in self.mapper.mapped_groups
 
     def held_bytes(self) -> int:
-        return (len(self.mapper.mapped_groups) + len(self.mapper._pending)) * self.group_bytes
+        return (len(self.mapper.mapped_groups) + self.mapper.pending_groups) * self.group_bytes
 
     def set_limit(self, limit_bytes: int | None) -> int:
         self.limit_bytes = limit_bytes
@@ -127,6 +127,3 @@ class ShardedKVCache:
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
-
-    def describe(self) -> dict[str, Any]:
-        return {"ranks": self.info.world, "rank_memory": self.mapper.rank_memory()}
