@@ -208,18 +208,32 @@ def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
     except (ValueError, IndexError):
         detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return f"{python} -c <probe> failed (exit {probe.returncode}): {detail}"
-    fix = f"install it there (e.g. {python} -m pip install -e <kvelastic checkout>) or pass --python"
+    install = f"install it there (e.g. {python} -m pip install -e <kvelastic checkout>) or pass --python"
     if "error" in found:
-        return f"kvelastic cannot be imported by {python} ({found['error']}); {fix}"
-    allowed = env.get("VLLM_PLUGINS")
-    plugin = bool(found["entry_points"]) and (allowed is None or PLUGIN_NAME in allowed.split(","))
-    if plugin or (found["pth"] and found["wrapt"]):
+        return f"kvelastic cannot be imported by {python} ({found['error']}); {install}"
+    missing = _missing_hook(found, env.get("VLLM_PLUGINS"), install)
+    if missing is None:
         return None
-    hooks = [f"no {PLUGIN_GROUP!r} entry point named {PLUGIN_NAME!r}" if not found["entry_points"] else
-             f"VLLM_PLUGINS={allowed!r} leaves out the {PLUGIN_NAME!r} plugin",
-             "no kvelastic-autopatch.pth hook ran" if not found["pth"] else "wrapt is not installed"]
-    return (f"kvelastic imports in {python} (from {found['where']}) but vLLM would not load it: "
-            f"{'; '.join(hooks)}, so the servers would run plain vLLM; {fix}")
+    return (f"kvelastic imports in {python} (from {found['where']}) but vLLM would not load it, so the "
+            f"servers would run plain vLLM: {missing}")
+
+
+def _missing_hook(found: dict[str, Any], allowed: str | None, install: str) -> str | None:
+    """What keeps both of vLLM's ways into kvelastic shut, and the fix; None when one is open.
+
+    ``VLLM_PLUGINS`` is vLLM's allow-list of plugin names (comma-separated).
+    """
+    if found["pth"] and found["wrapt"]:
+        return None
+    if found["entry_points"] and (allowed is None or PLUGIN_NAME in allowed.split(",")):
+        return None
+    if found["entry_points"]:
+        return (f"VLLM_PLUGINS={allowed!r} leaves out its {PLUGIN_NAME!r} plugin and no .pth hook ran; "
+                f"add {PLUGIN_NAME} to VLLM_PLUGINS or unset it")
+    if found["pth"]:
+        return f"no {PLUGIN_GROUP!r} entry point and its .pth hook needs wrapt, which is missing; install wrapt"
+    return (f"no {PLUGIN_GROUP!r} entry point named {PLUGIN_NAME!r} and no kvelastic-autopatch.pth hook "
+            f"(it is on sys.path but not installed); {install}")
 
 
 def preflight(plan: LaunchPlan, base_env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -247,12 +261,13 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def install_stop_signals() -> dict[int, Any]:
-    """Make Ctrl-C and SIGTERM raise KeyboardInterrupt from now on; return the handlers replaced.
+    """Make Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt from now on; return the handlers replaced.
 
     A shell starts a background job with SIGINT ignored, and Python keeps an
-    ignored SIGINT ignored, so Ctrl-C (or ``kill -INT``) would do nothing; and
-    SIGTERM's default would kill the launcher without stopping its servers.
-    Done first thing in :func:`main`, before the GPU probe, which can be slow.
+    ignored SIGINT ignored, so Ctrl-C (or ``kill -INT``) would do nothing; the
+    default SIGTERM and SIGHUP (a closed terminal) would kill the launcher and
+    leave its servers running in their own sessions. SIGHUP stays ignored under
+    ``nohup``. Done first thing in :func:`main`, before the slow GPU probe.
     """
     previous: dict[int, Any] = {}
     if threading.current_thread() is not threading.main_thread():
@@ -260,24 +275,36 @@ def install_stop_signals() -> dict[int, Any]:
     if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _interrupt)
     return previous
 
 
-def _restore_signals(previous: dict[int, Any]) -> None:
-    for signum, handler in previous.items():
-        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+def _set_handlers(handlers: dict[int, Any]) -> None:
+    """Install ``handlers`` (as returned by :func:`install_stop_signals`); main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _supervise(supervisor: Supervisor) -> int:
-    """Run the fleet; a stop request while stopping kills what is left at once, ignoring more of them."""
+def supervise(supervisor: Supervisor) -> int:
+    """Run the fleet, and make sure it is stopped whatever ends the run.
+
+    A stop request while stopping kills what is left at once (and further ones
+    are ignored); output that can no longer be written (a closed terminal or
+    pipe) must not leave the servers running, so they are stopped silently.
+    """
     try:
         return supervisor.run()
     except KeyboardInterrupt:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
+        _set_handlers({s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)})
         supervisor.stop_timeout_s = 0.0
         supervisor.stop_all()
         return EXIT_OK
+    except OSError:  # printing failed (EPIPE, EIO) before or while stopping
+        supervisor.out = open(os.devnull, "w")  # noqa: SIM115 - lives until the process exits
+        supervisor.stop_all()
+        return EXIT_FAILED
 
 
 # ------------------------------------------------------------------ main
@@ -287,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     finally:
-        _restore_signals(previous)
+        _set_handlers(previous)
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -310,7 +337,7 @@ def _main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:  # the probes' children are killed by subprocess.run on the way out
         print("kvelastic-launch: stopped before anything started", file=sys.stderr)
         return EXIT_OK
-    return _supervise(supervisor)
+    return supervise(supervisor)
 
 
 if __name__ == "__main__":

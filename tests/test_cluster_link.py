@@ -85,15 +85,16 @@ def test_limit_changed_in_the_account_reaches_the_pool(tmp_path, monkeypatch):
 def test_clearing_the_cap_restores_the_start_up_cap_never_none(tmp_path, monkeypatch):
     """`kvelastic limit NAME none` (or any writer of max 0) puts back the cap the engine started with."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    pool, raw, cache, bp, queue, link = engine("solo", budget=64 * PAGE, limit=8 * PAGE)
+    pool, _, cache, bp, queue, link = engine("solo", budget=64 * PAGE, limit=8 * PAGE)
     reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
     reclaimer.link = link
     try:
         link.account.set_limits("solo", max_bytes=3 * PAGE)
         reclaimer.tick()
         assert pool.stats().limit_bytes == 3 * PAGE
+        env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path)}
         cli = subprocess.run([sys.executable, "-m", "kvelastic.cli", "limit", "solo", "none"], text=True,
-                             capture_output=True, timeout=60, env={**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path)})
+                             capture_output=True, timeout=60, env=env)
         assert cli.returncode == 0, cli.stderr
         assert link.member.limits()[1] == 8 * PAGE
         reclaimer.tick()
@@ -110,7 +111,7 @@ def test_clearing_the_cap_restores_the_start_up_cap_never_none(tmp_path, monkeyp
 
 def test_an_engine_started_without_a_cap_stays_without_one(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    pool, raw, cache, bp, queue, link = engine("free", budget=64 * PAGE, limit=None)
+    pool, _, cache, _, queue, link = engine("free", budget=64 * PAGE, limit=None)
     reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
     reclaimer.link = link
     try:
@@ -127,7 +128,7 @@ def test_an_engine_started_without_a_cap_stays_without_one(tmp_path, monkeypatch
 
 def test_showing_the_restored_cap_never_undoes_a_newer_limit(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    pool, raw, cache, bp, queue, link = engine("late", budget=64 * PAGE, limit=8 * PAGE)
+    pool, *_, link = engine("late", budget=64 * PAGE, limit=8 * PAGE)
     try:
         link.account.set_limits("late", max_bytes=5 * PAGE)  # written after the engine read 0
         assert link.account.restore_max("late", only_if_cleared=True).max_bytes == 5 * PAGE

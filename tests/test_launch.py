@@ -18,13 +18,14 @@ import pytest
 from kvelastic.cluster.liveness import is_alive
 from kvelastic.cluster.plan import DEFAULT_MODEL_DIR
 from kvelastic.cluster.supervisor import gpu_problem
+from kvelastic.launch import kvelastic_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch(*args, env=None, timeout=60):
+def launch(*args, env=None, timeout=60, cwd=REPO):
     return subprocess.run([sys.executable, "-m", "kvelastic.launch", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
 
 
 def dry_run(*args):
@@ -172,6 +173,64 @@ def test_gpu_check_reports_a_failing_driver_and_a_torch_without_cuda(tmp_path):
     assert gpu_problem({"PATH": str(tmp_path)}, python=str(with_cuda)) is None
 
 
+# ------------------------------------------------------- kvelastic installed
+@pytest.fixture
+def bare_python(tmp_path, monkeypatch):
+    """A real Python of its own (a venv without site packages): no kvelastic, no hooks.
+
+    The probe runs in the current directory, as the servers do; in the checkout
+    kvelastic and its egg-info would be found on sys.path, so move out of it.
+    """
+    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True,
+                   timeout=120)
+    return str(tmp_path / "venv" / "bin" / "python")
+
+
+def test_a_python_without_kvelastic_is_refused_before_anything_starts(tmp_path, bare_python):
+    result = launch("--python", bare_python, cwd=tmp_path,  # not the checkout: kvelastic is not importable
+                    env={"KVELASTIC_LAUNCH_NO_GPU": "1"})  # the check comes first, before the GPU probe
+    assert result.returncode == 4, result.stderr
+    assert f"kvelastic cannot be imported by {bare_python} (ModuleNotFoundError" in result.stderr
+    assert "nothing started" in result.stderr and "--python" in result.stderr and result.stdout == ""
+
+
+def test_kvelastic_on_sys_path_but_not_installed_is_refused(tmp_path, bare_python):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "kvelastic").symlink_to(REPO / "kvelastic")  # importable, but no entry point and no .pth
+    env = {**os.environ, "PYTHONPATH": str(source), "KVELASTIC": "1"}
+    problem = kvelastic_problem(bare_python, env)
+    assert "vLLM would not load it" in problem and "no 'vllm.general_plugins' entry point" in problem
+    assert "kvelastic-autopatch.pth" in problem
+    result = launch("--python", bare_python, cwd=tmp_path, env={"PYTHONPATH": str(source)})
+    assert result.returncode == 4 and "would run plain vLLM" in result.stderr, result.stderr
+
+
+def test_an_entry_point_is_enough_unless_vllm_plugins_leaves_it_out(tmp_path, bare_python):
+    site = tmp_path / "site"
+    dist = site / "kvelastic-0.1.0.dist-info"  # what an install without the .pth line leaves
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvelastic\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nkvelastic = kvelastic.plugin:register\n")
+    (site / "kvelastic").symlink_to(REPO / "kvelastic")
+    env = {**os.environ, "PYTHONPATH": str(site), "KVELASTIC": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    assert kvelastic_problem(bare_python, env) is None
+    assert kvelastic_problem(bare_python, {**env, "VLLM_PLUGINS": "kvelastic,other"}) is None
+    problem = kvelastic_problem(bare_python, {**env, "VLLM_PLUGINS": "other"})
+    assert "VLLM_PLUGINS='other' leaves out its 'kvelastic' plugin" in problem
+
+
+def test_the_installed_kvelastic_passes_and_a_broken_python_is_named(tmp_path):
+    env = {**os.environ, "KVELASTIC": "1"}
+    assert kvelastic_problem(sys.executable, env) is None
+    assert kvelastic_problem(sys.executable, {**env, "VLLM_PLUGINS": "other"}) is None  # the .pth hook
+    broken = _fake_tool(tmp_path / "python-broken", "import sys; sys.exit('no such interpreter here')\n")
+    assert f"{broken} -c <probe> failed (exit 1): no such interpreter here" in kvelastic_problem(str(broken), env)
+    assert "could not run" in kvelastic_problem(str(tmp_path / "missing"), env)
+
+
 # ---------------------------------------------------------------- supervisor
 FAKE_SERVER = """\
 import http.server, os, signal, subprocess, sys, threading, time
@@ -205,12 +264,12 @@ import sys
 from pathlib import Path
 from kvelastic.cluster.plan import LaunchPlan, make_instance
 from kvelastic.cluster.supervisor import Supervisor
-from kvelastic.launch import _stop_on_sigterm
+from kvelastic.launch import install_stop_signals, supervise
 fake, logs, ports, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 instances = tuple(make_instance(model="fake-model", port=p, env={"FAKE_MODE": m}) for p, m in zip(ports, modes))
-_stop_on_sigterm()
+install_stop_signals()
 plan = LaunchPlan(instances=instances, python=fake, parallel=True)
-sys.exit(Supervisor(plan, Path(logs), poll_s=0.1, stop_timeout_s=1.0, startup_timeout_s=60).run())
+sys.exit(supervise(Supervisor(plan, Path(logs), poll_s=0.1, stop_timeout_s=1.0, startup_timeout_s=60)))
 """
 
 
@@ -224,14 +283,20 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _supervise(tmp_path: Path, modes: list[str]) -> tuple[subprocess.Popen, list[int]]:
+def _sigint_ignored(command: list[str]) -> list[str]:
+    """``command`` started with SIGINT ignored, as a shell starts a background job."""
+    return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
+
+
+def _supervise(tmp_path: Path, modes: list[str], sigint_ignored: bool = False
+               ) -> tuple[subprocess.Popen, list[int]]:
     fake = _fake_tool(tmp_path / "fake-python", FAKE_SERVER)
     ports = _free_ports(len(modes))
     env = {**os.environ, "FAKE_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", RUN_SUPERVISOR, str(fake), str(tmp_path / "logs"),
-         ",".join(map(str, ports)), ",".join(modes)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    command = [sys.executable, "-c", RUN_SUPERVISOR, str(fake), str(tmp_path / "logs"),
+               ",".join(map(str, ports)), ",".join(modes)]
+    process = subprocess.Popen(_sigint_ignored(command) if sigint_ignored else command,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     return process, ports
 
 
@@ -266,6 +331,80 @@ def test_supervisor_starts_shows_progress_and_stops_on_sigterm(tmp_path):
     assert "still running, SIGKILL" in out  # the stubborn one ignored SIGTERM
     _wait_for(lambda: _all_gone(pids), timeout=10)
     assert "Application startup complete." in (tmp_path / "logs" / f"fake-model-{ports[0]}.log").read_text()
+
+
+def _started(tmp_path: Path, process: subprocess.Popen, ports: list[int]) -> list[int]:
+    """The pids of the fake servers and their engines, once all answer /health."""
+    _wait_for(lambda: all((tmp_path / f"{p}.pids").exists() for p in ports))
+    pids = _pids(tmp_path, ports)
+    _wait_for(lambda: all(_healthy(p) for p in ports))
+    return pids
+
+
+def _cleanup(process: subprocess.Popen, pids: list[int]) -> None:
+    """After a failed test: leave no fake server behind."""
+    process.kill()
+    process.wait()
+    for pid in pids:
+        if is_alive(pid, 0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_every_server_even_when_started_with_sigint_ignored(tmp_path):
+    process, ports = _supervise(tmp_path, ["ok", "ok"], sigint_ignored=True)
+    pids = _started(tmp_path, process, ports)
+    try:
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=30)
+        assert process.returncode == 0, out
+        assert "stop requested" in out and out.count(": stopped (exit") == 2
+        _wait_for(lambda: _all_gone(pids), timeout=10)
+    finally:
+        _cleanup(process, pids)
+
+
+def test_servers_are_stopped_even_when_the_launcher_cannot_print_any_more(tmp_path):
+    process, ports = _supervise(tmp_path, ["ok", "stubborn"])
+    pids = _started(tmp_path, process, ports)
+    try:
+        process.stdout.close()  # the terminal or pipe went away: every print now fails with EPIPE
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        _wait_for(lambda: _all_gone(pids), timeout=10)  # the stubborn one too (SIGKILL after 1 s)
+    finally:
+        _cleanup(process, pids)
+
+
+SLOW_NVIDIA_SMI = """\
+import os, sys, time
+with open(os.path.join(os.environ["FAKE_DIR"], "smi.pid"), "w") as out:
+    out.write(str(os.getpid()))
+time.sleep(60)  # a GPU probe that takes long (the launcher gives nvidia-smi 30 s)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_during_the_slow_gpu_probe_works_from_the_start(tmp_path, signum):
+    """Before any server starts: the launcher must answer at once, and take the probe down with it."""
+    _fake_tool(tmp_path / "nvidia-smi", SLOW_NVIDIA_SMI)
+    env = {**os.environ, "FAKE_DIR": str(tmp_path), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("KVELASTIC_LAUNCH_NO_GPU", None)
+    process = subprocess.Popen(_sigint_ignored([sys.executable, "-m", "kvelastic.launch"]), env=env, cwd=REPO,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    smi_pid = None
+    try:
+        _wait_for(lambda: (tmp_path / "smi.pid").exists())
+        smi_pid = int((tmp_path / "smi.pid").read_text())
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=15)  # not the 30 s nvidia-smi timeout
+        assert process.returncode == 0, err
+        assert "stopped before anything started" in err and out == ""
+        _wait_for(lambda: not is_alive(smi_pid, 0), timeout=10)  # the probe's child went with it
+    finally:
+        process.kill()
+        process.wait()
+        if smi_pid is not None and is_alive(smi_pid, 0):
+            os.kill(smi_pid, signal.SIGKILL)
 
 
 def test_supervisor_stops_everything_when_one_server_dies(tmp_path):
