@@ -283,7 +283,7 @@ def install_stop_signals() -> dict[int, Any]:
 def _set_handlers(handlers: dict[int, Any]) -> None:
     """Install ``handlers`` (as returned by :func:`install_stop_signals`); main thread only."""
     if threading.current_thread() is threading.main_thread():
-        for signum, handler in previous.items():
+        for signum, handler in handlers.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
@@ -299,12 +299,15 @@ def supervise(supervisor: Supervisor) -> int:
     except KeyboardInterrupt:
         _set_handlers({s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)})
         supervisor.stop_timeout_s = 0.0
-        supervisor.stop_all()
-        return EXIT_OK
+        code = EXIT_OK
     except OSError:  # printing failed (EPIPE, EIO) before or while stopping
+        code = EXIT_FAILED
+    try:
+        supervisor.stop_all()
+    except OSError:
         supervisor.out = open(os.devnull, "w")  # noqa: SIM115 - lives until the process exits
         supervisor.stop_all()
-        return EXIT_FAILED
+    return code
 
 
 # ------------------------------------------------------------------ main

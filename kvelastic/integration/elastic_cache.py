@@ -20,19 +20,10 @@ DEVICE_MARGIN_BYTES = 256 * 1024 * 1024  # left free on the GPU for others' allo
 NULL_GROUP = 0  # holds vLLM's null block (block 0), read by dummy and padded runs
 
 
-class ElasticKVCache:
-    """The KV tensors of one engine, mapped a group of blocks at a time."""
+class GroupedBlocks:
+    """Block-to-group arithmetic over ``self.layout``, shared by every view of an engine's KV cache."""
 
-    def __init__(self, pool: PagePool, layout: KVGroupLayout):
-        self.pool = pool
-        self.layout = layout
-        pool.set_layout(layout)
-        self.group_bytes = layout.bytes_per_group()
-        self._device_free_cache: tuple[float, int | None] = (0.0, None)
-        self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
-        #: Bytes a budget outside this process still grants us (the GPU's shared account), or None.
-        self.external_headroom: Callable[[], int | None] | None = None
-        pool.map_groups([NULL_GROUP])
+    layout: KVGroupLayout
 
     @property
     def blocks_per_group(self) -> int:
@@ -51,6 +42,28 @@ class ElasticKVCache:
 
     def blocks_of_group(self, group: int) -> range:
         return self.layout.blocks_of_group(group)
+
+
+def groups_within(room: int | None, unmapped: int, group_bytes: int) -> int:
+    """How many of ``unmapped`` groups fit in ``room`` bytes (no room figure: all of them)."""
+    if room is None:
+        return unmapped
+    return max(0, min(unmapped, room // max(1, group_bytes)))
+
+
+class ElasticKVCache(GroupedBlocks):
+    """The KV tensors of one engine, mapped a group of blocks at a time."""
+
+    def __init__(self, pool: PagePool, layout: KVGroupLayout):
+        self.pool = pool
+        self.layout = layout
+        pool.set_layout(layout)
+        self.group_bytes = layout.bytes_per_group()
+        self._device_free_cache: tuple[float, int | None] = (0.0, None)
+        self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
+        #: Bytes a budget outside this process still grants us (the GPU's shared account), or None.
+        self.external_headroom: Callable[[], int | None] | None = None
+        pool.map_groups([NULL_GROUP])
 
     def map_groups(self, groups: Iterable[int], *, force: bool = False) -> None:
         """Map groups before their blocks are handed out; raises PoolExhausted."""
@@ -86,10 +99,7 @@ class ElasticKVCache:
             if external is not None:
                 device_free = external if device_free is None else min(device_free, external)
             self._device_free_cache = (now, device_free)
-        available = self.pool.headroom_estimate(device_free)
-        if available is None:
-            return unmapped
-        return max(0, min(unmapped, available // max(1, self.group_bytes)))
+        return groups_within(self.pool.headroom_estimate(device_free), unmapped, self.group_bytes)
 
     def stats(self) -> "PoolStats":
         return self.pool.stats()

@@ -17,12 +17,12 @@ must never overtake a step that still uses the group.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from kvelastic.cluster.liveness import is_alive
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command)
@@ -183,7 +183,7 @@ class RemoteMapper:
         self._next_liveness = now + LIVENESS_PERIOD_S
         for rank, b in enumerate(self.boards):
             pid = b.get(shm.PID)
-            if rank not in self.dead_ranks and pid and not _alive(pid):
+            if rank not in self.dead_ranks and pid and not is_alive(pid, 0):
                 self.dead_ranks.add(rank)
                 log.error("kvelastic: worker rank %d (pid %d) is gone; its groups will never be "
                           "confirmed, so no new KV memory is handed out", rank, pid)
@@ -194,12 +194,3 @@ class RemoteMapper:
             if last <= applied:
                 path.unlink(missing_ok=True)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvelastic.integration.elastic_cache import DEVICE_MARGIN_BYTES
+from kvelastic.integration.elastic_cache import DEVICE_MARGIN_BYTES, GroupedBlocks, groups_within
 from kvelastic.pool.stats import PoolStats
 from kvelastic.tp.board import RankInfo
 from kvelastic.tp.remote_mapper import RemoteMapper
@@ -78,7 +78,7 @@ class ShardedPoolView:
         return abs(change)
 
 
-class ShardedKVCache:
+class ShardedKVCache(GroupedBlocks):
     """Layout and capacity of the KV cache every rank holds a shard of."""
 
     def __init__(self, mapper: RemoteMapper, info: RankInfo, limit_bytes: int | None):
@@ -92,26 +92,8 @@ class ShardedKVCache:
         self.host_slots = info.host_slots  # the scheduler keeps the smallest over the ranks
 
     @property
-    def blocks_per_group(self) -> int:
-        return self.layout.blocks_per_group
-
-    @property
-    def num_groups(self) -> int:
-        return self.layout.num_groups
-
-    @property
-    def num_blocks(self) -> int:
-        return self.layout.num_blocks
-
-    @property
     def world(self) -> int:
         return self.info.world
-
-    def group_of_block(self, block_id: int) -> int:
-        return self.layout.group_of_block(block_id)
-
-    def blocks_of_group(self, group: int) -> range:
-        return self.layout.blocks_of_group(group)
 
     def mappable_groups(self, unmapped: int) -> int:
         """Groups that could still be mapped on every rank: the limit and the fullest GPU decide."""
@@ -120,10 +102,7 @@ class ShardedKVCache:
         device_free = self.mapper.device_free_bytes()
         if device_free is not None:
             device_free = max(0, device_free - self.device_margin)
-        room = self.pool.headroom_estimate(device_free)
-        if room is None:
-            return unmapped
-        return max(0, min(unmapped, room // max(1, self.group_bytes)))
+        return groups_within(self.pool.headroom_estimate(device_free), unmapped, self.group_bytes)
 
     def stats(self) -> PoolStats:
         return self.pool.stats()
