@@ -56,6 +56,7 @@ class RemoteMapper:
         self._next_liveness = 0.0
         self.dead_ranks: set[int] = set()
         self.backoff_until = 0.0
+        self._seen_marks: tuple[int, ...] = ()
 
     # ------------------------------------------------- the GroupMapper interface
     @property
@@ -138,9 +139,18 @@ class RemoteMapper:
 
     # --------------------------------------------------------- confirmation
     def poll(self) -> None:
-        """Move groups every rank has mapped to ``mapped``, groups any rank refused to ``refused``."""
+        """Move groups every rank has mapped to ``mapped``, groups any rank refused to ``refused``.
+
+        vLLM reads the free-block count a hundred times a step; a rank writes a
+        group's state before it advances its applied mark, so while no mark
+        moved there is nothing new to read.
+        """
         self._check_liveness()
-        applied = min(b.get(shm.APPLIED) for b in self.boards)
+        marks = tuple(b.get(shm.APPLIED) for b in self.boards)
+        if marks == self._seen_marks and not self.dead_ranks:
+            return
+        self._seen_marks = marks
+        applied = min(marks)
         failed: list[int] = []
         for g, seq in list(self._pending.items()):
             states = [int(b.groups[g]) for b in self.boards]
