@@ -94,18 +94,19 @@ def parse_limit(text: str | None, argument: str) -> int | None:
 def parse_max(text: str | None, argument: str) -> int | None:
     """Bytes from a max argument; 'none' is RESTORE_START_CAP; None stays None. CliError(2) otherwise.
 
-    'off' and 'unlimited' used to remove the cap; they are refused rather than
-    silently meaning something else, since an engine now always keeps one.
+    'off', 'unlimited' and 0 used to remove the cap; they are refused rather
+    than silently meaning something else, since an engine always keeps one.
     """
     if text is None:
         return None
     word = text.strip().lower()
     if word in _RESTORE_WORDS:
         return RESTORE_START_CAP
-    if word in _UNCAPPED_WORDS:
+    nbytes = None if word in _UNCAPPED_WORDS else _size(text, argument)
+    if not nbytes:  # 0 is how the account spells "no cap of its own"
         raise CliError(f"kvelastic limit: {argument}={text!r}: an instance cannot run without a cap; "
                        f"'none' restores the cap it started with, a size sets a new one", EXIT_USAGE)
-    return _size(text, argument)
+    return nbytes
 
 
 def _size(text: str, argument: str) -> int:

@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
-# Install kvelastic and a real vLLM (0.28.0, which runs on a CPU build of torch) into a
-# virtual environment, then run the test suite. GPU tests skip cleanly without CUDA.
-#   bash scripts/run_tests.sh            # all tests
+# Install kvelastic and a real vLLM into a virtual environment, then run the test suite; then
+# again against a band-A release, so both patch bands are tested against real vLLM code.
+# GPU tests skip cleanly without CUDA.
+#   bash scripts/run_tests.sh            # all tests, vLLM 0.28.0 (band B) then 0.23.0 (band A)
 #   bash scripts/run_tests.sh -k pool    # extra arguments go to pytest
+#   KVELASTIC_BAND_A=0 bash scripts/run_tests.sh   # band B only
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${KVELASTIC_VENV:-.venv}"
-[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
-python -m pip install -q --upgrade pip
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q "vllm==0.28.0"
-# vLLM pulls a CUDA torchvision that cannot load beside CPU torch; kvelastic needs none of them.
-python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-python -m pip install -q -e ".[test]"
-KVELASTIC_REQUIRE_VLLM=1 python -m pytest -q "$@"
+
+# suite VENV TORCH VLLM [pytest args...]: a venv with that torch and vLLM, kvelastic, and pytest.
+suite() {
+    local venv=$1 torch=$2 vllm=$3
+    shift 3
+    [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "torch==$torch"
+    "$venv/bin/python" -m pip install -q "vllm==$vllm"
+    # vLLM pulls a CUDA torchvision that cannot load beside CPU torch; kvelastic needs none of them.
+    "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$venv/bin/python" -m pip install -q -e ".[test]"
+    echo "== kvelastic tests against vLLM $vllm (torch $torch)"
+    KVELASTIC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q "$@"
+}
+
+suite "${KVELASTIC_VENV:-.venv}" 2.13.0 0.28.0 "$@"
+if [ "${KVELASTIC_BAND_A:-1}" != 0 ]; then
+    suite "${KVELASTIC_VENV_BAND_A:-.venv-band-a}" 2.11.0 0.23.0 "$@"
+fi

@@ -166,7 +166,7 @@ def test_none_restores_the_cap_the_instance_started_with(fleet, shared, spelling
 
 def test_a_cap_cannot_be_removed_and_a_restore_below_the_min_is_refused(fleet, shared):
     big = fleet[2]
-    for word in ("unlimited", "off"):
+    for word in ("unlimited", "off", "0"):
         result = kvelastic(shared, "limit", "big", "--max", word)
         assert result.returncode == 2 and "cannot run without a cap" in result.stderr
     assert big.limits() == (0, 16 * GIB)
