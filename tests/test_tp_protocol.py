@@ -271,3 +271,12 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
         steps += 1
     c.step(checks=[(b, 40 + i % 50) for i, b in enumerate(new_ids)])
     assert manager.counters.reloaded_blocks == len(blocks)
+
+
+def test_the_engine_folder_is_unique_to_the_process_not_just_its_pid(tmp_path):
+    from kvelastic.cluster.liveness import process_start_time
+
+    here = shm.engine_dir(os.getpid(), tmp_path)
+    assert here == shm.engine_dir(os.getpid(), tmp_path)
+    assert here.name == f"kvelastic-engine-{os.getpid()}-{process_start_time()}"
+    assert process_start_time() > 0  # Linux: a reused pid would carry another start time

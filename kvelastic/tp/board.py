@@ -1,7 +1,8 @@
 """Where ranks and their scheduler meet: one folder in shared memory per engine.
 
-The folder is named after the engine-core process (the workers' parent), so the
-scheduler and its ranks find each other without any extra configuration. Each
+The folder is named after the engine-core process (the workers' parent: its pid
+and start time), so the scheduler and its ranks find each other without any
+extra configuration, and a reused pid never finds an old engine's files. Each
 rank writes two files there and nothing else:
 
 * ``rank<r>.info``: what the scheduler needs to plan (the group layout, bytes
@@ -33,8 +34,11 @@ PID, APPLIED, STEPS_DONE, DEVICE_FREE, MAPPED_BYTES, HELD_BYTES = range(6)
 
 
 def engine_dir(engine_pid: int, root: str | os.PathLike | None = None) -> Path:
+    """The engine's folder, named by its pid and start time: a reused pid never finds old files."""
+    from kvelastic.cluster.liveness import process_start_time
+
     base = Path(root or os.environ.get("KVELASTIC_SHM_DIR", "/dev/shm"))
-    return base / f"kvelastic-engine-{engine_pid}"
+    return base / f"kvelastic-engine-{engine_pid}-{process_start_time(engine_pid)}"
 
 
 @dataclass(frozen=True)
