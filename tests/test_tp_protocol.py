@@ -280,3 +280,12 @@ def test_the_engine_folder_is_unique_to_the_process_not_just_its_pid(tmp_path):
     assert here == shm.engine_dir(os.getpid(), tmp_path)
     assert here.name == f"kvelastic-engine-{os.getpid()}-{process_start_time()}"
     assert process_start_time() > 0  # Linux: a reused pid would carry another start time
+
+
+def test_groups_mapped_for_waiting_requests_are_not_released_before_they_are_used(cluster):
+    c = cluster()
+    c.queue.want_blocks(4 * BLOCKS_PER_GROUP)  # a waiting request needs four groups more
+    c.step()
+    c.allocate(2)  # a small allocation (a decoding request) first: the queue re-sizes its prefetch
+    assert c.bp.get_num_free_blocks() >= 4 * BLOCKS_PER_GROUP, "groups mapped for the request were released"
+    assert c.allocate(4 * BLOCKS_PER_GROUP) is not None

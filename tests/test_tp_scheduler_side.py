@@ -1,0 +1,64 @@
+"""The scheduler-side step hook under TP: what the waiting and running requests ask for, and the plan."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+from kvelastic.tp.protocol import MAP, StepPlan
+from kvelastic.tp.scheduler_side import demand_of, locked_schedule
+
+
+def request(tokens: int, computed: int = 0) -> types.SimpleNamespace:
+    return types.SimpleNamespace(num_tokens=tokens, num_computed_tokens=computed)
+
+
+def scheduler(waiting=(), running=(), block_size: int = 16) -> types.SimpleNamespace:
+    return types.SimpleNamespace(waiting=list(waiting), running=list(running),
+                                 cache_config=types.SimpleNamespace(block_size=block_size))
+
+
+def test_demand_is_every_waiting_block_plus_one_per_running_request():
+    s = scheduler(waiting=[request(33), request(100, computed=64)], running=[request(5)] * 3)
+    assert demand_of(s) == 3 + 3 + 3  # ceil(33/16) + ceil(36/16) + one per running request
+    assert demand_of(scheduler(running=[request(1)] * 2)) == 2
+    assert demand_of(scheduler()) == 0
+    assert demand_of(types.SimpleNamespace()) == 0  # a scheduler without these queues asks nothing
+
+
+class RecordingMapper:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.outbox: list = []
+
+    def take_plan(self) -> StepPlan:
+        self.steps += 1
+        commands, self.outbox = tuple(self.outbox), []
+        return StepPlan(step=self.steps, commands=commands)
+
+
+class RecordingQueue:
+    def __init__(self, mapper: RecordingMapper) -> None:
+        self.mapper = mapper
+        self.wanted: list[int] = []
+
+    def want_blocks(self, blocks: int) -> None:
+        self.wanted.append(blocks)
+        if blocks:
+            self.mapper.outbox.append((len(self.mapper.outbox) + 2, MAP, (1,)))
+
+
+def test_each_step_carries_the_commands_queued_by_its_own_scheduling_and_flush():
+    mapper = RecordingMapper()
+    queue = RecordingQueue(mapper)
+    s = scheduler(waiting=[request(40)])
+    flushed: list[int] = []
+    schedule = locked_schedule(threading.RLock(), lambda: types.SimpleNamespace(), lambda: flushed.append(1),
+                               mapper, queue, s)
+    first = schedule()
+    assert flushed == [1] and queue.wanted == [3]
+    assert first.kvelastic_plan.step == 1 and [c[1] for c in first.kvelastic_plan.commands] == [MAP]
+    s.waiting.clear()
+    second = schedule()
+    assert queue.wanted == [3, 0]  # no demand left: the next call says so, releasing what it held
+    assert second.kvelastic_plan.step == 2 and second.kvelastic_plan.commands == ()
