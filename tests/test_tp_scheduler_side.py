@@ -18,10 +18,12 @@ def scheduler(waiting=(), running=(), block_size: int = 16) -> types.SimpleNames
                                  cache_config=types.SimpleNamespace(block_size=block_size))
 
 
-def test_demand_is_every_waiting_block_plus_one_per_running_request():
-    s = scheduler(waiting=[request(33), request(100, computed=64)], running=[request(5)] * 3)
-    assert demand_of(s) == 3 + 3 + 3  # ceil(33/16) + ceil(36/16) + one per running request
+def test_demand_is_what_every_request_still_computes_and_a_block_per_decoding_one():
+    s = scheduler(waiting=[request(33), request(100, computed=64)], running=[request(5, computed=4)] * 3)
+    assert demand_of(s) == 3 + 3 + 3  # ceil(33/16) + ceil(36/16) + one per decoding request
     assert demand_of(scheduler(running=[request(1)] * 2)) == 2
+    chunked = request(16000, computed=8192)  # a long prompt half prefilled: its next chunks need blocks
+    assert demand_of(scheduler(running=[chunked])) == -(-(16000 - 8192) // 16)
     assert demand_of(scheduler()) == 0
     assert demand_of(types.SimpleNamespace()) == 0  # a scheduler without these queues asks nothing
 

@@ -84,23 +84,27 @@ def _wait_for_ranks(folder: Any, world: int, wait_s: float) -> list[shm.RankInfo
 
 
 def demand_of(scheduler: Any) -> int:
-    """Blocks the requests need soon: all a waiting request still needs, one more per running one.
+    """Blocks the requests need soon: what each still has to compute, at least one per running one.
 
-    One miss then maps for the whole queue at once, and decoding requests find
-    their next block mapped instead of being preempted.
+    Waiting requests count in full, so one miss maps for the whole queue at
+    once; a running request still in (chunked) prefill counts its remaining
+    prompt, a decoding one its next block. Without the running requests'
+    share, a chunk would find no mapped block and vLLM would preempt.
     """
-    running = len(getattr(scheduler, "running", ()) or ())
-    waiting = getattr(scheduler, "waiting", None)
-    if not waiting:
-        return running
     block = int(getattr(getattr(scheduler, "cache_config", None), "block_size", 16) or 16)
     blocks = 0
     try:
-        for request in waiting:
-            blocks += -(-max(0, request.num_tokens - request.num_computed_tokens) // block)
+        for request in getattr(scheduler, "running", None) or ():
+            blocks += max(1, _blocks_left(request, block))
+        for request in getattr(scheduler, "waiting", None) or ():
+            blocks += _blocks_left(request, block)
     except (TypeError, AttributeError):
-        return running
-    return blocks + running
+        return blocks
+    return blocks
+
+
+def _blocks_left(request: Any, block: int) -> int:
+    return -(-max(0, request.num_tokens - request.num_computed_tokens) // block)
 
 
 def locked_schedule(lock: Any, method: Callable[..., Any], flush: Callable[[], None] | None,
