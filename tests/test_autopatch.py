@@ -229,9 +229,9 @@ def test_register_with_a_bad_switch_names_kvelastic(monkeypatch, no_leaked_patch
 # -------------------------------------------------------------------- wheel
 def _copy_source(destination: Path) -> Path:
     """The repository without build outputs, environments or VCS data, so the wheel is built fresh."""
-    ignore = shutil.ignore_patterns(".git", ".venv", ".ci-venv", "venv", "build", "dist", "*.egg-info",
-                                    "__pycache__", ".hypothesis", ".pytest_cache", ".gpu", ".whl",
-                                    "benchmarks", "*.pyc")
+    ignore = shutil.ignore_patterns(".git", ".venv*", ".ci-venv", "venv", "build", "dist", "*.egg-info",
+                                    "__pycache__", ".hypothesis", ".pytest_cache", ".gpu*", ".whl",
+                                    "benchmarks", "*.pyc")  # .venv*: run_tests.sh keeps one venv per band
     shutil.copytree(REPO, destination, ignore=ignore)
     return destination
 
