@@ -5,6 +5,7 @@
 #   bash scripts/run_tests.sh            # all tests, vLLM 0.28.0 (band B) then 0.23.0 (band A)
 #   bash scripts/run_tests.sh -k pool    # extra arguments go to pytest
 #   KVELASTIC_BAND_A=0 bash scripts/run_tests.sh   # band B only
+#   KVELASTIC_DROP_VENVS=1 ...                     # remove each venv after its run (CI: less disk)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +22,8 @@ suite() {
     "$venv/bin/python" -m pip install -q -e ".[test]"
     echo "== kvelastic tests against vLLM $vllm (torch $torch)"
     KVELASTIC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q "$@"
+    # CI keeps one venv (5-9 GB) on disk at a time.
+    if [ "${KVELASTIC_DROP_VENVS:-0}" = 1 ]; then rm -rf "$venv"; fi
 }
 
 suite "${KVELASTIC_VENV:-.venv}" 2.13.0 0.28.0 "$@"
