@@ -15,13 +15,15 @@ mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$W/gpus-$stage.txt"
 date -u >>"$W/gpus-$stage.txt"
 e2e() { python3 scripts/e2e_check.py "$@"; }
-case $stage in
-tp)
-    e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
-        --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log" ;;
-tp-spill)
+tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falling together
     e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log"
+}
+case $stage in
+tp)
+    tp2 ;;
+tp-spill)
+    tp2
     e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 \
         --summary "$W/tp-spill/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/tp-spill.log" ;;

@@ -25,8 +25,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from kvelastic.integration.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from kvelastic.tp.remote_mapper import RemoteMapper  # noqa: E402
-from kvelastic.tp.sharded_cache import ShardedKVCache  # noqa: E402
+from kvelastic.tp.scheduler_side import connect_boards  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
 
 WORLD = 2
@@ -83,13 +82,7 @@ class Cluster:
             self.procs.append(proc)
         for conn in self.conns:
             assert conn.poll(60) and conn.recv() == "ready"
-        infos = [shm.read_info(self.folder, r) for r in range(WORLD)]
-        boards = [shm.RankBoard.of_rank(self.folder, r, infos[0].layout.num_groups, create=False)
-                  for r in range(WORLD)]
-        start = [g for g in range(infos[0].layout.num_groups) if all(b.groups[g] > 0 for b in boards)]
-        self.mapper = RemoteMapper(self.folder, boards, start)
-        self.cache = ShardedKVCache(self.mapper, infos[0], None)
-        self.cache.host_slots = min(i.host_slots for i in infos)
+        self.cache, self.mapper = connect_boards(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.queue = make_page_aware(self.bp, self.cache, self.mapper, max_ahead_groups=2)
         self.mapped_bytes = [0] * WORLD

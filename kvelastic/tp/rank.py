@@ -47,7 +47,6 @@ class RankWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_free = 0.0
-        self.refused_groups = 0
         self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
         self._report_memory(force=True)
         shm.write_info(folder, info)
@@ -109,7 +108,8 @@ class RankWorker:
 
     # -------------------------------------------------------------- commands
     def _apply(self, commands: Sequence[Command]) -> None:
-        applied = self.applied
+        """Run the commands not applied yet, in order; with none new, nothing else happens either."""
+        applied = start = self.applied
         for command in commands:
             seq, kind = command[0], command[1]
             if seq <= applied:
@@ -128,6 +128,8 @@ class RankWorker:
                 raise ValueError(f"unknown kvelastic command {kind!r}")
             applied = seq
             self.board.set(shm.APPLIED, seq)
+        if applied == start:
+            return  # most decode steps: no pool statistics or driver calls before the forward
         self._copies = [f for f in self._copies if not f.is_done()]
         self._fit_reserve(grow=False)
         self._report_memory(force=True)
@@ -146,7 +148,6 @@ class RankWorker:
                     self.cache.map_groups([g])
                 except PoolExhausted:
                     self.board.groups[g] = -seq
-                    self.refused_groups += 1
                     continue
             self.board.groups[g] = seq
 

@@ -33,10 +33,6 @@ LIVENESS_PERIOD_S = 1.0
 REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long
 
 
-class RankDied(RuntimeError):
-    """A worker rank's process is gone; vLLM's executor reports it, we stop waiting for it."""
-
-
 class RemoteMapper:
     """Queues map/unmap/copy commands for all ranks and adopts groups every rank confirmed."""
 

@@ -37,24 +37,32 @@ def connect_ranks(scheduler: Any, runtime: Any, wait_s: float | None = None) -> 
                          "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
+    cache, mapper = connect_boards(folder, infos, runtime.settings.limit_bytes)
+    atexit.register(_remove_idle_files, folder)
+    log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
+    return cache, mapper
+
+
+def connect_boards(folder: Any, infos: list[shm.RankInfo],
+                   limit_bytes: int | None = None) -> tuple[ShardedKVCache, RemoteMapper]:
+    """The scheduler's view of ranks that described themselves in ``folder``.
+
+    Groups mapped on every rank at start-up are adopted; a group mapped on
+    only some ranks is unmapped with the first step. ``limit_bytes`` (the
+    user's) overrides the smallest limit the ranks profiled.
+    """
     first = infos[0]
     if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
            != first.layout.blocks_per_group for i in infos):
         raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
                          "every rank must hold the same blocks")
+    groups = range(first.layout.num_groups)
     boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
-    start_mapped = [g for g in range(first.layout.num_groups)
-                    if all(int(b.groups[g]) > 0 for b in boards)]
-    mapper = RemoteMapper(folder, boards, start_mapped)
+    mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)])
+    mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
+                          and any(int(b.groups[g]) > 0 for b in boards)])
     limits = [i.limit_bytes for i in infos if i.limit_bytes]
-    limit = runtime.settings.limit_bytes or (min(limits) if limits else None)
-    cache = ShardedKVCache(mapper, first, limit)
-    cache.host_slots = min(i.host_slots for i in infos)
-    partial = [g for g in range(first.layout.num_groups) if g not in mapper.mapped_groups
-               and any(int(b.groups[g]) > 0 for b in boards)]
-    mapper.request_unmap(partial)
-    atexit.register(_remove_idle_files, folder)
-    log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
+    cache = ShardedKVCache(mapper, infos, limit_bytes or (min(limits) if limits else None))
     return cache, mapper
 
 

@@ -10,7 +10,7 @@ GPU.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Sequence
 
 from kvelastic.integration.elastic_cache import DEVICE_MARGIN_BYTES, GroupedBlocks, groups_within
 from kvelastic.pool.stats import PoolStats
@@ -35,10 +35,6 @@ class ShardedPoolView:
 
     def held_bytes(self) -> int:
         return (len(self.mapper.mapped_groups) + self.mapper.pending_groups) * self.group_bytes
-
-    def set_limit(self, limit_bytes: int | None) -> int:
-        self.limit_bytes = limit_bytes
-        return 0
 
     def headroom_estimate(self, device_free: int | None) -> int | None:
         room = None if self.limit_bytes is None else max(0, self.limit_bytes - self.held_bytes())
@@ -81,15 +77,15 @@ class ShardedPoolView:
 class ShardedKVCache(GroupedBlocks):
     """Layout and capacity of the KV cache every rank holds a shard of."""
 
-    def __init__(self, mapper: RemoteMapper, info: RankInfo, limit_bytes: int | None):
+    def __init__(self, mapper: RemoteMapper, infos: Sequence[RankInfo], limit_bytes: int | None):
+        info = infos[0]
         self.mapper = mapper
         self.info = info
         self.layout = info.layout
         self.group_bytes = info.group_bytes
         self.pool = ShardedPoolView(mapper, info, limit_bytes)
         self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
-        self.external_headroom: Callable[[], int | None] | None = None
-        self.host_slots = info.host_slots  # the scheduler keeps the smallest over the ranks
+        self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
 
     @property
     def world(self) -> int:
