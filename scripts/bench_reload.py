@@ -148,11 +148,14 @@ def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[s
     return rep
 
 
-def host_tier_warning(args: argparse.Namespace, block: int) -> str | None:
-    """ARC keeps older (re-used) blocks over new ones: past capacity, new prefixes would not stay."""
+def host_tier_warning(args: argparse.Namespace, block: int, stats: dict[str, Any] | None) -> str | None:
+    """ARC keeps older (re-used) blocks over new ones: past capacity, new prefixes would not stay.
+
+    Judged on the snapshot taken after the run: the engine publishes its first
+    one only after its first upkeep tick, so at start-up there is none yet.
+    """
     if args.config != "kvelastic":
         return None
-    stats = kv_stats()
     if stats is None:
         return "no kvelastic stats snapshot found: is kvelastic active (KVELASTIC=1, installed)?"
     per_rep = (args.prefix_len + 3 * args.suffix_len + args.check_tokens) // block + 3
@@ -173,7 +176,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     block = int(getattr(config, "block_size", None) or OFFLOAD_BLOCK)
     result: dict[str, Any] = {"config": args.config, "vllm": vllm.__version__, "block_size": block,
                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                              "startup_s": startup, "warning": host_tier_warning(args, block), "reps": []}
+                              "startup_s": startup, "reps": []}
     for i in range(args.warmup + args.reps):
         rep = run_rep(llm, args, args.seed + i, block)
         rep["warmup"] = i < args.warmup
@@ -182,6 +185,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{args.config} rep {i}{' (warmup)' if rep['warmup'] else ''}: {times}; "
               f"identical {rep['identical']}, verified {rep['verified']}", flush=True)
     result["final_stats"] = kv_stats() if args.config == "kvelastic" else None
+    result["warning"] = host_tier_warning(args, block, result["final_stats"])
     return result
 
 
