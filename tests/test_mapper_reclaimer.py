@@ -363,7 +363,7 @@ def _scheduler_with(world: int = 1, pipeline: int = 1) -> types.SimpleNamespace:
 def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp_path):
     import kvelastic.tp.scheduler_side as scheduler_side
 
-    monkeypatch.setenv("KVELASTIC_SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     monkeypatch.setattr(scheduler_side, "RANKS_WAIT_S", 0.2)
     runtime = Runtime(Settings(enabled=True))
     with pytest.raises(PatchError) as info:

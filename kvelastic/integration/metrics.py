@@ -36,7 +36,10 @@ COUNTERS = {
 
 
 def stats_dir() -> Path:
-    return Path(os.environ.get("KVELASTIC_SHARED_DIR", "/dev/shm"))
+    """Where engines publish their snapshots: beside the GPUs' shared accounts."""
+    from kvelastic.cluster.storage import shared_dir
+
+    return shared_dir()
 
 
 class StatsPublisher:

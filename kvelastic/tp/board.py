@@ -36,8 +36,9 @@ PID, APPLIED, STEPS_DONE, DEVICE_FREE, MAPPED_BYTES, HELD_BYTES = range(6)
 def engine_dir(engine_pid: int, root: str | os.PathLike | None = None) -> Path:
     """The engine's folder, named by its pid and start time: a reused pid never finds old files."""
     from kvelastic.cluster.liveness import process_start_time
+    from kvelastic.cluster.storage import shared_dir
 
-    base = Path(root or os.environ.get("KVELASTIC_SHM_DIR", "/dev/shm"))
+    base = Path(root) if root else shared_dir()
     return base / f"kvelastic-engine-{engine_pid}-{process_start_time(engine_pid)}"
 
 
