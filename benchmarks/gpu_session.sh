@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
+#   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
+#   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic), then reload
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 OUT=${OUT:-./gpu-out}
@@ -15,6 +17,7 @@ mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$W/gpus-$stage.txt"
 date -u >>"$W/gpus-$stage.txt"
 e2e() { python3 scripts/e2e_check.py "$@"; }
+pack() { tar czf "$OUT/$1.tgz" -C "$W" "$1"; }  # a finished part comes back even if a later one runs out of time
 tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falling together
     e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log"
@@ -30,9 +33,19 @@ tp-spill)
 matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GPU matrix)
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
     e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
-        --summary "$W/matrix-$ver/summary.json" 2>&1 | tee "$W/matrix-$ver.log" ;;
+        --kve-env KVELASTIC_CACHE_TTL=2 --summary "$W/matrix-$ver/summary.json" --extra --idle-after 6 \
+        2>&1 | tee "$W/matrix-$ver.log" ;;
 demo)
     python3 scripts/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
+copy)
+    mkdir -p "$W/copy"
+    python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$W/copy/gpu_tests.log"
+    python3 scripts/bench_copy.py --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
+offload)
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
+        2>&1 | tee "$W/multiturn.log"; mv "$W/multiturn.log" "$W/multiturn/"; pack multiturn
+    python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
+        2>&1 | tee "$W/reload.log" ;;
 reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
         2>&1 | tee "$W/reload.log" ;;

@@ -1,9 +1,11 @@
-"""Spill and reload bandwidth of the host tier's copier on a GPU (no vLLM).
+"""Spill and reload bandwidth of the host tier's copier on a GPU (no vLLM), per copy path.
 
-Builds KV tensors shaped like an 8B model's (32 layers, blocks of 16 tokens,
-8 KV heads of 128 in bf16: 64 KiB per layer per block, blocks-first layout),
-over the elastic page pool, and moves batches of random blocks to pinned host
-slots and back. A 16k-token prefix is 1024 blocks (2 GiB).
+Builds KV tensors shaped like vLLM's FlashAttention cache over the elastic page
+pool: per layer a K run and a V run per block (8B shape: 32 layers, blocks of
+16 tokens, 8 KV heads of 128 in bf16, 32 KiB per run; 1B shape: 16 layers,
+heads of 64, 16 KiB per run). Moves batches of random blocks to host slots and
+back, through each copy path, with the slots consecutive (as the host tier
+hands them out) or scattered. A 16k-token 8B prefix is 1024 blocks (2 GiB).
 
     python scripts/bench_copy.py --json $OUT/bench_copy.json
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import time
 
@@ -23,57 +26,75 @@ from kvelastic.pool import PagePool
 from kvelastic.pool.cuda import CudaBackend
 
 MIB = 1024 * 1024
+SHAPES = {"8b": (32, 32), "1b": (16, 16)}  # layers, KiB per K (or V) run of a block
+
+
+def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, batch: int, slots: list[int],
+            reps: int) -> dict:
+    nbytes = batch * copier.bytes_per_block
+    spill, load, exact = [], [], True
+    for _ in range(reps):
+        ids = random.sample(range(num_blocks), batch)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        copier.store(ids, slots).wait()
+        spill.append(time.perf_counter() - t)
+        expect = torch.cat([v[ids[-1]] for v in views])
+        target = random.sample(range(num_blocks), batch)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        copier.load(target, slots).wait()
+        load.append(time.perf_counter() - t)
+        exact &= bool(torch.equal(torch.cat([v[target[-1]] for v in views]), expect))
+    return {"blocks": batch, "bytes": nbytes, "spill_gbps": nbytes / statistics.median(spill) / 1e9,
+            "reload_gbps": nbytes / statistics.median(load) / 1e9, "reload_ms": statistics.median(load) * 1e3,
+            "exact": exact}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--block-kib", type=int, default=64, help="bytes per layer per block")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--paths", nargs="+", default=["staged", "direct"], choices=["staged", "direct"])
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_copy.json"))
     args = p.parse_args()
     torch.cuda.init()
-    block = args.block_kib * 1024
-    pool = PagePool(CudaBackend(), page_bytes=8 * MIB, zero_on_map="fresh")
-    raws = [pool.add_tensor(args.blocks * block) for _ in range(args.layers)]
-    pool.map_groups(range(args.blocks * block // (8 * MIB)))
-    views = [r.view(args.blocks, block) for r in raws]
-    for i, v in enumerate(views):
-        v.view(torch.bfloat16).normal_()
-    host = torch.empty((max(args.batches), args.layers * block), dtype=torch.int8, pin_memory=True)
-    copier = BlockCopier(views, host)
+    random.seed(0)
     rows = []
-    print(f"{'blocks':>7} {'MiB':>8} {'spill GB/s':>11} {'reload GB/s':>12} {'reload ms':>10} {'exact':>6}")
-    for batch in args.batches:
-        ids = torch.randperm(args.blocks)[:batch].tolist()
-        slots = list(range(batch))
-        nbytes = batch * args.layers * block
-        spill, load = [], []
-        for _ in range(args.reps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            copier.store(ids, slots).wait()
-            spill.append(time.perf_counter() - t)
-            expect = torch.stack([v[ids[0]].clone() for v in views])
-            target = torch.randperm(args.blocks)[:batch].tolist()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            copier.load(target, slots).wait()
-            load.append(time.perf_counter() - t)
-            exact = bool(torch.equal(torch.stack([v[target[0]] for v in views]), expect))
-        row = {"blocks": batch, "bytes": nbytes, "spill_gbps": nbytes / statistics.median(spill) / 1e9,
-               "reload_gbps": nbytes / statistics.median(load) / 1e9, "reload_ms": statistics.median(load) * 1e3,
-               "exact": exact}
-        rows.append(row)
-        print(f"{batch:>7} {nbytes / MIB:>8.0f} {row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} "
-              f"{row['reload_ms']:>10.2f} {str(exact):>6}")
+    print(f"{'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} {'reload GB/s':>12} "
+          f"{'reload ms':>10} {'exact':>6}")
+    for shape in args.shapes:
+        layers, run_kib = SHAPES[shape]
+        run = run_kib * 1024
+        pool = PagePool(CudaBackend(), page_bytes=8 * MIB, zero_on_map="fresh")
+        raws = [pool.add_tensor(args.blocks * 2 * run) for _ in range(layers)]
+        pool.map_groups(range(args.blocks * 2 * run // (8 * MIB)))
+        views = [torch.as_strided(r, (args.blocks, run), (run, 1), half * args.blocks * run)
+                 for r in raws for half in (0, 1)]  # K runs, then V runs, as FlashAttention lays them out
+        for r in raws:
+            r.view(torch.bfloat16).normal_()
+        capacity = 2 * max(args.batches)
+        host = torch.empty((capacity, len(views) * run), dtype=torch.int8, pin_memory=True)
+        for path in args.paths:
+            copier = BlockCopier(views, host, path=path)  # type: ignore[arg-type]
+            for layout in ("runs", "scattered"):
+                for batch in args.batches:
+                    slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
+                    row = {"shape": shape, "path": path, "slots": layout,
+                           **measure(copier, views, args.blocks, batch, slots, args.reps)}
+                    rows.append(row)
+                    print(f"{shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
+                          f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
+                          f"{str(row['exact']):>6}")
+            del copier
+        del views, raws
+        torch.cuda.synchronize()
+        pool.close()
     with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                   "layers": args.layers, "block_bytes_per_layer": block, "rows": rows}, f, indent=2)
-    del views, raws
-    pool.close()
+        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "rows": rows},
+                  f, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 
@@ -33,7 +34,7 @@ def conversations(n: int, first: int, turn: int, seed: int = 7) -> list[list[lis
 
 
 def run_one(args: argparse.Namespace) -> dict:
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import LLM, SamplingParams
 
     kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
               gpu_memory_utilization=0.9, max_model_len=args.max_model_len, enable_prefix_caching=True,
@@ -48,35 +49,66 @@ def run_one(args: argparse.Namespace) -> dict:
             kv_connector_extra_config={"block_size": 16, "cpu_bytes_to_use": args.cpu_bytes,
                                        "eviction_policy": args.config.split("-")[1]})
     llm = LLM(**kw)
-    convs = conversations(args.conversations, args.first_len, args.turn_len)
-    histories: list[list[int]] = [[] for _ in convs]
     params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
-    turns = []
-    start = time.perf_counter()
-    for t in range(args.turns):
+    rounds = []
+    for r in range(args.warmup + args.rounds):
+        start = time.perf_counter()
+        turns = one_round(llm, params, conversations(args.conversations, args.first_len, args.turn_len, seed=7 + r),
+                          args.turns)
+        rounds.append({"round": r, "warmup": r < args.warmup, "seconds": time.perf_counter() - start,
+                       "turns": turns})
+    return {"config": args.config, "rounds": rounds}
+
+
+def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -> list[dict]:
+    """Every conversation's turns in order, each turn re-sending the whole history."""
+    from vllm import TokensPrompt
+
+    histories: list[list[int]] = [[] for _ in convs]
+    out = []
+    for t in range(turns):
         prompts = [h + c[t] for h, c in zip(histories, convs)]
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         for i, o in enumerate(outs):
             histories[i] = prompts[i] + list(o.outputs[0].token_ids)
-        turns.append({"seconds": elapsed, "prompt_tokens": sum(len(p) for p in prompts),
-                      "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-                      "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
-                      "outputs": [list(o.outputs[0].token_ids) for o in outs]})
-    total = time.perf_counter() - start
-    return {"config": args.config, "seconds": total, "turns": turns}
+        out.append({"seconds": elapsed, "prompt_tokens": sum(len(p) for p in prompts),
+                    "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                    "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
+                    "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+    return out
+
+
+def round_summary(rnd: dict, out_len: int) -> dict:
+    turns = rnd["turns"]
+    prompt = sum(t["prompt_tokens"] for t in turns)
+    cached = sum(t["cached_tokens"] for t in turns[1:])
+    later_prompt = sum(t["prompt_tokens"] for t in turns[1:])
+    ttft = sorted(x for t in turns[1:] for x in t["ttft"])
+    outputs = sum(len(t["outputs"]) for t in turns) * out_len
+    return {"seconds": rnd["seconds"], "tok_s": (prompt + outputs) / rnd["seconds"],
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+            "prefix_hit_ratio": cached / later_prompt}
 
 
 def summarize(r: dict, out_len: int) -> dict:
-    prompt = sum(t["prompt_tokens"] for t in r["turns"])
-    cached = sum(t["cached_tokens"] for t in r["turns"][1:])
-    later_prompt = sum(t["prompt_tokens"] for t in r["turns"][1:])
-    ttft = sorted(x for t in r["turns"][1:] for x in t["ttft"])
-    outputs = sum(len(t["outputs"]) for t in r["turns"]) * out_len
-    return {"config": r["config"], "seconds": r["seconds"], "tok_s": (prompt + outputs) / r["seconds"],
-            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
-            "prefix_hit_ratio": cached / later_prompt}
+    """Medians over the measured rounds (warm-up rounds left out), and the spread of throughput."""
+    per_round = [round_summary(rnd, out_len) for rnd in r["rounds"] if not rnd["warmup"]]
+    row: dict[str, Any] = {"config": r["config"], "rounds": per_round}
+    for key in ("seconds", "tok_s", "ttft_p50", "ttft_p99", "prefix_hit_ratio"):
+        row[key] = statistics.median(x[key] for x in per_round)
+    row["tok_s_min"], row["tok_s_max"] = min(x["tok_s"] for x in per_round), max(x["tok_s"] for x in per_round)
+    return row
+
+
+def identical(a: dict, b: dict) -> tuple[int, int]:
+    same = total = 0
+    for ra, rb in zip(a["rounds"], b["rounds"]):
+        for ta, tb in zip(ra["turns"], rb["turns"]):
+            same += sum(x == y for x, y in zip(ta["outputs"], tb["outputs"]))
+            total += len(ta["outputs"])
+    return same, total
 
 
 def main() -> int:
@@ -92,6 +124,8 @@ def main() -> int:
     p.add_argument("--gpu-kv-bytes", type=int, default=2 << 30)
     p.add_argument("--cpu-bytes", type=int, default=16 << 30)
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds, each with new conversations (median)")
+    p.add_argument("--warmup", type=int, default=1, help="rounds run first and left out")
     p.add_argument("--outdir", default="multiturn")
     p.add_argument("--json", default="multiturn.json")
     args = p.parse_args()
@@ -112,17 +146,14 @@ def main() -> int:
         results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
         rows.append(summarize(results[config], args.out_len))
     base = results.get("vanilla")
-    print(f"{'config':<13} {'seconds':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'prefix hits':>12} {'same as vanilla':>16}")
+    print(f"{'config':<13} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'prefix hits':>12} "
+          f"{'same as vanilla':>16}")
     for row in rows:
-        r = results[row["config"]]
-        same = total = 0
-        if base:
-            for ta, tb in zip(base["turns"], r["turns"]):
-                same += sum(a == b for a, b in zip(ta["outputs"], tb["outputs"]))
-                total += len(ta["outputs"])
+        same, total = identical(base, results[row["config"]]) if base else (0, 0)
         row["identical"] = [same, total]
-        print(f"{row['config']:<13} {row['seconds']:>8.1f} {row['tok_s']:>9.0f} {row['ttft_p50']:>9.3f} "
-              f"{row['ttft_p99']:>9.3f} {row['prefix_hit_ratio']:>12.3f} {same:>9}/{total:<6}")
+        print(f"{row['config']:<13} {row['tok_s']:>9.0f} {row['tok_s_min']:>8.0f}-{row['tok_s_max']:<8.0f} "
+              f"{row['ttft_p50']:>9.3f} {row['ttft_p99']:>9.3f} {row['prefix_hit_ratio']:>12.3f} {same:>9}/{total:<6}")
+    print(f"medians of {args.rounds} rounds after {args.warmup} warm-up round(s); outputs compared in all rounds")
     Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 

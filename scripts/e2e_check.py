@@ -47,9 +47,13 @@ def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], 
 def summary(r: dict) -> dict:
     first = r["passes"][0]
     ttft = sorted(first["ttft_s"]) or [float("nan")]
+    memory = r["memory"]
+    ready = next((t for t, mark in r.get("marks", []) if mark == "engine ready"), memory[0][0])
+    at_ready = [m for t, m in memory if t <= ready] or [memory[0][1]]
     row = {"seconds": first["seconds"], "tok_s": (first["output_tokens"] + first["prompt_tokens"]) / first["seconds"],
            "out_tok_s": first["output_tokens"] / first["seconds"], "ttft_p50": ttft[len(ttft) // 2],
-           "peak_gib": max(m for _, m in r["memory"]) / 2**30}
+           "ready_gib": at_ready[-1] / 2**30, "peak_gib": max(m for _, m in memory) / 2**30,
+           "end_gib": memory[-1][1] / 2**30}
     per_gpu = r.get("memory_per_gpu") or []
     if per_gpu and len(per_gpu[0][1]) > 1:  # several GPUs: each one's peak and its last sample
         row["peak_gib_per_gpu"] = [max(s[1][i] for s in per_gpu) / 2**30 for i in range(len(per_gpu[0][1]))]
@@ -94,12 +98,12 @@ def main() -> int:
         rows.append({"config": name, "identical": same, "total": total,
                      "vanilla": summary(vanilla), "kvelastic": summary(elastic)})
     print(f"\n{'config':<12} {'identical':>9} {'tok/s van':>10} {'tok/s kve':>10} {'ratio':>6} "
-          f"{'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'peak GiB kve':>13}")
+          f"{'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'GiB kve ready/peak/end':>23}")
     for row in rows:
         v, k = row["vanilla"], row["kvelastic"]
         print(f"{row['config']:<12} {row['identical']:>4}/{row['total']:<4} {v['tok_s']:>10.0f} {k['tok_s']:>10.0f} "
               f"{k['tok_s'] / v['tok_s']:>6.3f} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
-              f"{v['peak_gib']:>13.1f} {k['peak_gib']:>13.1f}")
+              f"{v['peak_gib']:>13.1f} {k['ready_gib']:>9.1f} / {k['peak_gib']:.1f} / {k['end_gib']:.1f}")
     for row in rows:
         for label in ("vanilla", "kvelastic"):
             if "peak_gib_per_gpu" in row[label]:

@@ -59,6 +59,18 @@ def test_releases_are_the_supported_final_releases_in_order() -> None:
         release_band(OLDEST_NEWER_UNSUPPORTED)
 
 
+def test_readme_support_table_lists_every_release_with_its_band() -> None:
+    """The README's table is what users read: it must not miss a release or name a wrong band."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## vLLM support"):].split("\n\n")[2]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1]
+    listed = {r: b for r, b in rows.items() if r[0].isdigit() and "later" not in r}
+    assert listed == {r: release_band(r) for r in RELEASES}
+
+
 def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
     """A release never gets half of the V1 (or V2) runner patched, and the shared patches claim all."""
     assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | EVERY_RELEASE

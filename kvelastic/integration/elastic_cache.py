@@ -76,7 +76,7 @@ class ElasticKVCache(GroupedBlocks):
         if groups:
             fence: Fence = self.pool.backend.record_fence()
             if after:
-                from kvelastic.offload.copier import AllFences
+                from kvelastic.offload.fences import AllFences
 
                 fence = AllFences([fence, *after])
             self.pool.unmap_groups(groups, fence=fence)

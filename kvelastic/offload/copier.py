@@ -1,88 +1,58 @@
 """Batched copies of KV blocks between the GPU cache and host slots.
 
 A block is scattered over every layer's tensor (and, for some attention
-backends, over a K run and a V run of each). Copying it with one DMA call per
-piece would move tens of kilobytes per call, far below PCIe speed. Instead the
-host buffer is addressed from the GPU (pinned memory is mapped into the GPU's
-address space), and one gather/scatter kernel per piece kind moves a whole
-batch of blocks: the GPU reads and writes host memory directly, in large
-coalesced rows.
+backends, over a K run and a V run of each), tens of kilobytes per piece, far
+too small for one DMA call each. Two paths move whole batches instead:
+
+- ``staged``: gather on the device into a small staging buffer laid out like
+  host rows, then DMA each run of consecutive host slots (``staged_copy``);
+- ``direct``: gather/scatter kernels that read and write the pinned host rows
+  themselves, no staging memory (``direct_copy``).
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
 that stream wait for it, so no host thread ever blocks on the GPU. On a CPU
-(tests, host backend) the same index operations run synchronously.
+(tests, host backend) the same operations run synchronously.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 
+from kvelastic.offload.block_columns import BlockColumns
+from kvelastic.offload.direct_copy import DirectCopy
+from kvelastic.offload.fences import AllFences, EventFence
+from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
 
+__all__ = ["AllFences", "BlockCopier", "EventFence"]
 
-class EventFence(Fence):
-    """A torch CUDA event as a pool fence."""
-
-    def __init__(self, event: "torch.cuda.Event"):
-        self.event = event
-
-    def is_done(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-
-class AllFences(Fence):
-    """Passes when every fence in it has passed."""
-
-    def __init__(self, fences: Sequence[Fence]):
-        self.fences = list(fences)
-
-    def is_done(self) -> bool:
-        return all(f.is_done() for f in self.fences)
-
-    def wait(self) -> None:
-        for fence in self.fences:
-            fence.wait()
-
-
-class _HostArrayInterface:
-    """Exposes pinned host memory to torch as a CUDA tensor (unified addressing)."""
-
-    def __init__(self, host: torch.Tensor):
-        self.owner = host
-        self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": "|i1",
-                                         "data": (host.data_ptr(), False), "version": 3,
-                                         "strides": None}
+CopyPath = Literal["staged", "direct"]
+#: Chosen from bench_copy.py on the GPU: docs/gpu-results.md, "Copier paths".
+DEFAULT_PATH: CopyPath = "direct"
+STAGING_BYTES = 64 * 1024 * 1024
 
 
 class BlockCopier:
     """Moves whole blocks between ``block_views`` (each (num_blocks, bytes)) and host rows."""
 
-    def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor):
-        widths = [v.shape[1] for v in block_views]
-        if sum(widths) != host.shape[1]:
-            raise ValueError(f"host slots hold {host.shape[1]} bytes, blocks have {sum(widths)}")
-        self.views = list(block_views)
-        self.columns: list[tuple[int, int]] = []
-        offset = 0
-        for width in widths:
-            self.columns.append((offset, offset + width))
-            offset += width
-        self.device = self.views[0].device
+    def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
+                 path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES):
+        columns = BlockColumns.of(block_views, host)
+        self.device = block_views[0].device
         self.cuda = self.device.type == "cuda"
         self.host = host
-        self.stream: Any = None
-        if self.cuda:
-            self.host_on_device = torch.as_tensor(_HostArrayInterface(host), device=self.device)
-            self.stream = torch.cuda.Stream(self.device)
-        else:
-            self.host_on_device = host
         self.bytes_per_block = host.shape[1]
+        self.path = path
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
+        if path == "staged":
+            self.mover: StagedCopy | DirectCopy = StagedCopy(columns, host, self.device, staging_bytes)
+        elif path == "direct":
+            self.mover = DirectCopy(columns, host, self.device)
+        else:
+            raise ValueError(f"unknown copy path {path!r}: use 'staged' or 'direct'")
 
     def _indices(self, values: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor(list(values), dtype=torch.int64)
@@ -99,9 +69,7 @@ class BlockCopier:
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
-            blocks, rows = self._indices(block_ids), self._indices(slots)
-            for view, (c0, c1) in zip(self.views, self.columns):
-                self.host_on_device[:, c0:c1].index_copy_(0, rows, view.index_select(0, blocks))
+            self.mover.store(block_ids, slots, self._indices)
             fence = self._done()
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
@@ -112,9 +80,7 @@ class BlockCopier:
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
-            blocks, rows = self._indices(block_ids), self._indices(slots)
-            for view, (c0, c1) in zip(self.views, self.columns):
-                view.index_copy_(0, blocks, self.host_on_device[:, c0:c1].index_select(0, rows))
+            self.mover.load(block_ids, slots, self._indices)
             fence = self._done()
         if self.cuda:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]

@@ -5,11 +5,14 @@ seconds, and doing it on the serving path would stall requests), then carved
 into slots of one block's bytes across all layers. The replacement policy
 (ARC by default) decides which block hashes stay when the tier is full; a slot
 is freed the moment the policy evicts its key. Copies into a freed slot are
-queued behind earlier copies on the same stream, so reuse needs no pin.
+queued behind earlier copies on the same stream, so reuse needs no pin. Free
+slots are handed out lowest first, so a batch tends to land in consecutive
+slots, which the staged copier moves in one DMA each.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from dataclasses import dataclass
@@ -72,7 +75,7 @@ class HostTier:
         self.pin_seconds = time.perf_counter() - start
         self.slot_bytes = slot_bytes
         self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots, on_evict=self._evicted)
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots))  # a heap
         self._slot_of: dict[Hashable, int] = {}
         self.hits = self.misses = self.admitted = self.evicted = 0
         log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s, policy %s",
@@ -86,7 +89,7 @@ class HostTier:
             self.policy.request(key)
             return None
         self.policy.request(key)  # a miss: admits the key, evicting as the policy says
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._slot_of[key] = slot
         self.admitted += 1
         return slot
@@ -104,14 +107,14 @@ class HostTier:
     def clear(self) -> None:
         """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
         self.policy = type(self.policy)(self.policy.capacity, on_evict=self._evicted)
-        self._free = list(range(self.policy.capacity - 1, -1, -1))
+        self._free = list(range(self.policy.capacity))
         self._slot_of.clear()
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
 
     def _evicted(self, key: Hashable) -> None:
-        self._free.append(self._slot_of.pop(key))
+        heapq.heappush(self._free, self._slot_of.pop(key))
         self.evicted += 1
 
     def stats(self) -> HostTierStats:

@@ -1,0 +1,54 @@
+"""The block copier's two paths, its column layout and its slot runs, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvelastic.offload.block_columns import BlockColumns, widest_dtype
+from kvelastic.offload.host_tier import HostTier
+from kvelastic.offload.staged_copy import slot_runs
+from tests.copier_cases import round_trip
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("widths", [[64, 64, 128], [12, 20], [5, 3]], ids=["int64", "int32", "int8"])
+@pytest.mark.parametrize("staging_rows", [1, 7, 1000])
+def test_round_trip_is_exact(path, widths, staging_rows):
+    copier = round_trip("cpu", path, widths, staging_bytes=staging_rows * sum(widths))
+    assert copier.path == path
+
+
+def test_widest_dtype_follows_widths_and_offsets():
+    raw = torch.zeros(1024, dtype=torch.int8)
+    assert widest_dtype([raw.view(16, 64)]) == torch.int64
+    assert widest_dtype([raw.view(16, 64), raw[4:68].view(1, 64)]) == torch.int32
+    assert widest_dtype([raw.view(128, 8)[:, :6]]) == torch.int16
+    assert widest_dtype([raw.view(16, 64), raw[:63].view(9, 7)]) == torch.int8
+
+
+def test_columns_reject_rows_of_the_wrong_width():
+    views = [torch.zeros((4, 8), dtype=torch.int8)]
+    with pytest.raises(ValueError, match="host slots hold 12 bytes, blocks have 8"):
+        BlockColumns.of(views, torch.zeros((2, 12), dtype=torch.int8))
+
+
+def test_unknown_path_is_refused():
+    from kvelastic.offload.copier import BlockCopier
+
+    with pytest.raises(ValueError, match="unknown copy path 'dma'"):
+        BlockCopier([torch.zeros((4, 8), dtype=torch.int8)], torch.zeros((2, 8), dtype=torch.int8), path="dma")
+
+
+def test_slot_runs():
+    assert list(slot_runs([])) == []
+    assert list(slot_runs([3])) == [(0, 3, 1)]
+    assert list(slot_runs([0, 1, 2, 5, 6, 9])) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+
+
+def test_host_tier_hands_out_lowest_free_slots_first():
+    tier = HostTier(8 * 64, 64, pin=False, policy="lru")
+    assert [tier.admit(k) for k in "abcd"] == [0, 1, 2, 3]
+    for key in "efghij":  # full after h; i and j evict a and b, the oldest
+        tier.admit(key)
+    assert tier.lookup("i") == 0 and tier.lookup("j") == 1
