@@ -441,3 +441,63 @@ def test_shipped_tokenizer_matches_the_model_config_and_rebuilds_identically(tmp
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (tmp_path / name).read_bytes() == (DEFAULT_MODEL_DIR / name).read_bytes(), name
         assert (DEFAULT_MODEL_DIR / name).stat().st_size < 1_000_000
+
+
+FAKE_SLEEPER = """\
+import os, sys, time
+status = open("/proc/self/status").read()
+blocked = next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:"))
+with open(os.path.join(os.environ["FAKE_DIR"], "sigblk"), "w") as out:
+    out.write(blocked)
+time.sleep(600)
+"""
+
+STOP_DURING_START = """\
+import json, os, signal, sys, time
+from pathlib import Path
+from kvelastic.cluster import supervisor as sv
+from kvelastic.cluster.plan import LaunchPlan, make_instance
+from kvelastic.launch import install_stop_signals
+fake, logs = sys.argv[1], sys.argv[2]
+install_stop_signals()
+real_spawn = sv.spawn
+
+def spawn_then_stop(*args, **kwargs):
+    process = real_spawn(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # the stop lands after the start, before the server is recorded
+    time.sleep(0.2)
+    return process
+
+sv.spawn = spawn_then_stop
+plan = LaunchPlan(instances=(make_instance(model="fake-model", port=18999),), python=fake)
+sup = sv.Supervisor(plan, Path(logs), stop_timeout_s=2.0)
+interrupted = False
+try:
+    sup.start(plan.instances[0])
+except KeyboardInterrupt:
+    interrupted = True
+recorded = [s.process.pid for s in sup.servers]
+blk = Path(os.environ["FAKE_DIR"], "sigblk")
+deadline = time.time() + 20
+while not blk.exists() and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(0.1)
+sup.stop_all()
+print(json.dumps({"interrupted": interrupted, "recorded": recorded, "sigblk": blk.read_text(),
+                  "exit": [s.process.returncode for s in sup.servers]}))
+"""
+
+
+def test_a_stop_between_start_and_record_still_stops_that_server(tmp_path):
+    """The stop is held until the server is recorded, then stops it; the server itself holds no signal."""
+    fake = _fake_tool(tmp_path / "fake-python", FAKE_SLEEPER)
+    env = {**os.environ, "FAKE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", STOP_DURING_START, str(fake), str(tmp_path / "logs")], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["interrupted"], "the stop was lost"
+    assert len(result["recorded"]) == 1, "the started server was not recorded"
+    assert int(result["sigblk"], 16) & (1 << (signal.SIGTERM - 1)) == 0, "the server inherited a held SIGTERM"
+    assert result["exit"] == [-signal.SIGTERM]
+    assert not is_alive(result["recorded"][0], 0)

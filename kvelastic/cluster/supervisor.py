@@ -9,6 +9,7 @@ Readiness is vLLM's own ``GET /health`` answering 200.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -16,12 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, TextIO
+from typing import IO, Iterator, Mapping, Sequence, TextIO
 
 from kvelastic.cluster.errors import LaunchFailed
 from kvelastic.cluster.liveness import group_alive
@@ -30,6 +33,38 @@ from kvelastic.cluster.plan import Instance, LaunchPlan
 NO_GPU_ENV = "KVELASTIC_LAUNCH_NO_GPU"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CUDA_PROBE = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[set[signal.Signals] | None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends; yields the mask to restore (None: not held).
+
+    A stop that lands between a server's start and its recording would leave
+    that server running unseen in its own session; held, it is delivered (and
+    raises) right after the server is recorded. Only the main thread holds them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield previous
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def spawn(command: Sequence[str], env: Mapping[str, str], log: IO[bytes],
+          signal_mask: set[signal.Signals] | None) -> subprocess.Popen:
+    """Start ``command`` in its own session, output to ``log``, with ``signal_mask`` as its signal mask.
+
+    A child inherits the signals its parent holds; it gets the mask from before
+    :func:`stop_signals_held`, or vLLM would never see the SIGTERM that stops it.
+    """
+    reset = None if signal_mask is None else functools.partial(signal.pthread_sigmask, signal.SIG_SETMASK,
+                                                               signal_mask)
+    return subprocess.Popen(list(command), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=reset)
 
 
 def gpu_problem(environ: Mapping[str, str] | None = None, python: str = sys.executable) -> str | None:
@@ -150,12 +185,10 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{instance.name}.log"
         env = {**self.base_env, **self.plan.env(instance)}
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(self.plan.command(instance), env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
-        server = Server(instance, process, log_path, time.monotonic())
-        self.servers.append(server)
+        with open(log_path, "wb") as log, stop_signals_held() as previous_mask:
+            process = spawn(self.plan.command(instance), env, log, previous_mask)
+            server = Server(instance, process, log_path, time.monotonic())
+            self.servers.append(server)
         self.say(f"{instance.name}: starting pid {process.pid}, will listen on {instance.url} "
                  f"(log {log_path})")
         return server
