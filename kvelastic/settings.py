@@ -57,6 +57,16 @@ def _port(name: str, text: str) -> int:
     return int(text)
 
 
+def _choice(*options: str) -> Callable[[str, str], str]:
+    def parse(name: str, text: str) -> str:
+        value = text.strip().lower()
+        if value not in options:
+            raise ConfigError(f"{name}={text!r} is not one of: {', '.join(options)}")
+        return value
+
+    return parse
+
+
 def _name(name: str, text: str) -> str:
     value = text.strip()
     if not value or not all(c.isalnum() or c in "-_." for c in value) or len(value) > 64:
@@ -77,6 +87,8 @@ class Settings:
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
+    cpu_policy: str = "arc"
+    copy_path: str = "direct"  # chosen from bench_copy.py on an H100: docs/gpu-results.md
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -109,6 +121,8 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
+    "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
+    "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
+OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
 
 
 def conversations(n: int, first: int, turn: int, seed: int = 7) -> list[list[list[int]]]:
@@ -39,7 +40,7 @@ def run_one(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
               gpu_memory_utilization=0.9, max_model_len=args.max_model_len, enable_prefix_caching=True,
               disable_log_stats=False)
-    if args.config != "kvelastic":
+    if not args.config.startswith("kvelastic"):
         kw["kv_cache_memory_bytes"] = args.gpu_kv_bytes
     if args.config.startswith("offload"):
         from vllm.config import KVTransferConfig
@@ -114,7 +115,7 @@ def identical(a: dict, b: dict) -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-1b")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + OPTIONAL)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--conversations", type=int, default=64)
     p.add_argument("--turns", type=int, default=6)
@@ -135,8 +136,9 @@ def main() -> int:
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     rows, results = [], {}
     for config in args.configs:
-        env = dict(os.environ, KVELASTIC="1" if config == "kvelastic" else "0",
-                   KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes))
+        env = dict(os.environ, KVELASTIC="1" if config.startswith("kvelastic") else "0",
+                   KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes),
+                   KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
         cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
         with open(Path(args.outdir, f"{config}.log"), "w") as log:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

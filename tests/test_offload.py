@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 from kvelastic.integration.offload_setup import attach_offload, block_views
 from kvelastic.offload.copier import BlockCopier
+from kvelastic.integration.scheduler import _attach_offload
 from kvelastic.offload.host_tier import HostTier
+from kvelastic.settings import Settings
 from tests.test_page_aware_block_pool import BS, StandInRequest, build
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
@@ -48,10 +52,15 @@ def test_copier_round_trip_on_cpu():
         BlockCopier(blocks, torch.zeros((5, 7), dtype=torch.int8))
 
 
-def test_reclaimed_prefix_comes_back_from_the_host_with_its_data():
+@pytest.mark.parametrize("policy, copy_path", [("arc", "direct"), ("lru", "staged")])
+def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_path):
     pool, views, cache, bp, queue = build(limit_groups=None)
     slot_bytes = sum(v.shape[1] for v in block_views(cache))
-    manager = attach_offload(bp, queue, cache, cpu_bytes=64 * slot_bytes)
+    settings = Settings(cpu_bytes=64 * slot_bytes, cpu_policy=policy, copy_path=copy_path)
+    scheduler = types.SimpleNamespace()
+    manager = _attach_offload(scheduler, bp, queue, cache, None, False, settings)  # as the scheduler patch does
+    assert scheduler.kvelastic_offload is manager and manager.copier.path == copy_path
+    assert type(manager.tier.policy).__name__ == policy.upper()
     blocks = bp.get_new_blocks(40)
     for i, block in enumerate(blocks):
         _stamp(views, block.block_id, i % 90 + 1)

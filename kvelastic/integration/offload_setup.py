@@ -14,7 +14,7 @@ import torch
 
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.copier import DEFAULT_PATH, BlockCopier, CopyPath
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 
@@ -33,12 +33,12 @@ def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
 
 
 def attach_offload(block_pool: Any, queue: PageAwareFreeQueue, cache: ElasticKVCache,
-                   cpu_bytes: int, policy: str = "arc") -> OffloadManager:
+                   cpu_bytes: int, policy: str = "arc", copy_path: CopyPath = DEFAULT_PATH) -> OffloadManager:
     views = block_views(cache)
     slot_bytes = sum(v.shape[1] for v in views)
     pin = views[0].device.type == "cuda"
     tier = HostTier(cpu_bytes, slot_bytes, pin=pin, policy=policy)
-    manager = OffloadManager(tier, BlockCopier(views, tier.buffer), queue, block_pool)
+    manager = OffloadManager(tier, BlockCopier(views, tier.buffer, path=copy_path), queue, block_pool)
     queue.spill_hook = manager.spill
     hook_lookup(block_pool, manager)
     return manager

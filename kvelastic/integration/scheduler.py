@@ -19,6 +19,7 @@ from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
+from kvelastic.settings import Settings
 
 log = logging.getLogger("kvelastic")
 
@@ -44,7 +45,7 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
     lock = threading.RLock()
-    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings.cpu_bytes)
+    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings)
     for name in LOCKED_METHODS:
         method = getattr(scheduler, name, None)
         if method is None:
@@ -72,18 +73,19 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
 
 
 def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, mapper: Any, remote: bool,
-                    cpu_bytes: int | None) -> Any:
+                    settings: Settings) -> Any:
     """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
-    if not cpu_bytes:
+    if not settings.cpu_bytes:
         return None
     if remote:
         from kvelastic.tp.scheduler_side import attach_remote_offload
 
-        offload = attach_remote_offload(block_pool, queue, cache, mapper)
+        offload = attach_remote_offload(block_pool, queue, cache, mapper, policy=settings.cpu_policy)
     else:
         from kvelastic.integration.offload_setup import attach_offload
 
-        offload = attach_offload(block_pool, queue, cache, cpu_bytes)
+        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes, policy=settings.cpu_policy,
+                                 copy_path=settings.copy_path)
     scheduler.kvelastic_offload = offload
     return offload
 

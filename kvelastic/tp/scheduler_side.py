@@ -150,7 +150,8 @@ class RemoteCopier:
         return DoneFence()
 
 
-def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, mapper: RemoteMapper) -> Any:
+def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, mapper: RemoteMapper,
+                          policy: str = "arc") -> Any:
     """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
     from kvelastic.integration.offload_setup import hook_lookup
     from kvelastic.offload.host_tier import HostTier
@@ -160,7 +161,7 @@ def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, ma
         raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
                          "set up no host tier; give every process of the engine the same environment")
     slot_bytes = cache.info.slot_bytes * cache.world
-    tier = HostTier(cache.host_slots * slot_bytes, slot_bytes, pin=False, allocate=False)
+    tier = HostTier(cache.host_slots * slot_bytes, slot_bytes, pin=False, allocate=False, policy=policy)
     manager = OffloadManager(tier, RemoteCopier(mapper, slot_bytes), queue, block_pool)
     queue.spill_hook = manager.spill
     hook_lookup(block_pool, manager)

@@ -40,7 +40,8 @@ def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
     settings = runtime.settings
     plan = runtime.plan
     limit = plan.limit_bytes if plan else settings.limit_bytes
-    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, limit, settings.cpu_bytes)
+    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, limit, settings.cpu_bytes,
+                        copy_path=settings.copy_path)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
              os.getppid(), worker.folder)
@@ -48,11 +49,11 @@ def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
 
 
 def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None) -> RankWorker:
+               cpu_bytes: int | None, copy_path: str = "direct") -> RankWorker:
     """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
     copier, slots, slot_bytes = None, 0, 0
     if cpu_bytes:
-        copier, slots, slot_bytes = _host_share(cache, cpu_bytes, world)
+        copier, slots, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path)
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
                         limit_bytes=limit_bytes, host_slots=slots, slot_bytes=slot_bytes)
@@ -61,7 +62,7 @@ def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int 
     return worker
 
 
-def _host_share(cache: Any, cpu_bytes: int, world: int) -> tuple[Any, int, int]:
+def _host_share(cache: Any, cpu_bytes: int, world: int, copy_path: str) -> tuple[Any, int, int]:
     """This rank's pinned slots: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
     from kvelastic.integration.offload_setup import block_views
     from kvelastic.offload.copier import BlockCopier
@@ -73,4 +74,4 @@ def _host_share(cache: Any, cpu_bytes: int, world: int) -> tuple[Any, int, int]:
     if slots < 1:
         return None, 0, slot_bytes
     buffer = allocate_slots(slots, slot_bytes, pin=views[0].device.type == "cuda")
-    return BlockCopier(views, buffer), slots, slot_bytes
+    return BlockCopier(views, buffer, path=copy_path), slots, slot_bytes  # type: ignore[arg-type]
