@@ -95,7 +95,7 @@ def kv_stats() -> dict[str, Any] | None:
         from kvelastic.integration.metrics import read_snapshots, stats_dir
     except ImportError:
         return None
-    found = read_snapshots(stats_dir(), os.getpid())
+    found = read_snapshots(stats_dir(), [os.getpid()])
     return found[0]["values"] if found else None
 
 

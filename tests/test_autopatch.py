@@ -17,6 +17,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from kvelastic.patches import ALL_PATCHES
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm installed")
@@ -213,7 +215,7 @@ def test_register_activates_when_kvelastic_is_on(monkeypatch, no_leaked_patches)
     assert activation.current() is not None
     assert isinstance(vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"], wrapt.FunctionWrapper)
     register()  # vLLM loads plugins once per process, but twice must be harmless
-    assert len(activation.current().patcher.wrapped) == 8
+    assert len(activation.current().patcher.wrapped) == len(ALL_PATCHES)
 
 
 def test_register_with_a_bad_switch_names_kvelastic(monkeypatch, no_leaked_patches):
@@ -273,7 +275,7 @@ def test_kvelastic_1_patches_vllm_on_import(interpreters):
     assert result["v1_wrapped"] is True, result["v1_type"]
     assert result["v2_wrapped"] is True
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors" in result["patches"]
-    assert len(result["patches"]) == 8
+    assert len(result["patches"]) == len(ALL_PATCHES)
     _, _, err = interpreters["on"].finish()
     assert "kvelastic" in err and "patches applied" in err
 

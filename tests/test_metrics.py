@@ -17,7 +17,7 @@ def test_collector_exports_an_engines_snapshot(tmp_path):
                        "host_bytes_used": 7, "arc_p": 2.5, "spilled_bytes": 11, "reloaded_bytes": 13,
                        "host_hits": 17, "host_misses": 19})
     registry = prometheus_client.CollectorRegistry()
-    registry.register(KvelasticCollector(tmp_path, parent=os.getppid()))
+    registry.register(KvelasticCollector(tmp_path, parents=(os.getppid(),)))
     text = prometheus_client.generate_latest(registry).decode()
     assert 'kvelastic_mapped_bytes{engine="llama-8001"} 1.073741824e+09' in text
     assert 'kvelastic_reloaded_bytes_total{engine="llama-8001"} 13.0' in text
@@ -33,6 +33,59 @@ def test_snapshots_of_other_parents_and_dead_engines_are_ignored(tmp_path):
         '{"name": "ghost", "pid": 999999999, "ppid": %d, "time": 0, "values": {}}' % os.getppid())
     (tmp_path / "kvelastic-stats-1.json").write_text('{"name": "other", "pid": 1, "ppid": 0, "values": {}}')
     (tmp_path / "kvelastic-stats-2.json").write_text("not json")
-    names = [s["name"] for s in read_snapshots(tmp_path, os.getppid())]
+    names = [s["name"] for s in read_snapshots(tmp_path, [os.getppid()])]
     assert names == ["mine"]
     assert not (tmp_path / "kvelastic-stats-999999999.json").exists()  # a dead engine's file is removed
+
+
+def test_an_engine_in_this_process_is_counted_once(tmp_path):
+    StatsPublisher("here", tmp_path).publish({"mapped_bytes": 1})
+    assert [s["name"] for s in read_snapshots(tmp_path, [os.getpid(), os.getppid()])] == ["here"]
+
+
+def test_the_default_registry_gets_no_second_collector():
+    from kvelastic.integration.metrics import add_to_multiprocess_registry
+
+    assert add_to_multiprocess_registry(prometheus_client.REGISTRY) is False
+
+
+ENGINE = """\
+import sys, time
+from kvelastic.integration.metrics import StatsPublisher
+StatsPublisher("engine-a").publish({"mapped_bytes": 4096, "spilled_bytes": 8192})
+print("published", flush=True)
+time.sleep(60)
+"""
+
+API_SERVER = """\
+import os
+import prometheus_client
+from kvelastic.patches import metrics_registry
+from kvelastic.patching.apply import Patcher
+from vllm.v1.metrics import prometheus as vllm_prometheus
+Patcher().wrap(metrics_registry.TARGET, metrics_registry._registry)
+registry = vllm_prometheus.get_prometheus_registry()
+assert registry is not prometheus_client.REGISTRY, "PROMETHEUS_MULTIPROC_DIR did not make vLLM use its own registry"
+print(prometheus_client.generate_latest(registry).decode())
+"""
+
+
+def test_multiprocess_metrics_registry_reads_sibling_engines(tmp_path):
+    """As under ``vllm serve --api-server-count 2``: engine and API server are siblings, /metrics is multiprocess."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm.v1.metrics.prometheus", reason="needs vllm installed")
+    (tmp_path / "prom").mkdir()
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout.readline().strip() == "published"
+        server = subprocess.run([sys.executable, "-c", API_SERVER], env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert server.returncode == 0, server.stderr[-3000:]
+        assert 'kvelastic_mapped_bytes{engine="engine-a"} 4096.0' in server.stdout
+        assert 'kvelastic_spilled_bytes_total{engine="engine-a"} 8192.0' in server.stdout
+    finally:
+        engine.kill()
+        engine.wait()

@@ -5,8 +5,10 @@ is served by the API-server process. The engine therefore publishes a small
 JSON snapshot under ``/dev/shm`` on every reclaimer tick, and a collector
 registered in the API server's default registry reads the snapshots of its own
 engine processes (those whose parent it is) when Prometheus scrapes. With
-``PROMETHEUS_MULTIPROC_DIR`` set vLLM serves a separate registry, which this
-collector does not reach: the values are still logged every 10 s.
+``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) vLLM serves a registry of
+its own per request path; the ``metrics_registry`` patch adds a collector to it
+that also reads its sibling engines' snapshots, since there the engines and the
+API servers are children of one ``vllm serve`` process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 PREFIX = "kvelastic-stats-"
 GAUGES = {
@@ -60,15 +62,15 @@ class StatsPublisher:
         self.path.unlink(missing_ok=True)
 
 
-def read_snapshots(directory: Path, parent: int) -> list[dict[str, Any]]:
-    """Snapshots written by ``parent``'s children (or by ``parent`` itself), skipping dead ones."""
+def read_snapshots(directory: Path, parents: Collection[int]) -> list[dict[str, Any]]:
+    """Snapshots written by children of ``parents`` (or by ``parents`` themselves), skipping dead ones."""
     found = []
     for path in directory.glob(f"{PREFIX}*.json"):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if parent not in (record.get("ppid"), record.get("pid")):
+        if record.get("ppid") not in parents and record.get("pid") not in parents:
             continue
         if not Path(f"/proc/{record['pid']}").exists():
             path.unlink(missing_ok=True)
@@ -80,9 +82,9 @@ def read_snapshots(directory: Path, parent: int) -> list[dict[str, Any]]:
 class KvelasticCollector:
     """A prometheus_client collector over the snapshots of this process's engines."""
 
-    def __init__(self, directory: Path | None = None, parent: int | None = None):
+    def __init__(self, directory: Path | None = None, parents: tuple[int, ...] | None = None):
         self.directory = directory or stats_dir()
-        self.parent = parent or os.getpid()
+        self.parents = parents or (os.getpid(),)
 
     def describe(self) -> list:
         return []  # values are read at scrape time; nothing to pre-declare
@@ -90,7 +92,7 @@ class KvelasticCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snapshots = read_snapshots(self.directory, self.parent)
+        snapshots = read_snapshots(self.directory, self.parents)
         for key, help_text in GAUGES.items():
             family = GaugeMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
             for s in snapshots:
@@ -108,6 +110,16 @@ class KvelasticCollector:
 class _Registered:
     lock = threading.Lock()
     done = False
+
+
+def add_to_multiprocess_registry(registry: Any) -> bool:
+    """Add a collector of this process's and its siblings' engines to a registry other than the default."""
+    from prometheus_client import REGISTRY
+
+    if registry is REGISTRY:
+        return False  # the default registry already has the collector (register_collector)
+    registry.register(KvelasticCollector(parents=(os.getpid(), os.getppid())))
+    return True
 
 
 def register_collector() -> bool:
