@@ -248,7 +248,7 @@ def test_cached_groups_are_released_once_idle_past_the_ttl_and_not_before(engine
     assert not engine.pool.is_mapped(1)
     assert none_cached(engine, "a", in_1)  # evicted through vLLM's own bookkeeping
     assert all_cached(engine, "a", in_0)  # group 0 holds the null block and is never released
-    assert engine.queue.ahead_groups == 0  # idle too: nothing kept ahead
+    assert engine.queue.prefetch.groups == 0  # idle too: nothing kept ahead
     assert engine.pool.mapped_groups() == {0}
     assert engine.bp.get_num_free_blocks() == N - 1
 
@@ -311,12 +311,12 @@ def test_the_reserve_grows_while_busy_and_is_trimmed_when_idle(engine):
     assert engine.pool.stats().reserve_bytes == 4 * PAGE
     reclaimer.tick()
     assert engine.pool.stats().reserve_bytes == 4 * PAGE  # topped up, not grown again
-    assert engine.queue.ahead_groups >= 1
+    assert engine.queue.prefetch.groups >= 1
 
     engine.clock.offset = TTL + 10
     reclaimer.tick()
     assert engine.pool.stats().reserve_bytes == 0
-    assert engine.queue.ahead_groups == 0
+    assert engine.queue.prefetch.groups == 0
     assert engine.pool.mapped_groups() == {0}  # only the group of the live blocks
     engine.bp.free_blocks(live)
 
@@ -403,7 +403,7 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         assert scheduler.kvelastic_reclaimer is reclaimer
         assert isinstance(queue, PageAwareFreeQueue) and bp.kvelastic_queue is queue
         assert pool.stats().limit_bytes == 5 * GROUP_BYTES
-        assert queue.max_ahead_groups == 3
+        assert queue.prefetch.max_groups == 3
         assert reclaimer.reserve_pages == 2
         assert scheduler.schedule() == "scheduled"
         assert contested == [False]  # the reclaimer's lock was held during schedule()
@@ -418,3 +418,15 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         queue.mapper.stop()
         pool.close()
     assert pool.leak_report() == []
+
+
+def test_burst_prefetch_follows_the_window_maximum_and_its_cap():
+    from kvelastic.integration.prefetch import BurstPrefetch
+
+    prefetch = BurstPrefetch(blocks_per_group=10, max_groups=4, window_s=2.0)
+    assert prefetch.note(0.0, 25) == 4  # 3 groups for the burst, plus one
+    assert prefetch.note(1.0, 5) == 4  # the larger burst is still in the window
+    assert prefetch.note(2.5, 5) == 2  # it left the window
+    assert prefetch.note(3.0, 500) == 4  # capped
+    prefetch.clear()
+    assert prefetch.groups == 0

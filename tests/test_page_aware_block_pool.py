@@ -133,7 +133,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         busy = {self.cache.group_of_block(b.block_id) for b in self.bp.blocks
                 if (b.ref_cnt > 0 or b.block_hash is not None) and not b.is_null}
         idle_mapped = self.pool.mapped_groups() - busy - {0}
-        assert len(idle_mapped) <= self.queue.ahead_groups + len(self.queue.mapper.mapped)
+        assert len(idle_mapped) <= self.queue.prefetch.groups + len(self.queue.mapper.mapped)
 
     def teardown(self) -> None:
         self.pool.close()
@@ -162,7 +162,7 @@ def test_reset_prefix_cache_and_usage_follow_physical_memory():
     bp.cache_full_blocks(StandInRequest([bytes([i]) * 32 for i in range(40)]), blocks, 0, 40, BS, 0)
     assert 0.3 < bp.get_usage() < 0.35  # 40 of the 127 blocks four groups can hold
     bp.free_blocks(blocks)
-    assert queue.ahead_groups == 1  # one empty group is kept mapped ahead of need
+    assert queue.prefetch.groups == 1  # one empty group is kept mapped ahead of need
     assert pool.num_mapped_groups() == 2 + 1  # the cached blocks keep groups 0 and 1
     assert bp.reset_prefix_cache()
     assert pool.num_mapped_groups() == 1 + 1  # group 0 (null block) and the one ahead

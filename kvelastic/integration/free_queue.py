@@ -24,15 +24,15 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.integration.mapper import GroupMapper
+from kvelastic.integration.prefetch import BurstPrefetch
 
 log = logging.getLogger("kvelastic")
 
-BURST_WINDOW_S = 2.0
 MAPPABLE_TTL_S = 0.001
 
 
@@ -47,13 +47,11 @@ class PageAwareFreeQueue:
         self._blocks = blocks
         self._evict_cached = evict_cached
         self._clock = clock
-        self.max_ahead_groups = max_ahead_groups
-        self.ahead_groups = 1
+        self.prefetch = BurstPrefetch(cache.blocks_per_group, max_ahead_groups)
         self.demand_groups = 0  # empty groups the waiting requests need (see want_blocks)
         self.report_all_free = False
         self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
         self.last_allocation = clock()
-        self._bursts: deque[tuple[float, int]] = deque()
         groups = cache.num_groups
         self._in_use = [len(cache.blocks_of_group(g)) for g in range(groups)]
         self._cached_count = [0] * groups
@@ -131,7 +129,7 @@ class PageAwareFreeQueue:
             self._in_use[g] += 1
             self._last_used[g] = now
             self._empty.discard(g)
-        self._note_burst(now, n)
+        self.prefetch.note(now, n)
         self._balance()
         return taken
 
@@ -250,8 +248,7 @@ class PageAwareFreeQueue:
 
     def set_idle(self) -> None:
         """No allocation lately: keep no empty group mapped ahead."""
-        self._bursts.clear()
-        self.ahead_groups = 0
+        self.prefetch.clear()
         self.demand_groups = 0
         self._balance()
 
@@ -374,21 +371,10 @@ class PageAwareFreeQueue:
                     and not self._cached_count[g]:
                 self._empty.add(g)
 
-    def _note_burst(self, now: float, blocks: int) -> None:
-        """Size the prefetch to the largest allocation of the last few seconds."""
-        bursts = self._bursts  # decreasing in size: the head is the window's maximum
-        while bursts and bursts[-1][1] <= blocks:
-            bursts.pop()
-        bursts.append((now, blocks))
-        while bursts[0][0] < now - BURST_WINDOW_S:
-            bursts.popleft()
-        peak = bursts[0][1]
-        self.ahead_groups = min(self.max_ahead_groups, -(-peak // self.cache.blocks_per_group) + 1)
-
     def _balance(self) -> None:
-        """Keep ``ahead_groups`` empty groups mapped: request more, or release the surplus."""
+        """Keep the prefetch's empty groups mapped: request more, or release the surplus."""
         self._adopt_mapped()
-        want = max(self.ahead_groups, self.demand_groups)
+        want = max(self.prefetch.groups, self.demand_groups)
         have = len(self._empty) + len(self._requested)
         if have < want:
             room = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))
