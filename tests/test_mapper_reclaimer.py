@@ -121,7 +121,26 @@ def test_map_now_waits_until_the_groups_are_mapped(cache_and_pool, monkeypatch):
         waiter.join(5)
         assert not waiter.is_alive()
         assert pool.is_mapped(5) and pool.is_mapped(6)
-        mapper.map_now([])  # nothing to map: returns at once
+        mapper.map_now([])  # nothing queued: returns at once
+    finally:
+        mapper.stop()
+
+
+def test_map_now_with_no_groups_waits_for_maps_requested_earlier(cache_and_pool, monkeypatch):
+    """A burst that needs groups the prefetch already requested must wait for them, not fail."""
+    cache, pool = cache_and_pool
+    backend = GatedBackend(pool, monkeypatch)
+    mapper = GroupMapper(cache)
+    mapper.start()
+    try:
+        backend.gate.clear()
+        mapper.request_map([7])
+        waiter = in_thread(mapper.map_now, [])
+        waiter.join(0.2)
+        assert waiter.is_alive(), "map_now([]) returned while an earlier map was still queued"
+        backend.gate.set()
+        waiter.join(5)
+        assert not waiter.is_alive() and list(mapper.mapped) == [7]
     finally:
         mapper.stop()
 

@@ -344,12 +344,15 @@ class PageAwareFreeQueue:
         return groups
 
     def _map_now(self, blocks_short: int) -> None:
-        """A burst outran the prefetch: map what is missing and wait for it."""
-        if not self._mappable_blocks():
+        """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
+        if not getattr(self.mapper, "synchronous", True):
+            return  # ranks in other processes confirm groups a step later: nothing to wait for here
+        if not self._mappable_blocks() and not self._requested:
             return  # the pool can map nothing now: do not wait on the worker for a refusal
-        groups = self._pop_unmapped(-(-blocks_short // self.cache.blocks_per_group))
+        wanted = -(-blocks_short // self.cache.blocks_per_group) - len(self._requested)
+        groups = self._pop_unmapped(wanted) if wanted > 0 else []
         self._requested.update(groups)
-        self.mapper.map_now(groups)
+        self.mapper.map_now(groups)  # commands run in order: the earlier requests are done too
         self._adopt_mapped()
 
     def _release(self, blocks: list[Any]) -> None:

@@ -23,7 +23,7 @@ from kvelastic.integration.elastic_cache import ElasticKVCache
 
 log = logging.getLogger("kvelastic")
 
-MAP, UNMAP, FORCE_MAP = "map", "unmap", "force-map"
+MAP, UNMAP, FORCE_MAP, BARRIER = "map", "unmap", "force-map", "barrier"
 
 
 class GroupMapper:
@@ -59,12 +59,17 @@ class GroupMapper:
         self._submit(UNMAP, groups, None, after)
 
     def map_now(self, groups: list[int], *, force: bool = False) -> None:
-        """Map ``groups`` after everything queued before them, and wait until done.
+        """Map ``groups`` after everything queued before them, and wait until all of it is done.
 
-        ``force``: past the limit and the shared budget (never past the device).
+        With no groups this still waits for the commands already queued (maps
+        requested ahead of need that a burst now depends on). ``force``: past
+        the limit and the shared budget (never past the device).
         """
         done = threading.Event()
-        self._submit(FORCE_MAP if force else MAP, groups, done)
+        if groups:
+            self._submit(FORCE_MAP if force else MAP, groups, done)
+        else:
+            self._submit(BARRIER, [-1], done)
         if self._thread is not None:
             done.wait()
 
@@ -100,7 +105,7 @@ class GroupMapper:
             try:
                 if kind in (MAP, FORCE_MAP):
                     self._map(groups, force=kind == FORCE_MAP)
-                else:
+                elif kind == UNMAP:
                     after = [a for a in {id(a): a for _, _, _, a in batch if a is not None}.values()]
                     self.cache.unmap_groups(groups, after=after)
             finally:

@@ -1,0 +1,178 @@
+"""vLLM's real Scheduler, patched by ``scheduler_block_pool``, driven step by step on the CPU.
+
+No model runs: each step's "model output" samples one deterministic token per
+request that has finished its prompt, which is all the scheduler reads. The
+same request stream goes through a vanilla scheduler and a patched one over a
+host-backed elastic cache, and the steps are compared.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
+
+from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.patches import scheduler_block_pool  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, D, H, N, build_cache  # noqa: E402
+
+MODEL = Path(__file__).resolve().parents[1] / "scripts" / "models" / "llama-1b"
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm_config(num_blocks: int):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model=str(MODEL), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16", seed=0)
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+                                is_encoder_decoder=False, enable_chunked_prefill=True)
+    config = VllmConfig(model_config=model, scheduler_config=scheduler,
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+                        device_config=DeviceConfig(device="cpu"))
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+def _scheduler(num_blocks: int = N):
+    import torch
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = _vllm_config(num_blocks)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
+    return Scheduler(vllm_config=config, kv_cache_config=kv_config,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_hasher():
+    """One hasher per process: each ``init_none_hash`` draws a new random root, which would end all hits."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(BS, sha256)
+
+
+def _requests(tag: str, count: int, prompt_len: int, shared_prefix: int, seed: int, max_tokens: int = 20) -> list:
+    """``count`` requests sharing a prefix (prefix-cache hits), with tails drawn from ``seed``."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    hasher = _block_hasher()
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 30000) for _ in range(shared_prefix)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return [Request(f"{tag}-{i}", prefix + [rng.randrange(100, 30000) for _ in range(prompt_len - shared_prefix)],
+                    params, None, block_hasher=hasher) for i in range(count)]
+
+
+def _drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None) -> list:
+    """Run every wave to completion, one after another; returns each step's scheduled tokens per request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    trace = []
+    for wave in waves:
+        for request in wave:
+            scheduler.add_request(request)
+        while scheduler.has_requests():
+            assert len(trace) < max_steps, "the scheduler stopped making progress"
+            out = scheduler.schedule()
+            ids = sorted(out.num_scheduled_tokens)
+            sampled = []
+            for rid in ids:
+                request = scheduler.requests[rid]
+                done_prompt = request.num_computed_tokens >= request.num_tokens
+                sampled.append([1000 + (7 * request.num_output_tokens) % 997] if done_prompt else [])
+            scheduler.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
+            trace.append(tuple((rid, out.num_scheduled_tokens[rid]) for rid in ids))
+            if after_step is not None:
+                after_step(scheduler)
+    return trace
+
+
+def _waves() -> list[list]:
+    """Two waves of the same prompts (the second must hit the prefix cache the first left), then
+    a wave that needs nearly every block at once, where any block miscounted changes the schedule."""
+    return [_requests("a", 6, 300, 200, seed=0), _requests("b", 6, 300, 200, seed=0),
+            _requests("c", 8, 460, 0, seed=1)]
+
+
+def _prefill(trace: list, tag: str) -> int:
+    """Tokens scheduled for ``tag``'s requests in steps that were not a single decode token."""
+    return sum(n for step in trace for rid, n in step if rid.startswith(tag + "-") and n > 1)
+
+
+@pytest.fixture
+def patched(tmp_path, monkeypatch):
+    """A scheduler factory whose schedulers are patched over a host-backed cache; torn down after the test."""
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    made: list = []
+    patcher = Patcher()
+
+    def make(limit_groups: int | None = None, **settings):
+        pool, views, cache = build_cache(limit_groups)
+        runtime = Runtime(Settings(enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES,
+                                   **settings))
+        runtime.cache = cache
+        if not patcher.wrapped:
+            scheduler_block_pool.PATCH.apply(patcher, runtime)
+        else:  # one patch per process: point the wrapper at this runtime
+            patcher.revert()
+            scheduler_block_pool.PATCH.apply(patcher, runtime)
+        scheduler = _scheduler()
+        made.append((scheduler, pool))
+        return scheduler, pool, views
+
+    yield make
+    patcher.revert()
+    for scheduler, pool in made:
+        scheduler.kvelastic_reclaimer.stop()
+        scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.stop()
+        pool.close()
+
+
+def test_with_memory_to_spare_the_patched_scheduler_makes_vanillas_decisions(patched):
+    vanilla = _drive(_scheduler(), _waves())
+    scheduler, _, _ = patched()
+    assert type(scheduler.kv_cache_manager.block_pool.free_block_queue).__name__ == "PageAwareFreeQueue"
+    assert _drive(scheduler, _waves()) == vanilla
+    assert _prefill(vanilla, "b") < _prefill(vanilla, "a") / 10  # the second wave hit the cache
+
+
+def test_under_a_tight_limit_every_request_finishes_within_it(patched):
+    scheduler, pool, _ = patched(limit_groups=2)  # 64 blocks; one wave needs about 80 at once
+    mapped = []
+    trace = _drive(scheduler, _waves(), after_step=lambda s: mapped.append(pool.stats().mapped_bytes))
+    expected = {f"{w}-{i}" for w in "ab" for i in range(6)} | {f"c-{i}" for i in range(8)}
+    assert {rid for step in trace for rid, _ in step} == expected
+    assert not scheduler.has_requests()
+    assert max(mapped) <= 2 * GROUP_BYTES < N // BLOCKS_PER_GROUP * GROUP_BYTES
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["no-host-tier", "host-tier"])
+def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, cpu):
+    """a, then unrelated work that evicts a's blocks, then a's prompts again."""
+    settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}  # room for every block the test caches
+    scheduler, _, _ = patched(limit_groups=3, **settings)
+    filler = [_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    trace = _drive(scheduler, [_requests("a", 4, 320, 320, seed=0), *filler, _requests("b", 4, 320, 320, seed=0)])
+    offload = getattr(scheduler, "kvelastic_offload", None)
+    if cpu:
+        assert offload.tier.hits >= 19 and offload.counters.reloaded_blocks >= 19
+        assert _prefill(trace, "b") < _prefill(trace, "a") / 4
+    else:
+        assert offload is None
+        assert _prefill(trace, "b") >= _prefill(trace, "a") * 0.9  # recomputed
