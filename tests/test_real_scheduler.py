@@ -176,3 +176,34 @@ def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched
     else:
         assert offload is None
         assert _prefill(trace, "b") >= _prefill(trace, "a") * 0.9  # recomputed
+
+
+def test_a_prefix_cache_reset_forgets_gpu_and_host_copies(patched):
+    scheduler, _, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES)
+    trace = _drive(scheduler, [_requests("a", 4, 320, 320, seed=0)])
+    assert scheduler.reset_prefix_cache()
+    assert len(scheduler.kvelastic_offload.tier._slot_of) == 0
+    trace += _drive(scheduler, [_requests("b", 4, 320, 320, seed=0)])
+    assert _prefill(trace, "b") == _prefill(trace, "a")  # recomputed in full, as vanilla would
+    trace += _drive(scheduler, [_requests("c", 4, 320, 320, seed=0)])
+    assert _prefill(trace, "c") < _prefill(trace, "b") / 4  # the lookup hook survived the reset
+
+
+def test_aborted_requests_give_their_blocks_back(patched):
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    scheduler, pool, _ = patched()
+    queue = scheduler.kv_cache_manager.block_pool.free_block_queue
+    for request in _requests("a", 6, 460, 0, seed=3):
+        scheduler.add_request(request)
+    for _ in range(3):
+        out = scheduler.schedule()
+        ids = sorted(out.num_scheduled_tokens)
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=[[] for _ in ids],
+            logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
+    assert queue.num_in_use > 1
+    scheduler.finish_requests([f"a-{i}" for i in range(6)], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests()
+    assert queue.num_in_use == 1  # vLLM's null block only
