@@ -207,3 +207,46 @@ def test_aborted_requests_give_their_blocks_back(patched):
     scheduler.finish_requests([f"a-{i}" for i in range(6)], RequestStatus.FINISHED_ABORTED)
     assert not scheduler.has_unfinished_requests()
     assert queue.num_in_use == 1  # vLLM's null block only
+
+
+def _wait_unmapped(pool, at_most: int) -> int:
+    """Unmaps run on the mapper thread: wait (briefly) until mapped bytes fall to ``at_most``."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while pool.stats().mapped_bytes > at_most and time.monotonic() < deadline:
+        pool.collect()
+        time.sleep(0.01)
+    return pool.stats().mapped_bytes
+
+
+def _cached_blocks_are_all_mapped(scheduler, pool) -> bool:
+    """Every block vLLM could serve as a prefix hit lies in a mapped group."""
+    from kvelastic.integration.elastic_cache import ElasticKVCache
+
+    block_pool = scheduler.kv_cache_manager.block_pool
+    cache: ElasticKVCache = block_pool.free_block_queue.cache
+    index = block_pool.cached_block_hash_to_block
+    table = getattr(index, "_cache", None)
+    assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
+    blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
+    return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["no-host-tier", "host-tier"])
+def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patched, cpu):
+    settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}
+    scheduler, pool, _ = patched(cache_ttl_s=0.0, reserve_bytes=0, **settings)
+    trace = _drive(scheduler, [_requests("a", 4, 320, 0, seed=0)])  # 80 prompt blocks: three groups
+    busy = pool.stats().mapped_bytes
+    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2  # as if the engine had idled for 2 s
+    scheduler.kvelastic_reclaimer.tick()
+    idle = _wait_unmapped(pool, GROUP_BYTES)
+    assert idle <= GROUP_BYTES < busy  # only the group holding vLLM's null block stays
+    assert _cached_blocks_are_all_mapped(scheduler, pool)
+    trace += _drive(scheduler, [_requests("b", 4, 320, 0, seed=0)])
+    if cpu:
+        assert scheduler.kvelastic_offload.tier.hits >= 40
+        assert _prefill(trace, "b") < _prefill(trace, "a") / 4
+    else:
+        assert _prefill(trace, "b") > _prefill(trace, "a") / 2  # most of the prefix died with its memory
