@@ -115,6 +115,48 @@ def _prefill(trace: list, tag: str) -> int:
     return sum(n for step in trace for rid, n in step if rid.startswith(tag + "-") and n > 1)
 
 
+def _blocks_in_use_are_all_mapped(scheduler, pool) -> bool:
+    """Every block of a running or waiting request lies in a mapped group (never KV in unmapped memory)."""
+    cache = scheduler.kv_cache_manager.block_pool.free_block_queue.cache
+    manager = scheduler.kv_cache_manager
+    ids = [b for rid in scheduler.requests for group in manager.get_block_ids(rid) for b in group]
+    return all(pool.is_mapped(cache.group_of_block(b)) for b in ids)
+
+
+def _check_every_step(pool, mapped: list | None = None):
+    def check(scheduler) -> None:
+        assert _blocks_in_use_are_all_mapped(scheduler, pool), "a request holds a block in an unmapped group"
+        assert _cached_blocks_are_all_mapped(scheduler, pool), "vLLM could hit a block in an unmapped group"
+        if mapped is not None:
+            mapped.append(pool.stats().mapped_bytes)
+
+    return check
+
+
+def _cached_blocks_are_all_mapped(scheduler, pool) -> bool:
+    """Every block vLLM could serve as a prefix hit lies in a mapped group."""
+    from kvelastic.integration.elastic_cache import ElasticKVCache
+
+    block_pool = scheduler.kv_cache_manager.block_pool
+    cache: ElasticKVCache = block_pool.free_block_queue.cache
+    index = block_pool.cached_block_hash_to_block
+    table = getattr(index, "_cache", None)
+    assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
+    blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
+    return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
+
+
+def _wait_unmapped(pool, at_most: int) -> int:
+    """Unmaps run on the mapper thread: wait (briefly) until mapped bytes fall to ``at_most``."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while pool.stats().mapped_bytes > at_most and time.monotonic() < deadline:
+        pool.collect()
+        time.sleep(0.01)
+    return pool.stats().mapped_bytes
+
+
 @pytest.fixture
 def patched(tmp_path, monkeypatch):
     """A scheduler factory whose schedulers are patched over a host-backed cache; torn down after the test."""
@@ -127,11 +169,8 @@ def patched(tmp_path, monkeypatch):
         runtime = Runtime(Settings(enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES,
                                    **settings))
         runtime.cache = cache
-        if not patcher.wrapped:
-            scheduler_block_pool.PATCH.apply(patcher, runtime)
-        else:  # one patch per process: point the wrapper at this runtime
-            patcher.revert()
-            scheduler_block_pool.PATCH.apply(patcher, runtime)
+        patcher.revert()  # one wrapper at a time, pointing at this runtime
+        scheduler_block_pool.PATCH.apply(patcher, runtime)
         scheduler = _scheduler()
         made.append((scheduler, pool))
         return scheduler, pool, views
@@ -155,7 +194,7 @@ def test_with_memory_to_spare_the_patched_scheduler_makes_vanillas_decisions(pat
 def test_under_a_tight_limit_every_request_finishes_within_it(patched):
     scheduler, pool, _ = patched(limit_groups=2)  # 64 blocks; one wave needs about 80 at once
     mapped = []
-    trace = _drive(scheduler, _waves(), after_step=lambda s: mapped.append(pool.stats().mapped_bytes))
+    trace = _drive(scheduler, _waves(), after_step=_check_every_step(pool, mapped))
     expected = {f"{w}-{i}" for w in "ab" for i in range(6)} | {f"c-{i}" for i in range(8)}
     assert {rid for step in trace for rid, _ in step} == expected
     assert not scheduler.has_requests()
@@ -166,9 +205,10 @@ def test_under_a_tight_limit_every_request_finishes_within_it(patched):
 def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, cpu):
     """a, then unrelated work that evicts a's blocks, then a's prompts again."""
     settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}  # room for every block the test caches
-    scheduler, _, _ = patched(limit_groups=3, **settings)
+    scheduler, pool, _ = patched(limit_groups=3, **settings)
     filler = [_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
-    trace = _drive(scheduler, [_requests("a", 4, 320, 320, seed=0), *filler, _requests("b", 4, 320, 320, seed=0)])
+    trace = _drive(scheduler, [_requests("a", 4, 320, 320, seed=0), *filler, _requests("b", 4, 320, 320, seed=0)],
+                   after_step=_check_every_step(pool))
     offload = getattr(scheduler, "kvelastic_offload", None)
     if cpu:
         assert offload.tier.hits >= 19 and offload.counters.reloaded_blocks >= 19
@@ -209,30 +249,6 @@ def test_aborted_requests_give_their_blocks_back(patched):
     assert queue.num_in_use == 1  # vLLM's null block only
 
 
-def _wait_unmapped(pool, at_most: int) -> int:
-    """Unmaps run on the mapper thread: wait (briefly) until mapped bytes fall to ``at_most``."""
-    import time
-
-    deadline = time.monotonic() + 5
-    while pool.stats().mapped_bytes > at_most and time.monotonic() < deadline:
-        pool.collect()
-        time.sleep(0.01)
-    return pool.stats().mapped_bytes
-
-
-def _cached_blocks_are_all_mapped(scheduler, pool) -> bool:
-    """Every block vLLM could serve as a prefix hit lies in a mapped group."""
-    from kvelastic.integration.elastic_cache import ElasticKVCache
-
-    block_pool = scheduler.kv_cache_manager.block_pool
-    cache: ElasticKVCache = block_pool.free_block_queue.cache
-    index = block_pool.cached_block_hash_to_block
-    table = getattr(index, "_cache", None)
-    assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
-    blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
-    return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
-
-
 @pytest.mark.parametrize("cpu", [False, True], ids=["no-host-tier", "host-tier"])
 def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patched, cpu):
     settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}
@@ -244,7 +260,7 @@ def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patch
     idle = _wait_unmapped(pool, GROUP_BYTES)
     assert idle <= GROUP_BYTES < busy  # only the group holding vLLM's null block stays
     assert _cached_blocks_are_all_mapped(scheduler, pool)
-    trace += _drive(scheduler, [_requests("b", 4, 320, 0, seed=0)])
+    trace += _drive(scheduler, [_requests("b", 4, 320, 0, seed=0)], after_step=_check_every_step(pool))
     if cpu:
         assert scheduler.kvelastic_offload.tier.hits >= 40
         assert _prefill(trace, "b") < _prefill(trace, "a") / 4
