@@ -266,3 +266,23 @@ def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patch
         assert _prefill(trace, "b") < _prefill(trace, "a") / 4
     else:
         assert _prefill(trace, "b") > _prefill(trace, "a") / 2  # most of the prefix died with its memory
+
+
+def test_a_limit_lowered_mid_run_is_honoured_without_losing_a_request(patched):
+    """As ``kvelastic limit NAME 1GiB`` does to a busy engine: running requests finish, memory comes down."""
+    scheduler, pool, _ = patched(cache_ttl_s=0.0, reserve_bytes=0)
+    steps = []
+
+    def lower_the_limit(s) -> None:
+        steps.append(pool.stats().mapped_bytes)
+        if len(steps) == 6:
+            pool.set_limit(2 * GROUP_BYTES)
+            s.kvelastic_reclaimer.tick()
+        _check_every_step(pool)(s)
+
+    trace = _drive(scheduler, [_requests("c", 8, 460, 0, seed=1)], after_step=lower_the_limit)
+    assert max(steps[:6]) > 2 * GROUP_BYTES  # the wave had more than the new limit before it came
+    assert {rid for step in trace for rid, _ in step} == {f"c-{i}" for i in range(8)}
+    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2
+    scheduler.kvelastic_reclaimer.tick()
+    assert _wait_unmapped(pool, 2 * GROUP_BYTES) <= 2 * GROUP_BYTES
