@@ -1,0 +1,162 @@
+"""vLLM's real Scheduler under tensor parallelism: two rank processes, every block's data checked.
+
+The scheduler is patched by ``scheduler_block_pool`` and finds no cache in its
+process, so it connects to two spawned ranks (host-backed pools) through the
+engine folder, as in a TP=2 engine. Each step's plan goes to both ranks with the
+blocks the "forward pass" writes (the new tokens' blocks, stamped with a value
+derived from their tokens) and reads (every earlier block of each scheduled
+request, which must hold its tokens' value). A block used before every rank
+mapped it, unmapped while in use, or reloaded wrong from the host tier fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
+
+from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.patches import scheduler_block_pool  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+from kvelastic.tp import board as shm  # noqa: E402
+from tests.kv_fixtures import BS, GROUP_BYTES  # noqa: E402
+from tests.test_real_scheduler import _requests, _scheduler  # noqa: E402
+from tests.test_tp_protocol import WORLD, rank_main  # noqa: E402
+
+
+def _value(tokens: list[int]) -> int:
+    """1..100 from a block's tokens: blocks with the same content carry the same value."""
+    return hashlib.sha256(repr(tokens).encode()).digest()[0] % 100 + 1
+
+
+class Ranks:
+    """Two rank processes serving the engine folder of this process, as a TP=2 engine's workers would."""
+
+    def __init__(self, limit_groups: int | None, cpu_bytes: int | None):
+        ctx = mp.get_context("spawn")
+        folder = shm.engine_dir(os.getpid())
+        self.conns, self.procs = [], []
+        for rank in range(WORLD):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limit_groups, cpu_bytes),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:
+            assert conn.poll(60) and conn.recv() == "ready"
+        self.mapped = [0] * WORLD
+
+    def step(self, plan, writes, checks) -> None:
+        for conn in self.conns:
+            conn.send((plan, writes, checks))
+        for r, conn in enumerate(self.conns):
+            assert conn.poll(30), f"rank {r} did not answer"
+            status, value = conn.recv()
+            assert status == "ok", f"rank {r}: {value}"
+            self.mapped[r] = value
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                conn.send("stop")
+                conn.poll(10)
+            proc.join(10)
+
+
+def _forward(scheduler, out) -> tuple[list, list]:
+    """What each scheduled request's forward pass writes and reads, by block."""
+    writes, checks = {}, {}
+    for rid, n in out.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        end = request.num_computed_tokens
+        start = end - n
+        ids = scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        tokens = request.all_token_ids
+        for i in range(start // BS):
+            checks[ids[i]] = _value(tokens[i * BS:(i + 1) * BS])
+        for i in range(start // BS, (end - 1) // BS + 1):
+            writes[ids[i]] = _value(tokens[i * BS:min((i + 1) * BS, end)])
+    return sorted(writes.items()), sorted(checks.items())
+
+
+def _drive(scheduler, ranks: Ranks, waves: list[list], max_steps: int = 3000) -> list:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    trace = []
+    for wave in waves:
+        for request in wave:
+            scheduler.add_request(request)
+        while scheduler.has_requests():
+            assert len(trace) < max_steps, "the scheduler stopped making progress"
+            out = scheduler.schedule()
+            writes, checks = _forward(scheduler, out)
+            ranks.step(out.kvelastic_plan, writes, checks)
+            ids = sorted(out.num_scheduled_tokens)
+            sampled = [[1000 + (7 * scheduler.requests[r].num_output_tokens) % 997]
+                       if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+                       for r in ids]
+            scheduler.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
+            trace.append(tuple((rid, out.num_scheduled_tokens[rid]) for rid in ids))
+    return trace
+
+
+@pytest.fixture
+def tp_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    made: list = []
+    patcher = Patcher()
+
+    def make(limit_groups: int | None = None, cpu_bytes: int | None = None):
+        ranks = Ranks(limit_groups, cpu_bytes)
+        made.append(ranks)  # closed even if the scheduler cannot be built
+        limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
+        runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit))  # no cache: ranks hold it
+        scheduler_block_pool.PATCH.apply(patcher, runtime)
+        scheduler = _scheduler_with_world(WORLD)
+        made.append(scheduler)
+        return scheduler, ranks
+
+    yield make
+    patcher.revert()
+    for thing in made:
+        if isinstance(thing, Ranks):
+            thing.close()
+        else:
+            thing.kvelastic_reclaimer.stop()
+
+
+def _scheduler_with_world(world: int):
+    from tests import test_real_scheduler
+
+    config = test_real_scheduler._vllm_config(test_real_scheduler.N)
+    previous = config.parallel_config.world_size
+    config.parallel_config.world_size = world
+    try:
+        return _scheduler()
+    finally:
+        config.parallel_config.world_size = previous
+
+
+def test_every_block_holds_its_tokens_data_on_both_ranks(tp_engine):
+    scheduler, ranks = tp_engine()
+    waves = [_requests("a", 6, 300, 200, seed=0), _requests("b", 6, 300, 200, seed=0),
+             _requests("c", 8, 460, 0, seed=1)]
+    trace = _drive(scheduler, ranks, waves)
+    assert {rid for step in trace for rid, _ in step} >= {"a-0", "b-5", "c-7"}
+
+
+def test_a_tight_limit_with_spills_and_reloads_keeps_every_block_right(tp_engine):
+    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD)
+    filler = [_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    _drive(scheduler, ranks, [_requests("a", 4, 320, 0, seed=0), *filler, _requests("b", 4, 320, 0, seed=0)])
+    offload = scheduler.kvelastic_offload
+    assert offload.tier.hits >= 40, "the second pass of a's prompts did not come back from the host tier"
+    assert max(ranks.mapped) <= 3 * GROUP_BYTES + GROUP_BYTES  # within the limit (and one group in flight)
