@@ -38,8 +38,10 @@ def _vllm_config(num_blocks: int):
     return config
 
 
-def _scheduler(num_blocks: int = N):
+def _scheduler(num_blocks: int = N, asynchronous: bool = False):
+    """vLLM's Scheduler, or with ``asynchronous`` the AsyncScheduler that async scheduling uses."""
     import torch
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -48,7 +50,7 @@ def _scheduler(num_blocks: int = N):
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
-    return Scheduler(vllm_config=config, kv_cache_config=kv_config,
+    return (AsyncScheduler if asynchronous else Scheduler)(vllm_config=config, kv_cache_config=kv_config,
                      structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=False)
 
 
@@ -98,6 +100,38 @@ def _drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None)
                 req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
                 logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
             trace.append(tuple((rid, out.num_scheduled_tokens[rid]) for rid in ids))
+            if after_step is not None:
+                after_step(scheduler)
+    return trace
+
+
+def _drive_async(scheduler, waves: list[list], max_steps: int = 2000, after_step=None) -> list:
+    """As the engine core runs async scheduling: step N+1 is scheduled before step N's output arrives."""
+    from collections import deque
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    trace: list = []
+    in_flight: deque = deque()
+    for wave in waves:
+        for request in wave:
+            scheduler.add_request(request)
+        while scheduler.has_requests() or in_flight:
+            assert len(trace) < max_steps, "the scheduler stopped making progress"
+            if len(in_flight) < 2 and scheduler.has_requests():  # also flushes finished ids, as the engine does
+                out = scheduler.schedule()
+                samplers = {r for r in out.num_scheduled_tokens if not scheduler.requests[r].is_prefill_chunk}
+                in_flight.append((out, samplers))
+                trace.append(tuple((rid, out.num_scheduled_tokens[rid]) for rid in sorted(out.num_scheduled_tokens)))
+                if len(in_flight) < 2 and scheduler.has_unfinished_requests():
+                    continue
+            out, samplers = in_flight.popleft()
+            ids = sorted(out.num_scheduled_tokens)
+            sampled = [[1000 + (7 * scheduler.requests[r].num_output_tokens) % 997]
+                       if r in samplers and r in scheduler.requests else [] for r in ids]
+            scheduler.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+                logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
             if after_step is not None:
                 after_step(scheduler)
     return trace
@@ -164,14 +198,14 @@ def patched(tmp_path, monkeypatch):
     made: list = []
     patcher = Patcher()
 
-    def make(limit_groups: int | None = None, **settings):
+    def make(limit_groups: int | None = None, asynchronous: bool = False, **settings):
         pool, views, cache = build_cache(limit_groups)
         runtime = Runtime(Settings(enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES,
                                    **settings))
         runtime.cache = cache
         patcher.revert()  # one wrapper at a time, pointing at this runtime
         scheduler_block_pool.PATCH.apply(patcher, runtime)
-        scheduler = _scheduler()
+        scheduler = _scheduler(asynchronous=asynchronous)
         made.append((scheduler, pool))
         return scheduler, pool, views
 
@@ -286,3 +320,21 @@ def test_a_limit_lowered_mid_run_is_honoured_without_losing_a_request(patched):
     scheduler.kvelastic_reclaimer.queue.last_allocation -= 2
     scheduler.kvelastic_reclaimer.tick()
     assert _wait_unmapped(pool, 2 * GROUP_BYTES) <= 2 * GROUP_BYTES
+
+
+def test_async_scheduling_makes_vanillas_decisions_and_keeps_the_invariants(patched):
+    """The AsyncScheduler (one step in flight, as vLLM's async scheduling runs it) is patched too."""
+    vanilla = _drive_async(_scheduler(asynchronous=True), _waves())
+    scheduler, pool, _ = patched(asynchronous=True)
+    assert type(scheduler).__name__ == "AsyncScheduler"
+    assert _drive_async(scheduler, _waves(), after_step=_check_every_step(pool)) == vanilla
+    assert _prefill(vanilla, "b") < _prefill(vanilla, "a") / 10
+
+
+def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched):
+    scheduler, pool, _ = patched(limit_groups=3, asynchronous=True, cpu_bytes=16 * GROUP_BYTES)
+    filler = [_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    trace = _drive_async(scheduler, [_requests("a", 4, 320, 320, seed=0), *filler,
+                                     _requests("b", 4, 320, 320, seed=0)], after_step=_check_every_step(pool))
+    assert scheduler.kvelastic_offload.tier.hits >= 19
+    assert _prefill(trace, "b") < _prefill(trace, "a") / 4
