@@ -29,7 +29,7 @@ from typing import Sequence
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
 from kvelastic.errors import ConfigError
-from kvelastic.integration.metrics import PREFIX as STATS_PREFIX
+from kvelastic.integration.metrics import find_snapshot
 from kvelastic.units import SIZE_FORM, format_size, parse_size
 
 EXIT_OK = 0
@@ -155,14 +155,11 @@ def engine_numbers(directory: Path, member: MemberInfo) -> dict[str, int]:
     The account only holds what the grants need; the host tier's traffic and
     the limit the pool enforces live in the snapshot each engine rewrites on
     every upkeep tick for ``/metrics`` (:mod:`kvelastic.integration.metrics`).
-    It is named after the engine's pid and must carry the member's name, so a
-    stale file of an earlier process is never shown.
+    It must carry the engine's pid and the member's name, so a stale file of an
+    earlier process is never shown.
     """
-    try:
-        record = json.loads((directory / f"{STATS_PREFIX}{member.pid}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(record, dict) or record.get("name") != member.name:
+    record = find_snapshot(directory, member.pid, member.name)
+    if record is None:
         return {}
     values = record.get("values")
     if not isinstance(values, dict):

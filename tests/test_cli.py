@@ -87,6 +87,9 @@ def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, share
     renamed = StatsPublisher("someone-else", shared)  # same pid, another name: not small's numbers
     renamed.publish({"spilled_bytes": 9})
     members = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
+    assert [m.get("spilled_bytes") for m in members if "spilled_bytes" in m] == [7 * GIB]
+    publisher.remove()
+    members = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
     assert all("spilled_bytes" not in m for m in members)
     assert kvelastic(shared, "status").returncode == 0  # the table still renders
     renamed.remove()

@@ -89,3 +89,34 @@ def test_multiprocess_metrics_registry_reads_sibling_engines(tmp_path):
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_two_engines_in_one_process_keep_their_own_snapshots(tmp_path):
+    first, second = StatsPublisher("one", tmp_path), StatsPublisher("two", tmp_path)
+    first.publish({"mapped_bytes": 1})
+    second.publish({"mapped_bytes": 2})
+    found = {s["name"]: s["values"]["mapped_bytes"] for s in read_snapshots(tmp_path, [os.getpid()])}
+    assert found == {"one": 1, "two": 2}
+
+
+def test_concurrent_publishes_never_fail(tmp_path):
+    """The reclaimer thread and a caller may publish at the same moment."""
+    import threading
+
+    publisher = StatsPublisher("busy", tmp_path)
+    errors = []
+
+    def spin(k: int) -> None:
+        try:
+            for i in range(300):
+                publisher.publish({"mapped_bytes": k * 1000 + i})
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=spin, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [s["name"] for s in read_snapshots(tmp_path, [os.getpid()])] == ["busy"]

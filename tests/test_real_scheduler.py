@@ -338,3 +338,33 @@ def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched):
                                      _requests("b", 4, 320, 320, seed=0)], after_step=_check_every_step(pool))
     assert scheduler.kvelastic_offload.tier.hits >= 19
     assert _prefill(trace, "b") < _prefill(trace, "a") / 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_keep_the_invariants_and_finish(patched, seed):
+    """Random prompts, shared prefixes, limits, host tier on or off, sync or async scheduling."""
+    import random
+
+    rng = random.Random(seed)
+    asynchronous = rng.random() < 0.5
+    cpu = {"cpu_bytes": rng.choice([2, 16]) * GROUP_BYTES} if rng.random() < 0.6 else {}
+    scheduler, pool, _ = patched(limit_groups=rng.choice([2, 3, 5, None]), asynchronous=asynchronous,
+                                 cache_ttl_s=rng.choice([0.0, 10.0]), **cpu)
+    waves, expected = [], set()
+    for w in range(rng.randint(2, 5)):
+        count, length = rng.randint(1, 8), rng.randint(20, 700)
+        wave = _requests(f"w{w}", count, length, rng.randint(0, length), seed=rng.randrange(4),
+                         max_tokens=rng.randint(1, 40))
+        waves.append(wave)
+        expected |= {r.request_id for r in wave}
+    checks = _check_every_step(pool)
+
+    def step(s) -> None:
+        checks(s)
+        if rng.random() < 0.05:  # now and then the engine idles long enough for the reclaimer
+            s.kvelastic_reclaimer.queue.last_allocation -= 20
+            s.kvelastic_reclaimer.tick()
+
+    trace = (_drive_async if asynchronous else _drive)(scheduler, waves, after_step=step)
+    assert {rid for s in trace for rid, _ in s} == expected
+    assert not scheduler.has_unfinished_requests()

@@ -13,6 +13,7 @@ API servers are children of one ``vllm serve`` process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -45,21 +46,40 @@ def stats_dir() -> Path:
 
 
 class StatsPublisher:
-    """Writes this engine's snapshot atomically (write, then rename) for the collector."""
+    """Writes this engine's snapshot atomically (write, then rename) for the collector.
+
+    Each publisher has a file of its own (several engines may share a process),
+    and each write its own temporary file (the reclaimer thread and a caller may
+    publish at the same moment).
+    """
+
+    _numbers = itertools.count()
 
     def __init__(self, name: str, directory: Path | None = None):
         self.name = name
-        self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}.json"
+        self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}-{next(self._numbers)}.json"
 
     def publish(self, values: dict[str, Any]) -> None:
         record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
                   "values": values}
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def find_snapshot(directory: Path, pid: int, name: str) -> dict[str, Any] | None:
+    """The snapshot engine ``name`` in process ``pid`` wrote, or None (another process's file never counts)."""
+    for path in directory.glob(f"{PREFIX}{pid}-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("name") == name and record.get("pid") == pid:
+            return record
+    return None
 
 
 def read_snapshots(directory: Path, parents: Collection[int]) -> list[dict[str, Any]]:
