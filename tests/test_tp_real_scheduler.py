@@ -160,3 +160,19 @@ def test_a_tight_limit_with_spills_and_reloads_keeps_every_block_right(tp_engine
     offload = scheduler.kvelastic_offload
     assert offload.tier.hits >= 40, "the second pass of a's prompts did not come back from the host tier"
     assert max(ranks.mapped) <= 3 * GROUP_BYTES + GROUP_BYTES  # within the limit (and one group in flight)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_workloads_keep_every_block_right_on_both_ranks(tp_engine, seed):
+    import random
+
+    rng = random.Random(seed)
+    cpu = rng.choice([None, 4 * GROUP_BYTES * WORLD, 16 * GROUP_BYTES * WORLD])
+    scheduler, ranks = tp_engine(limit_groups=rng.choice([2, 3, 5, None]), cpu_bytes=cpu)
+    waves = []
+    for w in range(rng.randint(2, 4)):
+        count, length = rng.randint(1, 6), rng.randint(20, 600)
+        waves.append(_requests(f"w{w}", count, length, rng.randint(0, length), seed=rng.randrange(3),
+                               max_tokens=rng.randint(1, 30)))
+    trace = _drive(scheduler, ranks, waves)
+    assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
