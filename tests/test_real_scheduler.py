@@ -368,3 +368,30 @@ def test_random_workloads_keep_the_invariants_and_finish(patched, seed):
     trace = (_drive_async if asynchronous else _drive)(scheduler, waves, after_step=step)
     assert {rid for s in trace for rid, _ in s} == expected
     assert not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_reclaimer_ticking_constantly_beside_the_scheduler_breaks_nothing(patched, seed):
+    """The reclaimer thread releases idle cached groups while steps run (TTL 0, a tick every millisecond)."""
+    import random
+
+    rng = random.Random(100 + seed)
+    asynchronous = seed % 2 == 1
+    scheduler, pool, _ = patched(limit_groups=rng.choice([3, None]), asynchronous=asynchronous, cache_ttl_s=0.0,
+                                 cpu_bytes=16 * GROUP_BYTES)
+    reclaimer = scheduler.kvelastic_reclaimer
+    reclaimer.stop()
+    reclaimer.interval_s = 0.001
+    reclaimer._stop.clear()
+    reclaimer.start()
+    checks = _check_every_step(pool)
+
+    def step(s) -> None:
+        with reclaimer.lock:  # the reclaimer changes the queue under this lock: check a settled state
+            checks(s)
+
+    waves = [_requests(f"w{w}", rng.randint(2, 6), rng.randint(50, 600), rng.randint(0, 50), seed=rng.randrange(2))
+             for w in range(4)]
+    trace = (_drive_async if asynchronous else _drive)(scheduler, waves, after_step=step)
+    assert {rid for s in trace for rid, _ in s} == {r.request_id for wave in waves for r in wave}
+    assert scheduler.kvelastic_offload.counters.spilled_blocks > 0  # the reclaimer did release cached groups
