@@ -24,8 +24,8 @@ from kvelastic.patches import scheduler_block_pool  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import BS, GROUP_BYTES  # noqa: E402
-from tests.test_real_scheduler import _requests, _scheduler  # noqa: E402
+from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402
+from tests.scheduler_harness import drive, make_requests, make_scheduler, vllm_config  # noqa: E402
 from tests.test_tp_protocol import WORLD, rank_main  # noqa: E402
 
 
@@ -85,27 +85,10 @@ def _forward(scheduler, out) -> tuple[list, list]:
     return sorted(writes.items()), sorted(checks.items())
 
 
-def _drive(scheduler, ranks: Ranks, waves: list[list], max_steps: int = 3000) -> list:
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    trace = []
-    for wave in waves:
-        for request in wave:
-            scheduler.add_request(request)
-        while scheduler.has_requests():
-            assert len(trace) < max_steps, "the scheduler stopped making progress"
-            out = scheduler.schedule()
-            writes, checks = _forward(scheduler, out)
-            ranks.step(out.kvelastic_plan, writes, checks)
-            ids = sorted(out.num_scheduled_tokens)
-            sampled = [[1000 + (7 * scheduler.requests[r].num_output_tokens) % 997]
-                       if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
-                       for r in ids]
-            scheduler.update_from_output(out, ModelRunnerOutput(
-                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-                logprobs=None, prompt_logprobs_dict={}, pooler_output=[]))
-            trace.append(tuple((rid, out.num_scheduled_tokens[rid]) for rid in ids))
-    return trace
+def drive_ranks(scheduler, ranks: Ranks, waves: list[list]) -> list:
+    """The single-process driver, with each step's plan and blocks sent to the ranks as its forward pass."""
+    return drive(scheduler, waves, max_steps=3000,
+                 forward=lambda s, out: ranks.step(out.kvelastic_plan, *_forward(s, out)))
 
 
 @pytest.fixture
@@ -134,29 +117,27 @@ def tp_engine(tmp_path, monkeypatch):
 
 
 def _scheduler_with_world(world: int):
-    from tests import test_real_scheduler
-
-    config = test_real_scheduler._vllm_config(test_real_scheduler.N)
+    config = vllm_config(N)
     previous = config.parallel_config.world_size
     config.parallel_config.world_size = world
     try:
-        return _scheduler()
+        return make_scheduler()
     finally:
         config.parallel_config.world_size = previous
 
 
 def test_every_block_holds_its_tokens_data_on_both_ranks(tp_engine):
     scheduler, ranks = tp_engine()
-    waves = [_requests("a", 6, 300, 200, seed=0), _requests("b", 6, 300, 200, seed=0),
-             _requests("c", 8, 460, 0, seed=1)]
-    trace = _drive(scheduler, ranks, waves)
+    waves = [make_requests("a", 6, 300, 200, seed=0), make_requests("b", 6, 300, 200, seed=0),
+             make_requests("c", 8, 460, 0, seed=1)]
+    trace = drive_ranks(scheduler, ranks, waves)
     assert {rid for step in trace for rid, _ in step} >= {"a-0", "b-5", "c-7"}
 
 
 def test_a_tight_limit_with_spills_and_reloads_keeps_every_block_right(tp_engine):
     scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD)
-    filler = [_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
-    _drive(scheduler, ranks, [_requests("a", 4, 320, 0, seed=0), *filler, _requests("b", 4, 320, 0, seed=0)])
+    filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    drive_ranks(scheduler, ranks, [make_requests("a", 4, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)])
     offload = scheduler.kvelastic_offload
     assert offload.tier.hits >= 40, "the second pass of a's prompts did not come back from the host tier"
     assert max(ranks.mapped) <= 3 * GROUP_BYTES + GROUP_BYTES  # within the limit (and one group in flight)
@@ -172,7 +153,7 @@ def test_random_workloads_keep_every_block_right_on_both_ranks(tp_engine, seed):
     waves = []
     for w in range(rng.randint(2, 4)):
         count, length = rng.randint(1, 6), rng.randint(20, 600)
-        waves.append(_requests(f"w{w}", count, length, rng.randint(0, length), seed=rng.randrange(3),
+        waves.append(make_requests(f"w{w}", count, length, rng.randint(0, length), seed=rng.randrange(3),
                                max_tokens=rng.randint(1, 30)))
-    trace = _drive(scheduler, ranks, waves)
+    trace = drive_ranks(scheduler, ranks, waves)
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}

@@ -1,0 +1,187 @@
+"""Drive vLLM's real Scheduler on the CPU: configs, requests, a stand-in model output, invariants.
+
+No model runs: each step's "model output" samples one deterministic token per
+request whose prompt is done, which is all the scheduler reads. Shared by the
+single-process and tensor-parallel real-scheduler tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from tests.kv_fixtures import BS, D, H, N
+
+MODEL = Path(__file__).resolve().parents[1] / "scripts" / "models" / "llama-1b"
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_config(num_blocks: int):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model=str(MODEL), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16", seed=0)
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+                                is_encoder_decoder=False, enable_chunked_prefill=True)
+    config = VllmConfig(model_config=model, scheduler_config=scheduler,
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+                        device_config=DeviceConfig(device="cpu"))
+    config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+def make_scheduler(num_blocks: int = N, asynchronous: bool = False):
+    """vLLM's Scheduler, or with ``asynchronous`` the AsyncScheduler that async scheduling uses."""
+    import torch
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = vllm_config(num_blocks)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
+    return (AsyncScheduler if asynchronous else Scheduler)(vllm_config=config, kv_cache_config=kv_config,
+                     structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=False)
+
+
+@functools.lru_cache(maxsize=None)
+def block_hasher():
+    """One hasher per process: each ``init_none_hash`` draws a new random root, which would end all hits."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(BS, sha256)
+
+
+def make_requests(tag: str, count: int, prompt_len: int, shared_prefix: int, seed: int, max_tokens: int = 20) -> list:
+    """``count`` requests sharing a prefix (prefix-cache hits), with tails drawn from ``seed``."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    hasher = block_hasher()
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 30000) for _ in range(shared_prefix)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return [Request(f"{tag}-{i}", prefix + [rng.randrange(100, 30000) for _ in range(prompt_len - shared_prefix)],
+                    params, None, block_hasher=hasher) for i in range(count)]
+
+
+def model_output(scheduler, out, samplers: set[str]):
+    """The stand-in model output: one deterministic token for each request in ``samplers``."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = sorted(out.num_scheduled_tokens)
+    sampled = [[1000 + (7 * scheduler.requests[r].num_output_tokens) % 997]
+               if r in samplers and r in scheduler.requests else [] for r in ids]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+
+
+def step_of(out) -> tuple:
+    return tuple((rid, out.num_scheduled_tokens[rid]) for rid in sorted(out.num_scheduled_tokens))
+
+
+def drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None, forward=None) -> list:
+    """Run every wave to completion, one after another; returns each step's scheduled tokens per request.
+
+    ``forward(scheduler, output)`` runs between a step's scheduling and its output, as the model would.
+    """
+    trace = []
+    for wave in waves:
+        for request in wave:
+            scheduler.add_request(request)
+        while scheduler.has_requests():
+            assert len(trace) < max_steps, "the scheduler stopped making progress"
+            out = scheduler.schedule()
+            if forward is not None:
+                forward(scheduler, out)
+            samplers = {r for r in out.num_scheduled_tokens
+                        if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+            scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+            trace.append(step_of(out))
+            if after_step is not None:
+                after_step(scheduler)
+    return trace
+
+
+def drive_async(scheduler, waves: list[list], max_steps: int = 2000, after_step=None) -> list:
+    """As the engine core runs async scheduling: step N+1 is scheduled before step N's output arrives."""
+    from collections import deque
+
+    trace: list = []
+    in_flight: deque = deque()
+    for wave in waves:
+        for request in wave:
+            scheduler.add_request(request)
+        while scheduler.has_requests() or in_flight:
+            assert len(trace) < max_steps, "the scheduler stopped making progress"
+            if len(in_flight) < 2 and scheduler.has_requests():  # also flushes finished ids, as the engine does
+                out = scheduler.schedule()
+                samplers = {r for r in out.num_scheduled_tokens if not scheduler.requests[r].is_prefill_chunk}
+                in_flight.append((out, samplers))
+                trace.append(step_of(out))
+                if len(in_flight) < 2 and scheduler.has_unfinished_requests():
+                    continue
+            out, samplers = in_flight.popleft()
+            scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+            if after_step is not None:
+                after_step(scheduler)
+    return trace
+
+
+def repeat_waves() -> list[list]:
+    """Two waves of the same prompts (the second must hit the prefix cache the first left), then
+    a wave that needs nearly every block at once, where any block miscounted changes the schedule."""
+    return [make_requests("a", 6, 300, 200, seed=0), make_requests("b", 6, 300, 200, seed=0),
+            make_requests("c", 8, 460, 0, seed=1)]
+
+
+def prefill(trace: list, tag: str) -> int:
+    """Tokens scheduled for ``tag``'s requests in steps that were not a single decode token."""
+    return sum(n for step in trace for rid, n in step if rid.startswith(tag + "-") and n > 1)
+
+
+def blocks_in_use_are_all_mapped(scheduler, pool) -> bool:
+    """Every block of a running or waiting request lies in a mapped group (never KV in unmapped memory)."""
+    cache = scheduler.kv_cache_manager.block_pool.free_block_queue.cache
+    manager = scheduler.kv_cache_manager
+    ids = [b for rid in scheduler.requests for group in manager.get_block_ids(rid) for b in group]
+    return all(pool.is_mapped(cache.group_of_block(b)) for b in ids)
+
+
+def check_every_step(pool, mapped: list | None = None):
+    def check(scheduler) -> None:
+        assert blocks_in_use_are_all_mapped(scheduler, pool), "a request holds a block in an unmapped group"
+        assert cached_blocks_are_all_mapped(scheduler, pool), "vLLM could hit a block in an unmapped group"
+        if mapped is not None:
+            mapped.append(pool.stats().mapped_bytes)
+
+    return check
+
+
+def cached_blocks_are_all_mapped(scheduler, pool) -> bool:
+    """Every block vLLM could serve as a prefix hit lies in a mapped group."""
+    from kvelastic.integration.elastic_cache import ElasticKVCache
+
+    block_pool = scheduler.kv_cache_manager.block_pool
+    cache: ElasticKVCache = block_pool.free_block_queue.cache
+    index = block_pool.cached_block_hash_to_block
+    table = getattr(index, "_cache", None)
+    assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
+    blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
+    return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
+
+
+def wait_unmapped(pool, at_most: int) -> int:
+    """Unmaps run on the mapper thread: wait (briefly) until mapped bytes fall to ``at_most``."""
+    import time
+
+    deadline = time.monotonic() + 5
+    while pool.stats().mapped_bytes > at_most and time.monotonic() < deadline:
+        pool.collect()
+        time.sleep(0.01)
+    return pool.stats().mapped_bytes
