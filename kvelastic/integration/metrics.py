@@ -5,10 +5,11 @@ is served by the API-server process. The engine therefore publishes a small
 JSON snapshot under ``/dev/shm`` on every reclaimer tick, and a collector
 registered in the API server's default registry reads the snapshots of its own
 engine processes (those whose parent it is) when Prometheus scrapes. With
-``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) vLLM serves a registry of
-its own per request path; the ``metrics_registry`` patch adds a collector to it
-that also reads its sibling engines' snapshots, since there the engines and the
-API servers are children of one ``vllm serve`` process.
+``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) vLLM serves ``/metrics``
+from a registry of its own, built over prometheus_client's multiprocess files;
+the ``metrics_registry`` patch adds a collector to it that also reads sibling
+engines' snapshots, since there the engines and the API servers are children of
+one ``vllm serve`` process.
 """
 
 from __future__ import annotations
