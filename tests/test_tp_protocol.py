@@ -66,29 +66,25 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
     conn.send("closed")
 
 
-class Cluster:
-    """The scheduler side plus two rank processes."""
+class RankProcesses:
+    """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
-    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None):
-        self.folder = tmp_path / "engine"
+    def __init__(self, folder, limits=(None, None), cpu_bytes=None):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(WORLD):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, str(self.folder), rank, limits[rank], cpu_bytes),
+            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes),
                                daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
         for conn in self.conns:
             assert conn.poll(60) and conn.recv() == "ready"
-        self.cache, self.mapper = connect_boards(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
-        self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-        self.queue = make_page_aware(self.bp, self.cache, self.mapper, max_ahead_groups=2)
         self.mapped_bytes = [0] * WORLD
 
-    def step(self, writes=(), checks=(), live=None) -> list:
-        plan = self.mapper.take_plan()
+    def send(self, plan, writes=(), checks=(), live=None) -> list:
+        """One step: the plan and the forward pass's writes and checks; returns each rank's mapped bytes."""
         ranks = range(WORLD) if live is None else live
         for r in ranks:
             self.conns[r].send((plan, list(writes), list(checks)))
@@ -96,10 +92,31 @@ class Cluster:
         for r in ranks:
             assert self.conns[r].poll(30), f"rank {r} did not answer"
             status, value = self.conns[r].recv()
-            assert status == "ok", value
+            assert status == "ok", f"rank {r}: {value}"
             self.mapped_bytes[r] = value
             replies.append(value)
         return replies
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                conn.send("stop")
+                conn.poll(10)
+            proc.join(10)
+
+
+class Cluster(RankProcesses):
+    """The scheduler side plus two rank processes."""
+
+    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None):
+        self.folder = tmp_path / "engine"
+        super().__init__(self.folder, limits, cpu_bytes)
+        self.cache, self.mapper = connect_boards(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
+        self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+        self.queue = make_page_aware(self.bp, self.cache, self.mapper, max_ahead_groups=2)
+
+    def step(self, writes=(), checks=(), live=None) -> list:
+        return self.send(self.mapper.take_plan(), writes, checks, live)
 
     def allocate(self, n: int) -> list | None:
         """vLLM's check, then its allocation; None is a scheduling miss (demand is recorded)."""
@@ -108,12 +125,6 @@ class Cluster:
             return None
         return self.bp.get_new_blocks(n)
 
-    def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                conn.send("stop")
-                conn.poll(10)
-            proc.join(10)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ mapped it, unmapped while in use, or reloaded wrong from the host tier fails.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 
 import pytest
@@ -26,47 +25,12 @@ from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402
 from tests.scheduler_harness import drive, make_requests, make_scheduler, vllm_config  # noqa: E402
-from tests.test_tp_protocol import WORLD, rank_main  # noqa: E402
+from tests.test_tp_protocol import WORLD, RankProcesses  # noqa: E402
 
 
 def _value(tokens: list[int]) -> int:
     """1..100 from a block's tokens: blocks with the same content carry the same value."""
     return hashlib.sha256(repr(tokens).encode()).digest()[0] % 100 + 1
-
-
-class Ranks:
-    """Two rank processes serving the engine folder of this process, as a TP=2 engine's workers would."""
-
-    def __init__(self, limit_groups: int | None, cpu_bytes: int | None):
-        ctx = mp.get_context("spawn")
-        folder = shm.engine_dir(os.getpid())
-        self.conns, self.procs = [], []
-        for rank in range(WORLD):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limit_groups, cpu_bytes),
-                               daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        for conn in self.conns:
-            assert conn.poll(60) and conn.recv() == "ready"
-        self.mapped = [0] * WORLD
-
-    def step(self, plan, writes, checks) -> None:
-        for conn in self.conns:
-            conn.send((plan, writes, checks))
-        for r, conn in enumerate(self.conns):
-            assert conn.poll(30), f"rank {r} did not answer"
-            status, value = conn.recv()
-            assert status == "ok", f"rank {r}: {value}"
-            self.mapped[r] = value
-
-    def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                conn.send("stop")
-                conn.poll(10)
-            proc.join(10)
 
 
 def _forward(scheduler, out) -> tuple[list, list]:
@@ -85,10 +49,10 @@ def _forward(scheduler, out) -> tuple[list, list]:
     return sorted(writes.items()), sorted(checks.items())
 
 
-def drive_ranks(scheduler, ranks: Ranks, waves: list[list]) -> list:
+def drive_ranks(scheduler, ranks: RankProcesses, waves: list[list]) -> list:
     """The single-process driver, with each step's plan and blocks sent to the ranks as its forward pass."""
     return drive(scheduler, waves, max_steps=3000,
-                 forward=lambda s, out: ranks.step(out.kvelastic_plan, *_forward(s, out)))
+                 forward=lambda s, out: ranks.send(out.kvelastic_plan, *_forward(s, out)))
 
 
 @pytest.fixture
@@ -98,7 +62,7 @@ def tp_engine(tmp_path, monkeypatch):
     patcher = Patcher()
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None):
-        ranks = Ranks(limit_groups, cpu_bytes)
+        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit))  # no cache: ranks hold it
@@ -110,7 +74,7 @@ def tp_engine(tmp_path, monkeypatch):
     yield make
     patcher.revert()
     for thing in made:
-        if isinstance(thing, Ranks):
+        if isinstance(thing, RankProcesses):
             thing.close()
         else:
             thing.kvelastic_reclaimer.stop()
@@ -140,7 +104,7 @@ def test_a_tight_limit_with_spills_and_reloads_keeps_every_block_right(tp_engine
     drive_ranks(scheduler, ranks, [make_requests("a", 4, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)])
     offload = scheduler.kvelastic_offload
     assert offload.tier.hits >= 40, "the second pass of a's prompts did not come back from the host tier"
-    assert max(ranks.mapped) <= 3 * GROUP_BYTES + GROUP_BYTES  # within the limit (and one group in flight)
+    assert max(ranks.mapped_bytes) <= 3 * GROUP_BYTES + GROUP_BYTES  # within the limit (and one group in flight)
 
 
 @pytest.mark.parametrize("seed", range(2))
