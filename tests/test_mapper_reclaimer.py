@@ -106,43 +106,42 @@ def test_threaded_mapper_keeps_command_order_and_runs_on_its_own_thread(cache_an
     assert mapper._thread is None
 
 
-def test_map_now_waits_until_the_groups_are_mapped(cache_and_pool, monkeypatch):
+@pytest.fixture
+def gated_mapper(cache_and_pool, monkeypatch):
+    """A threaded mapper whose driver calls wait while ``backend.gate`` is clear (it starts clear)."""
     cache, pool = cache_and_pool
     backend = GatedBackend(pool, monkeypatch)
     mapper = GroupMapper(cache)
     mapper.start()
-    try:
-        backend.gate.clear()
-        waiter = in_thread(mapper.map_now, [5, 6])
-        waiter.join(0.2)
-        assert waiter.is_alive(), "map_now returned before its groups were mapped"
-        assert not mapper.mapped
-        backend.gate.set()
-        waiter.join(5)
-        assert not waiter.is_alive()
-        assert pool.is_mapped(5) and pool.is_mapped(6)
-        mapper.map_now([])  # nothing queued: returns at once
-    finally:
-        mapper.stop()
+    backend.gate.clear()
+    yield mapper, backend, pool
+    backend.gate.set()
+    mapper.stop()
 
 
-def test_map_now_with_no_groups_waits_for_maps_requested_earlier(cache_and_pool, monkeypatch):
+def test_map_now_waits_until_the_groups_are_mapped(gated_mapper):
+    mapper, backend, pool = gated_mapper
+    waiter = in_thread(mapper.map_now, [5, 6])
+    waiter.join(0.2)
+    assert waiter.is_alive(), "map_now returned before its groups were mapped"
+    assert not mapper.mapped
+    backend.gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert pool.is_mapped(5) and pool.is_mapped(6)
+    mapper.map_now([])  # nothing queued: returns at once
+
+
+def test_map_now_with_no_groups_waits_for_maps_requested_earlier(gated_mapper):
     """A burst that needs groups the prefetch already requested must wait for them, not fail."""
-    cache, pool = cache_and_pool
-    backend = GatedBackend(pool, monkeypatch)
-    mapper = GroupMapper(cache)
-    mapper.start()
-    try:
-        backend.gate.clear()
-        mapper.request_map([7])
-        waiter = in_thread(mapper.map_now, [])
-        waiter.join(0.2)
-        assert waiter.is_alive(), "map_now([]) returned while an earlier map was still queued"
-        backend.gate.set()
-        waiter.join(5)
-        assert not waiter.is_alive() and list(mapper.mapped) == [7]
-    finally:
-        mapper.stop()
+    mapper, backend, _ = gated_mapper
+    mapper.request_map([7])
+    waiter = in_thread(mapper.map_now, [])
+    waiter.join(0.2)
+    assert waiter.is_alive(), "map_now([]) returned while an earlier map was still queued"
+    backend.gate.set()
+    waiter.join(5)
+    assert not waiter.is_alive() and list(mapper.mapped) == [7]
 
 
 def test_groups_over_the_limit_are_refused_one_by_one(cache_and_pool):
