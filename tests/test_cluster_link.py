@@ -72,8 +72,7 @@ def test_limit_changed_in_the_account_reaches_the_pool(tmp_path, monkeypatch):
     try:
         assert link.member.limits()[1] == 8 * PAGE
         link.account.set_limits("solo", max_bytes=3 * PAGE)
-        reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
-        reclaimer.link = link
+        reclaimer = _linked_reclaimer(queue, cache, link)
         reclaimer.tick()
         assert pool.stats().limit_bytes == 3 * PAGE
         assert bp.get_num_free_blocks() <= 3 * 32
@@ -86,8 +85,7 @@ def test_clearing_the_cap_restores_the_start_up_cap_never_none(tmp_path, monkeyp
     """`kvelastic limit NAME none` (or any writer of max 0) puts back the cap the engine started with."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     pool, _, cache, bp, queue, link = engine("solo", budget=64 * PAGE, limit=8 * PAGE)
-    reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
-    reclaimer.link = link
+    reclaimer = _linked_reclaimer(queue, cache, link)
     try:
         link.account.set_limits("solo", max_bytes=3 * PAGE)
         reclaimer.tick()
@@ -112,8 +110,7 @@ def test_clearing_the_cap_restores_the_start_up_cap_never_none(tmp_path, monkeyp
 def test_an_engine_started_without_a_cap_stays_without_one(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     pool, _, cache, _, queue, link = engine("free", budget=64 * PAGE, limit=None)
-    reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
-    reclaimer.link = link
+    reclaimer = _linked_reclaimer(queue, cache, link)
     try:
         link.account.set_limits("free", max_bytes=2 * PAGE)
         reclaimer.tick()
@@ -137,6 +134,13 @@ def test_showing_the_restored_cap_never_undoes_a_newer_limit(tmp_path, monkeypat
     finally:
         link.leave()
         pool.close()
+
+
+def _linked_reclaimer(queue, cache, link) -> Reclaimer:
+    """The engine's upkeep, joined to the shared account through ``link``; ticked by the test."""
+    reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
+    reclaimer.link = link
+    return reclaimer
 
 
 class _NoLock:
