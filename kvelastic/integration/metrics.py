@@ -71,14 +71,21 @@ class StatsPublisher:
         self.path.unlink(missing_ok=True)
 
 
-def find_snapshot(directory: Path, pid: int, name: str) -> dict[str, Any] | None:
-    """The snapshot engine ``name`` in process ``pid`` wrote, or None (another process's file never counts)."""
-    for path in directory.glob(f"{PREFIX}{pid}-*.json"):
+def _records(directory: Path, pattern: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The snapshot files matching ``pattern`` that parse, with their records."""
+    for path in directory.glob(pattern):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and record.get("name") == name and record.get("pid") == pid:
+        if isinstance(record, dict):
+            yield path, record
+
+
+def find_snapshot(directory: Path, pid: int, name: str) -> dict[str, Any] | None:
+    """The snapshot engine ``name`` in process ``pid`` wrote, or None (another process's file never counts)."""
+    for _, record in _records(directory, f"{PREFIX}{pid}-*.json"):
+        if record.get("name") == name and record.get("pid") == pid:
             return record
     return None
 
@@ -86,11 +93,7 @@ def find_snapshot(directory: Path, pid: int, name: str) -> dict[str, Any] | None
 def read_snapshots(directory: Path, parents: Collection[int]) -> list[dict[str, Any]]:
     """Snapshots written by children of ``parents`` (or by ``parents`` themselves), skipping dead ones."""
     found = []
-    for path in directory.glob(f"{PREFIX}*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+    for path, record in _records(directory, f"{PREFIX}*.json"):
         if record.get("ppid") not in parents and record.get("pid") not in parents:
             continue
         if not Path(f"/proc/{record['pid']}").exists():
