@@ -23,15 +23,16 @@ import torch
 
 from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.direct_copy import DirectCopy
-from kvelastic.offload.fences import AllFences, EventFence
+from kvelastic.offload.fences import EventFence
 from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
+from kvelastic.settings import Settings
 
-__all__ = ["AllFences", "BlockCopier", "EventFence"]
+__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH"]
 
 CopyPath = Literal["staged", "direct"]
-#: Chosen from bench_copy.py on the GPU: docs/gpu-results.md, "Copier paths".
-DEFAULT_PATH: CopyPath = "direct"
+#: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
+DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
 
 

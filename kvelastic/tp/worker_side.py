@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp.rank import RankWorker
 
@@ -49,7 +50,7 @@ def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
 
 
 def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None, copy_path: str = "direct") -> RankWorker:
+               cpu_bytes: int | None, copy_path: str = Settings.copy_path) -> RankWorker:
     """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
     copier, slots, slot_bytes = None, 0, 0
     if cpu_bytes:
