@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 from kvelastic.cluster.errors import LaunchConfigError
 from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
                                     make_instance)
-from kvelastic.cluster.supervisor import NO_GPU_ENV, Supervisor, gpu_problem, port_in_use
+from kvelastic.cluster.supervisor import NO_GPU_ENV, STOP_SIGNALS, Supervisor, gpu_problem, port_in_use
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_NO_KVELASTIC = 0, 1, 2, 3, 4
 SEPARATOR = "--and"
@@ -297,7 +297,7 @@ def supervise(supervisor: Supervisor) -> int:
     try:
         return supervisor.run()
     except KeyboardInterrupt:
-        _set_handlers({s: signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)})
+        _set_handlers({s: signal.SIG_IGN for s in STOP_SIGNALS})
         supervisor.stop_timeout_s = 0.0
         code = EXIT_OK
     except OSError:  # printing failed (EPIPE, EIO) before or while stopping
