@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
+#   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 # One stage per device call: a call stops at 10 minutes, and the tarball is written at the end.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -43,7 +44,9 @@ copy)
     python3 scripts/bench_copy.py --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
-        2>&1 | tee "$W/multiturn.log" ;;
+        ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+serve)
+    python3 scripts/check_serve_metrics.py --outdir "$W/serve" 2>&1 | tee "$W/serve.log" ;;
 reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
         2>&1 | tee "$W/reload.log" ;;
