@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
-    metrics_registry,
     scheduler_block_pool,
     uniform_kv_cache,
     v1_allocate_kv_cache,
@@ -29,5 +28,4 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
     scheduler_block_pool.PATCH,
-    metrics_registry.PATCH,
 )

@@ -1,4 +1,4 @@
-"""kvelastic_* on ``/metrics`` of ``vllm serve --api-server-count N`` (the ``metrics_registry`` patch).
+"""kvelastic_* on ``/metrics`` of ``vllm serve --api-server-count N`` (multiprocess metrics).
 
 With several API-server processes vLLM serves ``/metrics`` from a multiprocess
 registry, not the default one where kvelastic's collector lives. This starts one

@@ -43,52 +43,64 @@ def test_an_engine_in_this_process_is_counted_once(tmp_path):
     assert [s["name"] for s in read_snapshots(tmp_path, [os.getpid(), os.getppid()])] == ["here"]
 
 
-def test_the_default_registry_gets_no_second_collector():
-    from kvelastic.integration.metrics import add_to_multiprocess_registry
-
-    assert add_to_multiprocess_registry(prometheus_client.REGISTRY) is False
-
-
 ENGINE = """\
 import sys, time
 from kvelastic.integration.metrics import StatsPublisher
-StatsPublisher("engine-a").publish({"mapped_bytes": 4096, "spilled_bytes": 8192})
+publisher = StatsPublisher("engine-a")
+publisher.publish({"mapped_bytes": 4096, "spilled_bytes": 8192, "host_hits": 3})
+publisher.publish({"mapped_bytes": 2048, "spilled_bytes": 12288, "host_hits": 3})
 print("published", flush=True)
-time.sleep(60)
+time.sleep(float(sys.argv[1]))
 """
 
 API_SERVER = """\
-import os
-import prometheus_client
-from kvelastic.patches import metrics_registry
-from kvelastic.patching.apply import Patcher
-from vllm.v1.metrics import prometheus as vllm_prometheus
-Patcher().wrap(metrics_registry.TARGET, metrics_registry._registry)
-registry = vllm_prometheus.get_prometheus_registry()
-assert registry is not prometheus_client.REGISTRY, "PROMETHEUS_MULTIPROC_DIR did not make vLLM use its own registry"
-print(prometheus_client.generate_latest(registry).decode())
+import subprocess, sys
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from kvelastic.integration.metrics import register_collector
+from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+register_collector()  # what activation does in every vLLM process
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1], "60"], stdout=subprocess.PIPE, text=True)
+try:
+    assert engine.stdout.readline().strip() == "published"
+    app = FastAPI()
+    attach_router(app)
+    print(TestClient(app).get("/metrics").text)
+finally:
+    engine.kill()
 """
 
 
-def test_multiprocess_metrics_registry_reads_sibling_engines(tmp_path):
-    """As under ``vllm serve --api-server-count 2``: engine and API server are siblings, /metrics is multiprocess."""
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["one-api-server", "multiprocess-dir"])
+def test_vllm_metrics_route_serves_the_engines_numbers(tmp_path, multiprocess):
+    """Through vLLM's real ``/metrics`` route: the default registry, or (several API servers,
+    ``PROMETHEUS_MULTIPROC_DIR``) a registry rebuilt from multiprocess files on every scrape."""
     import subprocess
     import sys
 
-    pytest.importorskip("vllm.v1.metrics.prometheus", reason="needs vllm installed")
-    (tmp_path / "prom").mkdir()
-    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom")}
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert engine.stdout.readline().strip() == "published"
-        server = subprocess.run([sys.executable, "-c", API_SERVER], env=env, capture_output=True, text=True,
-                                timeout=300)
-        assert server.returncode == 0, server.stderr[-3000:]
-        assert 'kvelastic_mapped_bytes{engine="engine-a"} 4096.0' in server.stdout
-        assert 'kvelastic_spilled_bytes_total{engine="engine-a"} 8192.0' in server.stdout
-    finally:
-        engine.kill()
-        engine.wait()
+    pytest.importorskip("vllm.entrypoints.serve.instrumentator.metrics", reason="needs vllm's /metrics router")
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if multiprocess:
+        (tmp_path / "prom").mkdir()
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prom")
+    server = subprocess.run([sys.executable, "-c", API_SERVER, ENGINE], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert server.returncode == 0, server.stderr[-3000:]
+    assert 'kvelastic_mapped_bytes{engine="engine-a"} 2048.0' in server.stdout
+    assert 'kvelastic_spilled_bytes_total{engine="engine-a"} 12288.0' in server.stdout
+    assert 'kvelastic_host_hits_total{engine="engine-a"} 3.0' in server.stdout
+    assert server.stdout.count("# TYPE kvelastic_mapped_bytes ") == 1
+
+
+def test_multiprocess_files_are_written_only_where_they_are_read(tmp_path, monkeypatch):
+    from kvelastic.integration.metrics_multiproc import multiprocess_values
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert multiprocess_values() is False
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # too late: prometheus_client is imported
+    assert multiprocess_values() is False
+    assert StatsPublisher("late", tmp_path)._mirror is None
 
 
 def test_two_engines_in_one_process_keep_their_own_snapshots(tmp_path):

@@ -27,7 +27,7 @@ from kvelastic.patching.versions import BANDS, SUPPORTED, Version, installed_vll
 
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
-EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "scheduler_block_pool", "metrics_registry"}
+EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "scheduler_block_pool"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 

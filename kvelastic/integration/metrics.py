@@ -5,11 +5,9 @@ is served by the API-server process. The engine therefore publishes a small
 JSON snapshot under ``/dev/shm`` on every reclaimer tick, and a collector
 registered in the API server's default registry reads the snapshots of its own
 engine processes (those whose parent it is) when Prometheus scrapes. With
-``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) vLLM serves ``/metrics``
-from a registry of its own, built over prometheus_client's multiprocess files;
-the ``metrics_registry`` patch adds a collector to it that also reads sibling
-engines' snapshots, since there the engines and the API servers are children of
-one ``vllm serve`` process.
+``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) ``/metrics`` is built
+from prometheus_client's multiprocess files alone; there the publisher also
+writes the numbers as metrics of its own (``metrics_multiproc``).
 """
 
 from __future__ import annotations
@@ -51,14 +49,18 @@ class StatsPublisher:
 
     Each publisher has a file of its own (several engines may share a process),
     and each write its own temporary file (the reclaimer thread and a caller may
-    publish at the same moment).
+    publish at the same moment). Where ``/metrics`` is built from multiprocess
+    files, it also writes the values there.
     """
 
     _numbers = itertools.count()
 
     def __init__(self, name: str, directory: Path | None = None):
+        from kvelastic.integration.metrics_multiproc import MultiprocessMirror
+
         self.name = name
         self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}-{next(self._numbers)}.json"
+        self._mirror = MultiprocessMirror.for_environment(name, GAUGES, COUNTERS)
 
     def publish(self, values: dict[str, Any]) -> None:
         record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
@@ -66,6 +68,8 @@ class StatsPublisher:
         tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
+        if self._mirror is not None:
+            self._mirror.update(values)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -134,16 +138,6 @@ class KvelasticCollector:
 class _Registered:
     lock = threading.Lock()
     done = False
-
-
-def add_to_multiprocess_registry(registry: Any) -> bool:
-    """Add a collector of this process's and its siblings' engines to a registry other than the default."""
-    from prometheus_client import REGISTRY
-
-    if registry is REGISTRY:
-        return False  # the default registry already has the collector (register_collector)
-    registry.register(KvelasticCollector(parents=(os.getpid(), os.getppid())))
-    return True
 
 
 def register_collector() -> bool:
