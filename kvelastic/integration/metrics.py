@@ -32,7 +32,6 @@ GAUGES = {
 COUNTERS = {
     "spilled_bytes": "KV bytes copied from the GPU to the host tier",
     "reloaded_bytes": "KV bytes copied back from the host tier on a prefix hit",
-    "prefetched_bytes": "Of those, bytes loaded ahead for waiting requests, beside compute",
     "host_hits": "Prefix lookups served by the host tier",
     "host_misses": "Prefix lookups the host tier could not serve",
 }

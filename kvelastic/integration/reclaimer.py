@@ -123,8 +123,7 @@ class Reclaimer:
             o = self.offload.stats()
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
-                     f"{format_size(o['reloaded_bytes'])} ({format_size(o['prefetched_bytes'])} ahead), "
-                     f"ARC p {o['arc_p']}")
+                     f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
         if line != self._last_line:
             log.info("kvelastic: %s", line)
             self._last_line = line
