@@ -48,7 +48,6 @@ def hook_lookup(block_pool: Any, manager: OffloadManager) -> None:
     """Let the prefix-cache map fall back to the host tier (again after a reset replaces it)."""
     index = block_pool.cached_block_hash_to_block
     original = index.get_one_block
-    manager.gpu_lookup = original
 
     @functools.wraps(original)
     def get_one_block(key: Any) -> Any:

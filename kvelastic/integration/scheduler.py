@@ -52,8 +52,6 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
             continue
         after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
         flush = offload.flush if offload is not None else None  # no copy outlives a call
-        if name == "schedule" and not remote and offload is not None:
-            flush = _then_prefetch(scheduler, offload, settings)
         if remote and name == "schedule":
             from kvelastic.tp.scheduler_side import locked_schedule
 
@@ -90,22 +88,6 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, map
                                  copy_path=settings.copy_path)
     scheduler.kvelastic_offload = offload
     return offload
-
-
-def _then_prefetch(scheduler: Any, offload: Any, settings: Settings) -> Any:
-    """After a step: the step's copies, then loads ahead for the requests next in line."""
-    from kvelastic.integration.host_prefetch import make_host_prefetch
-
-    prefetch = make_host_prefetch(scheduler, offload, settings.host_prefetch_bytes)
-    scheduler.kvelastic_prefetch = prefetch
-    if prefetch is None:
-        return offload.flush
-
-    def flush_then_prefetch() -> None:
-        offload.flush()
-        prefetch()
-
-    return flush_then_prefetch
 
 
 def _publisher(link: Any) -> Any:
