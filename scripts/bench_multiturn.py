@@ -94,12 +94,21 @@ def round_summary(rnd: dict, out_len: int) -> dict:
 
 
 def summarize(r: dict, out_len: int) -> dict:
-    """Medians over the measured rounds (warm-up rounds left out), and the spread of throughput."""
-    per_round = [round_summary(rnd, out_len) for rnd in r["rounds"] if not rnd["warmup"]]
+    """Medians over the measured rounds (warm-up rounds left out), and the spread of throughput.
+
+    TTFT is also pooled: every later-turn request of every measured round in
+    one distribution (``pooled_p50`` ...), steadier than a median of three
+    per-round medians.
+    """
+    measured = [rnd for rnd in r["rounds"] if not rnd["warmup"]]
+    per_round = [round_summary(rnd, out_len) for rnd in measured]
     row: dict[str, Any] = {"config": r["config"], "rounds": per_round}
     for key in ("seconds", "tok_s", "ttft_p50", "ttft_p99", "prefix_hit_ratio"):
         row[key] = statistics.median(x[key] for x in per_round)
     row["tok_s_min"], row["tok_s_max"] = min(x["tok_s"] for x in per_round), max(x["tok_s"] for x in per_round)
+    pooled = sorted(x for rnd in measured for t in rnd["turns"][1:] for x in t["ttft"])
+    for q in (50, 90, 99):
+        row[f"pooled_p{q}"] = pooled[int(q / 100 * (len(pooled) - 1))]
     return row
 
 
@@ -112,10 +121,20 @@ def identical(a: dict, b: dict) -> tuple[int, int]:
     return same, total
 
 
+def _variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, settings = text.partition(":")
+    env = dict(pair.split("=", 1) for pair in settings.split(",") if pair)
+    if not name or not all(k.startswith("KVELASTIC_") for k in env):
+        raise SystemExit(f"--variant {text!r}: expected NAME:KVELASTIC_VAR=VALUE[,...]")
+    return f"kvelastic-{name}", env
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-1b")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + OPTIONAL)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="one more kvelastic config, kvelastic-NAME, with these environment settings")
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--conversations", type=int, default=64)
     p.add_argument("--turns", type=int, default=6)
@@ -129,16 +148,23 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1, help="rounds run first and left out")
     p.add_argument("--outdir", default="multiturn")
     p.add_argument("--json", default="multiturn.json")
+    p.add_argument("--collect-only", action="store_true", help="tabulate <outdir>/<config>.json of an earlier run")
     args = p.parse_args()
     if args.config:
         Path(args.outdir, f"{args.config}.json").write_text(json.dumps(run_one(args)))
         return 0
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     rows, results = [], {}
-    for config in args.configs:
+    variants = dict(_variant(text) for text in args.variant)
+    for config in [*args.configs, *variants]:
+        if args.collect_only:
+            results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
+            rows.append(summarize(results[config], args.out_len))
+            continue
         env = dict(os.environ, KVELASTIC="1" if config.startswith("kvelastic") else "0",
                    KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes),
                    KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
+        env.update(variants.get(config, {}))
         cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
         with open(Path(args.outdir, f"{config}.log"), "w") as log:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -148,14 +174,17 @@ def main() -> int:
         results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
         rows.append(summarize(results[config], args.out_len))
     base = results.get("vanilla")
-    print(f"{'config':<13} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'prefix hits':>12} "
-          f"{'same as vanilla':>16}")
+    print(f"{'config':<13} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'pooled p50/p90/p99':>20} "
+          f"{'prefix hits':>12} {'same as vanilla':>16}")
     for row in rows:
         same, total = identical(base, results[row["config"]]) if base else (0, 0)
         row["identical"] = [same, total]
+        pooled = f"{row['pooled_p50']:.3f}/{row['pooled_p90']:.3f}/{row['pooled_p99']:.3f}"
         print(f"{row['config']:<13} {row['tok_s']:>9.0f} {row['tok_s_min']:>8.0f}-{row['tok_s_max']:<8.0f} "
-              f"{row['ttft_p50']:>9.3f} {row['ttft_p99']:>9.3f} {row['prefix_hit_ratio']:>12.3f} {same:>9}/{total:<6}")
-    print(f"medians of {args.rounds} rounds after {args.warmup} warm-up round(s); outputs compared in all rounds")
+              f"{row['ttft_p50']:>9.3f} {row['ttft_p99']:>9.3f} {pooled:>20} {row['prefix_hit_ratio']:>12.3f} "
+              f"{same:>9}/{total:<6}")
+    print(f"medians of {args.rounds} rounds after {args.warmup} warm-up round(s) (pooled: all later-turn requests "
+          "of those rounds); outputs compared in all rounds")
     Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 

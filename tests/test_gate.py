@@ -79,10 +79,10 @@ def test_installed_version_is_read_without_importing_vllm_and_is_supported():
     assert band_of(version) is not None
 
 
-def test_installed_vllm_passes_the_gate_and_claims_all_nine_patches():
+def test_installed_vllm_passes_the_gate_and_claims_all_eight_patches():
     version = installed_vllm_version()
     result = gate.check(ALL_PATCHES, version)
-    assert len(ALL_PATCHES) == 9
+    assert len(ALL_PATCHES) == 8
     assert result.patches == ALL_PATCHES
     assert result.version == version
     assert result.band == band_of(version).name
@@ -92,7 +92,7 @@ def test_installed_vllm_passes_the_gate_and_claims_all_nine_patches():
 
 def test_patch_names_are_unique():
     names = [patch.name for patch in ALL_PATCHES]
-    assert len(set(names)) == len(names) == 9
+    assert len(set(names)) == len(names) == 8
 
 
 @pytest.mark.parametrize("target", all_targets(), ids=lambda t: t.path)
