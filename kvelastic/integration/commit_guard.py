@@ -38,6 +38,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvelastic")
 
 ADMISSION_FLAG = "apply_admission_cap"  # vLLM >= 0.20.2: True for checks that allocate nothing
+LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step
 
 
 class AllocationHold:
@@ -71,6 +73,7 @@ class CommitGuard:
         self.queue = queue
         self.admitting = 0  # depth of admission checks in progress (nothing to secure in them)
         self.refusals = 0   # estimates the device proved wrong, for logs and tests
+        self._next_log = 0.0
 
     def secure(self, blocks: int) -> None:
         """vLLM will take ``blocks`` free blocks if the free count allows: map what is missing now."""
@@ -82,8 +85,15 @@ class CommitGuard:
             hold.refused = True
             self.queue.cache.forget_device_free()
             self.refusals += 1
+            self._log_refusal(blocks)
+
+    def _log_refusal(self, blocks: int) -> None:
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + LOG_EVERY_S
             log.info("kvelastic: the device refused memory the free-block estimate promised (another "
-                     "process took it); the allocation of %d blocks waits as a scheduling miss", blocks)
+                     "process took it); an allocation of %d blocks waits as a scheduling miss "
+                     "(%d refusals so far)", blocks, self.refusals)
 
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
