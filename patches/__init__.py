@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
+    admission_check,
     scheduler_block_pool,
     uniform_kv_cache,
     v1_allocate_kv_cache,
@@ -28,4 +29,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
     scheduler_block_pool.PATCH,
+    admission_check.PATCH,
 )

@@ -24,10 +24,27 @@ SCHEDULER_INIT = Target(
                                                  "structured_output_manager", "block_size", "hash_block_size",
                                                  "mm_registry", "include_finished_set", "log_stats"))),
 )
+_ESTIMATE = ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens")
+BLOCKS_TO_ALLOCATE = Target(  # wrapped on the scheduler's coordinator instance (integration/commit_guard.py)
+    module="vllm.v1.core.kv_cache_coordinator",
+    qualname="KVCacheCoordinator.get_num_blocks_to_allocate",
+    kind="method",
+    wrapped=False,
+    signatures=(Signature(VersionRange.of("0.12", "0.14"), _ESTIMATE),
+                Signature(VersionRange.of("0.14", "0.15"), (*_ESTIMATE, "total_computed_tokens")),
+                Signature(VersionRange.of("0.15", "0.20.2"), (*_ESTIMATE, "total_computed_tokens",
+                                                               "num_tokens_main_model")),
+                Signature(VersionRange.of("0.20.2", "0.26"), (*_ESTIMATE, "total_computed_tokens",
+                                                              "num_tokens_main_model", "apply_admission_cap")),
+                Signature(VersionRange.of("0.26", "0.29"), (*_ESTIMATE, "total_computed_tokens",
+                                                            "num_local_computed_tokens", "num_tokens_main_model",
+                                                            "apply_admission_cap"))),
+)
 EVICT_CACHED = Target(  # read, not wrapped: the page-aware queue evicts cached blocks through it
     module="vllm.v1.core.block_pool",
     qualname="BlockPool._maybe_evict_cached_block",
     kind="method",
+    wrapped=False,
     signatures=(Signature(ALL, ("self", "block")),),
 )
 
@@ -42,4 +59,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("scheduler_block_pool", "Scheduler: page-aware GPU block pool, reclaimer thread",
-              ALL, (SCHEDULER_INIT, EVICT_CACHED), apply)
+              ALL, (SCHEDULER_INIT, BLOCKS_TO_ALLOCATE, EVICT_CACHED), apply)

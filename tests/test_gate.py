@@ -22,6 +22,8 @@ from kvelastic.patching.versions import SUPPORTED, Version, VersionRange, band_o
 from kvelastic.settings import Settings  # noqa: E402
 
 V2_ALLOCATE = "vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"
+#: The patches the installed release claims (admission_check claims only 0.19.0-0.20.1).
+CLAIMED = tuple(patch for patch in ALL_PATCHES if patch.claims(installed_vllm_version()))
 REAL_V2_PARAMS = ("kv_cache_config", "shared_layers", "device")
 
 
@@ -33,7 +35,7 @@ def no_leaked_patches():
 
 
 
-def all_targets(patches=ALL_PATCHES):
+def all_targets(patches=CLAIMED):
     return [target for patch in patches for target in patch.targets]
 
 
@@ -41,7 +43,7 @@ def raw(target: Target):
     return gate.resolve(target)[1]
 
 
-def originals(patches=ALL_PATCHES):
+def originals(patches=CLAIMED):
     return {target.path: raw(target) for target in all_targets(patches)}
 
 
@@ -79,11 +81,12 @@ def test_installed_version_is_read_without_importing_vllm_and_is_supported():
     assert band_of(version) is not None
 
 
-def test_installed_vllm_passes_the_gate_and_claims_all_eight_patches():
+def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     version = installed_vllm_version()
     result = gate.check(ALL_PATCHES, version)
-    assert len(ALL_PATCHES) == 8
-    assert result.patches == ALL_PATCHES
+    assert len(ALL_PATCHES) == 9
+    assert result.patches == CLAIMED
+    assert {p.name for p in ALL_PATCHES} - {p.name for p in CLAIMED} <= {"admission_check"}
     assert result.version == version
     assert result.band == band_of(version).name
     if version >= Version(0, 24):
@@ -92,7 +95,7 @@ def test_installed_vllm_passes_the_gate_and_claims_all_eight_patches():
 
 def test_patch_names_are_unique():
     names = [patch.name for patch in ALL_PATCHES]
-    assert len(set(names)) == len(names) == 8
+    assert len(set(names)) == len(names) == 9
 
 
 @pytest.mark.parametrize("target", all_targets(), ids=lambda t: t.path)
@@ -175,7 +178,7 @@ def test_patches_that_do_not_claim_the_version_are_neither_checked_nor_chosen():
                      (Target("vllm.v1.no_such_module", "gone", (Signature(ALL, ()),)),), Recorder())
     result = gate.check([*ALL_PATCHES, old_only], version)
     assert old_only not in result.patches
-    assert result.patches == ALL_PATCHES
+    assert result.patches == CLAIMED
 
 
 # ------------------------------------------------------------------ apply_all
@@ -226,7 +229,7 @@ def test_activate_with_everything_real_wraps_every_target_and_deactivate_restore
     assert result is not None and activation.current() is result
     assert result.version == installed_vllm_version()
     assert result.band == band_of(result.version).name
-    wrapped = {t.path for p in ALL_PATCHES for t in p.targets if t.qualname != "BlockPool._maybe_evict_cached_block"}
+    wrapped = {t.path for p in CLAIMED for t in p.targets if t.wrapped}
     assert set(result.patcher.wrapped) == wrapped
     for path in wrapped:
         module, qualname = path.split(":")

@@ -413,8 +413,10 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         probe.join(5)
         return "scheduled"
 
-    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp), schedule=schedule,
-                                      update_from_output=lambda *a: a, finish_requests=lambda *a: None)
+    coordinator = types.SimpleNamespace(get_num_blocks_to_allocate=lambda request_id, num_tokens: num_tokens)
+    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
+                                      schedule=schedule, update_from_output=lambda *a: a,
+                                      finish_requests=lambda *a: None)
     reclaimer = attach_scheduler(scheduler, runtime)
     queue = bp.free_block_queue
     try:
@@ -426,6 +428,10 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         assert scheduler.schedule() == "scheduled"
         assert contested == [False]  # the reclaimer's lock was held during schedule()
         assert scheduler.update_from_output(1, 2) == (1, 2)
+        assert coordinator.get_num_blocks_to_allocate("r", 40) == 40  # wrapped on the instance, value unchanged
+        assert queue.hold.secured == 40 and queue.num_free_blocks >= 40
+        scheduler.schedule()
+        assert queue.hold.secured == 0  # a step's promise ends with the step
         assert not hasattr(scheduler, "reset_prefix_cache")  # absent methods are not invented
         assert set(LOCKED_METHODS) >= {"schedule", "update_from_output", "finish_requests"}
         blocks = bp.get_new_blocks(70)

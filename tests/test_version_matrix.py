@@ -28,7 +28,12 @@ from kvelastic.patching.versions import BANDS, SUPPORTED, Version, installed_vll
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
 EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "scheduler_block_pool"}
+SOME_RELEASES = {"admission_check"}  # what only some releases need; tested on its own below
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
+
+
+def _claimed_names(version: Version) -> list[str]:
+    return [patch.name for patch in ALL_PATCHES if patch.claims(version)]
 
 
 def _claimed_by(name: str) -> tuple[str, ...]:
@@ -73,7 +78,7 @@ def test_readme_support_table_lists_every_release_with_its_band() -> None:
 
 def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
     """A release never gets half of the V1 (or V2) runner patched, and the shared patches claim all."""
-    assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | EVERY_RELEASE
+    assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | EVERY_RELEASE | SOME_RELEASES
     assert len({_claimed_by(name) for name in V1_PATCHES}) == 1, {n: _claimed_by(n) for n in V1_PATCHES}
     assert len({_claimed_by(name) for name in V2_PATCHES}) == 1, {n: _claimed_by(n) for n in V2_PATCHES}
     for name in EVERY_RELEASE | V1_PATCHES:
@@ -101,6 +106,41 @@ def test_page_aware_queue_offers_what_the_block_pool_uses(sources: dict, release
     used = static_check.attributes_used_on(_source(sources, release), "vllm.v1.core", "free_block_queue")
     assert {"popleft_n", "append_n"} <= used, "the scan found no use of the free queue"
     assert sorted(name for name in used if not hasattr(PageAwareFreeQueue, name)) == []
+
+
+def _estimates(root: Path) -> list[tuple[str, bool]]:
+    """(enclosing function, passes ``apply_admission_cap=True``) of every ``coordinator.get_num_blocks_to_allocate``
+    call in ``vllm/v1/core``."""
+    import ast
+
+    found = []
+    for path in sorted((root / "vllm" / "v1" / "core").rglob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr == "get_num_blocks_to_allocate" \
+                        and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "coordinator":
+                    flagged = any(k.arg == "apply_admission_cap" and isinstance(k.value, ast.Constant)
+                                  and k.value.value is True for k in node.keywords)
+                    found.append((function.name, flagged))
+    return found
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", RELEASES)
+def test_only_the_allocations_estimate_maps_and_admission_checks_are_told_apart(sources: dict, release: str) -> None:
+    """The commit guard maps on every unflagged estimate: each must be the one allocate_slots acts on.
+
+    Admission checks (whole sequence, nothing allocated) pass apply_admission_cap=True, or are
+    0.19.0-0.20.1's can_fit_full_sequence, which the admission_check patch claims exactly there.
+    """
+    calls = _estimates(_source(sources, release))
+    unflagged = [name for name, flagged in calls if not flagged]
+    assert unflagged.count("allocate_slots") == 1, calls
+    assert set(unflagged) <= {"allocate_slots", "can_fit_full_sequence"}, calls
+    assert BY_NAME["admission_check"].claims(Version.parse(release)) == ("can_fit_full_sequence" in unflagged)
 
 
 @pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.33.0"])
@@ -138,6 +178,12 @@ def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
     version = installed_vllm_version()
     for patch in ALL_PATCHES:
         for target in patch.targets:
+            if not patch.claims(version):  # absent from this release, both ways of looking agree
+                with pytest.raises(static_check.StaticLookupError):
+                    static_check.find(root, target)
+                with pytest.raises(LookupError):
+                    gate.resolve(target)
+                continue
             _, raw = gate.resolve(target)
             function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
             assert static_check.find(root, target).params == tuple(inspect.signature(function).parameters)
@@ -145,4 +191,4 @@ def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
                 assert static_check.check_target(root, target, version) == gate.check_target(target, version)
     if version in SUPPORTED:
         assert static_check.check_release(root, version, ALL_PATCHES) == []
-        assert {p.name for p in gate.check(ALL_PATCHES, version).patches} == set(BY_NAME)
+        assert {p.name for p in gate.check(ALL_PATCHES, version).patches} == set(_claimed_names(version))

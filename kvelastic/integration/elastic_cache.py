@@ -82,6 +82,10 @@ class ElasticKVCache(GroupedBlocks):
             self.pool.unmap_groups(groups, fence=fence)
             self._device_free_cache = (0.0, None)
 
+    def forget_device_free(self) -> None:
+        """The device refused what the last reading promised: read it again next time."""
+        self._device_free_cache = (0.0, None)
+
     def mappable_groups(self, unmapped: int) -> int:
         """How many of ``unmapped`` groups could be mapped now, within the limit and the device.
 

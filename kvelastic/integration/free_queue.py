@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
+from kvelastic.integration.commit_guard import AllocationHold
 from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
@@ -51,6 +52,8 @@ class PageAwareFreeQueue:
         self.demand_groups = 0  # empty groups the waiting requests need (see want_blocks)
         self.report_all_free = False
         self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
+        self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
+        self.refused_groups = 0
         self.last_allocation = clock()
         groups = cache.num_groups
         self._in_use = [len(cache.blocks_of_group(g)) for g in range(groups)]
@@ -123,6 +126,7 @@ class PageAwareFreeQueue:
                              f"no physical memory could be mapped for them")
         now = self._clock()
         self.last_allocation = now
+        self.hold.taken(n)
         self.num_in_use += n
         for block in taken:
             g = self.cache.group_of_block(block.block_id)
@@ -264,6 +268,20 @@ class PageAwareFreeQueue:
         self.demand_groups = len(self._empty) + -(-short // self.cache.blocks_per_group) if short else 0
         self._balance()
 
+    def map_for(self, blocks: int) -> bool:
+        """Map now the groups that ``blocks`` more would need beyond the free mapped blocks.
+
+        Only when the estimate says they can be had (otherwise vLLM's own
+        check declines). False if a map was refused: the estimate was wrong.
+        """
+        self._adopt_mapped()
+        short = blocks - self._free_uncached_total - len(self._cached)
+        if short <= 0 or short > self._mappable_blocks():
+            return True
+        refused = self.refused_groups
+        self._map_now(short)
+        return self.refused_groups == refused
+
     def cached_groups(self) -> int:
         return sum(1 for g, n in enumerate(self._cached_count) if n and not self._in_use[g])
 
@@ -272,9 +290,10 @@ class PageAwareFreeQueue:
         """Blocks in groups the pool could still map; recomputed at most every millisecond.
 
         Zero when mapping is not synchronous (ranks in other processes must
-        confirm a group first): blocks are promised only once really mapped.
+        confirm a group first): blocks are promised only once really mapped;
+        zero too for the rest of a step in which the device refused a map.
         """
-        if not getattr(self.mapper, "synchronous", True):
+        if not getattr(self.mapper, "synchronous", True) or self.hold.refused:
             return 0
         now = self._clock()
         if now < self._mappable_until:
@@ -307,6 +326,7 @@ class PageAwareFreeQueue:
         while mapper.refused:
             g = mapper.refused.popleft()
             self._requested.discard(g)
+            self.refused_groups += 1
             heapq.heappush(self._unmapped, g)
 
     def _add_uncached(self, g: int, block_id: int) -> None:
@@ -385,7 +405,7 @@ class PageAwareFreeQueue:
             if groups:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)
-        elif len(self._empty) > want:
+        elif len(self._empty) > want and not self.hold.secured:
             self._release_groups(sorted(self._empty)[want:] if want else sorted(self._empty))
 
     def _release_groups(self, groups: list[int], after: Any = None) -> None:

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Any
 
+from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.reclaimer import Reclaimer
@@ -44,6 +45,7 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     block_pool = scheduler.kv_cache_manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
+    guard = commit_guard.install(scheduler.kv_cache_manager.coordinator, queue)
     lock = threading.RLock()
     offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings)
     for name in LOCKED_METHODS:
@@ -52,6 +54,8 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
             continue
         after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
         flush = offload.flush if offload is not None else None  # no copy outlives a call
+        if name == "schedule":  # what was secured for this step's allocations is not held past it
+            flush = _chain(guard.end_step, flush)
         if remote and name == "schedule":
             from kvelastic.tp.scheduler_side import locked_schedule
 
@@ -134,6 +138,18 @@ def _locked(lock: threading.RLock, method: Any, then: Any = None) -> Any:
             return result
 
     return call
+
+
+def _chain(first: Any, then: Any) -> Any:
+    """``first()`` then ``then()`` (where there is one), as one callable."""
+    if then is None:
+        return first
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _after_reset(block_pool: Any, offload: Any) -> Any:

@@ -33,6 +33,9 @@ class Target:
     qualname: str
     signatures: tuple[Signature, ...]
     kind: str = "function"  # "function", "method" or "staticmethod"
+    #: False where the patch only reads the target or wraps it on one instance at run time:
+    #: the gate checks it all the same, but the class (or module) keeps vLLM's function.
+    wrapped: bool = True
 
     def expected_params(self, version: Version) -> tuple[str, ...] | None:
         for signature in self.signatures:

@@ -1,0 +1,141 @@
+"""Map the groups an allocation needs before vLLM decides to make it.
+
+The page-aware queue counts as free the blocks of groups it could still map,
+judged from a free-memory reading up to 50 ms old (less a margin). vLLM's
+``KVCacheManager.allocate_slots`` compares that count with what a request
+needs and then commits (prefix blocks touched, blocks taken). If a process
+outside kvelastic's accounting takes the memory in between, mapping fails in
+``popleft_n``, after the commit, where the only answer left is an exception
+that stops the engine.
+
+vLLM asks ``coordinator.get_num_blocks_to_allocate(...)`` right before that
+check in every supported release. :func:`install` wraps it on the scheduler's
+coordinator instance: once vLLM knows how many blocks it wants, the queue maps
+any it lacks now. A refusal then only lowers the free count vLLM reads next:
+vLLM returns None (the request waits, or a running one is preempted) before
+it changes anything. After a refusal no unmapped group is promised until the
+step ends, so a preemption loop does not ask the device again and again; the
+free-memory reading is refreshed for the next step.
+
+Until the step ends (or ``popleft_n`` has taken them), empty groups are not
+released as surplus: the blocks just secured must still be there when vLLM
+takes them, also between the several ``popleft_n`` of a hybrid coordinator.
+
+Admission checks (``apply_admission_cap=True``, or vLLM 0.19.0-0.20.1's
+``can_fit_full_sequence``, see ``patches/admission_check.py``) ask about a
+whole sequence and allocate nothing: those map nothing.
+
+Under tensor parallelism (``mapper.synchronous`` False) the queue promises
+only groups every rank has confirmed, so no estimate can fail; mapping waits
+for the ranks a step later, so the guard maps nothing there and only keeps the
+secured groups from being released (demand is requested after each step from
+the scheduler's queues, see :func:`kvelastic.tp.scheduler_side.demand_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+
+log = logging.getLogger("kvelastic")
+
+ADMISSION_FLAG = "apply_admission_cap"  # vLLM >= 0.20.2: True for checks that allocate nothing
+LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step
+
+
+class AllocationHold:
+    """What the queue must honour between vLLM's estimate and its allocation, until the step ends."""
+
+    def __init__(self) -> None:
+        self.secured = 0         # blocks vLLM was just told it may take; empty groups stay mapped for them
+        self.refused = False     # the device refused this step: promise no unmapped group until it ends
+
+    def taken(self, blocks: int) -> None:
+        self.secured = max(0, self.secured - blocks)
+
+    def end_step(self) -> None:
+        self.secured = 0
+        self.refused = False
+
+
+class CommitGuard:
+    """Secures, on vLLM's estimate, the blocks its next allocation will take."""
+
+    def __init__(self, queue: PageAwareFreeQueue):
+        self.queue = queue
+        self.admitting = 0  # depth of admission checks in progress (nothing to secure in them)
+        self.refusals = 0   # estimates the device proved wrong, for logs and tests
+        self._next_log = 0.0
+
+    def secure(self, blocks: int) -> None:
+        """vLLM will take ``blocks`` free blocks if the free count allows: map what is missing now."""
+        if self.admitting:
+            return
+        hold = self.queue.hold
+        hold.secured = blocks
+        if not self.queue.map_for(blocks):
+            hold.refused = True
+            self.queue.cache.forget_device_free()
+            self.refusals += 1
+            self._log_refusal(blocks)
+
+    def _log_refusal(self, blocks: int) -> None:
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + LOG_EVERY_S
+            log.info("kvelastic: the device refused memory the free-block estimate promised (another "
+                     "process took it); an allocation of %d blocks waits as a scheduling miss "
+                     "(%d refusals so far)", blocks, self.refusals)
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """A whole-sequence admission check runs inside: it allocates nothing, so nothing is mapped."""
+        self.admitting += 1
+        try:
+            yield
+        finally:
+            self.admitting -= 1
+
+    def end_step(self) -> None:
+        self.queue.hold.end_step()
+
+
+def install(coordinator: Any, queue: PageAwareFreeQueue) -> CommitGuard:
+    """Wrap ``coordinator.get_num_blocks_to_allocate`` on this instance only; return the guard."""
+    guard = CommitGuard(queue)
+    original = coordinator.get_num_blocks_to_allocate
+    admission_position = _position_of(original, ADMISSION_FLAG)
+    wrapper = functools.partial(_estimate, guard, original, admission_position)
+    functools.update_wrapper(wrapper, original)
+    coordinator.get_num_blocks_to_allocate = wrapper
+    coordinator.kvelastic_guard = guard
+    return guard
+
+
+def guard_of(kv_cache_manager: Any) -> CommitGuard | None:
+    return getattr(getattr(kv_cache_manager, "coordinator", None), "kvelastic_guard", None)
+
+
+def _position_of(method: Callable[..., Any], name: str) -> int | None:
+    """Index of parameter ``name`` among the bound method's positional ones; None where it has none."""
+    params = list(inspect.signature(method).parameters)
+    return params.index(name) if name in params else None
+
+
+def _estimate(guard: CommitGuard, original: Callable[..., int], admission_position: int | None,
+              *args: Any, **kwargs: Any) -> int:
+    blocks = original(*args, **kwargs)
+    if admission_position is not None:
+        flag = args[admission_position] if len(args) > admission_position else kwargs.get(ADMISSION_FLAG)
+        if flag:
+            return blocks
+    guard.secure(blocks)
+    return blocks

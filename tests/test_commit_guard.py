@@ -1,0 +1,158 @@
+"""The commit guard on its own: what it maps on vLLM's estimate, what it holds, and what it leaves alone.
+
+The queue is the real page-aware queue over a host-backed cache whose device
+can be made to refuse (``OutsiderBackend``); the coordinators are stand-ins
+with the estimate's parameters as each band of vLLM releases declares them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvelastic.integration import commit_guard
+from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.integration.mapper import GroupMapper
+from kvelastic.patches import admission_check, scheduler_block_pool
+from kvelastic.patching.versions import Version
+from tests.kv_fixtures import BLOCKS_PER_GROUP, build_cache
+from tests.test_device_refusal import OutsiderBackend
+
+
+class Block:
+    """What the queue reads of vLLM's KVCacheBlock."""
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.block_hash = None
+
+
+class AsyncMapper(GroupMapper):
+    """A mapper like the tensor-parallel one: nothing is mapped within a call."""
+
+    synchronous = False
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        self.waited = 0
+
+    def map_now(self, groups, *, force=False):
+        self.waited += 1
+
+
+@pytest.fixture
+def built():
+    backend = OutsiderBackend()
+    pool, views, cache = build_cache(backend=backend)
+    made = []
+
+    def make(mapper_type=GroupMapper):
+        blocks = [Block(i) for i in range(cache.num_blocks)]
+        queue = PageAwareFreeQueue(cache, blocks, blocks[1:], lambda block: None, mapper_type(cache),
+                                   max_ahead_groups=1)
+        made.append(queue)
+        return queue
+
+    yield make, backend, pool
+    del views
+    pool.close()
+
+
+def _mapped_free(queue) -> int:
+    """Free blocks in mapped groups: what can be taken without asking the device."""
+    queue._adopt_mapped()  # groups the mapper has mapped since
+    return queue._free_uncached_total + len(queue._cached)
+
+
+def _coordinator(params: tuple[str, ...]):
+    """A stand-in whose estimate has ``params`` (``self`` dropped) and answers ``num_tokens`` blocks."""
+    names = ", ".join(params[1:])
+    namespace: dict = {}
+    exec(f"def get_num_blocks_to_allocate(self, {names}):\n    return num_tokens", namespace)  # noqa: S102
+    return type("Coordinator", (), namespace)()
+
+
+def _bands():
+    target = scheduler_block_pool.BLOCKS_TO_ALLOCATE
+    return [(str(signature.versions.low), signature.params) for signature in target.signatures]
+
+
+@pytest.mark.parametrize(("low", "params"), _bands(), ids=[low for low, _ in _bands()])
+def test_every_bands_estimate_secures_unless_it_is_an_admission_check(built, low, params):
+    make, _, _ = built
+    queue = make()
+    coordinator = _coordinator(params)
+    commit_guard.install(coordinator, queue)
+    assert coordinator.kvelastic_guard.queue is queue
+    args = {name: 0 for name in params[1:]}
+    args.update(request_id="r", num_tokens=100)
+    if "apply_admission_cap" in params:
+        args["apply_admission_cap"] = True
+        assert coordinator.get_num_blocks_to_allocate(**args) == 100
+        assert queue.hold.secured == 0, "an admission check secured blocks"
+        positional = [args[name] for name in params[1:]]
+        assert coordinator.get_num_blocks_to_allocate(*positional) == 100
+        assert queue.hold.secured == 0, "a positional admission flag was missed"
+        args["apply_admission_cap"] = False
+    assert coordinator.get_num_blocks_to_allocate(**args) == 100
+    assert queue.hold.secured == 100
+    assert queue.num_free_blocks >= 100 and _mapped_free(queue) >= 100  # mapped now, not promised
+
+
+def test_groups_secured_for_an_allocation_outlive_the_first_of_several_takes(built):
+    """A hybrid coordinator takes its blocks in several popleft_n; the device may be gone by the second."""
+    make, backend, pool = built
+    queue = make()
+    guard = commit_guard.CommitGuard(queue)
+    guard.secure(100)
+    backend.outsider = True
+    first = queue.popleft_n(50)
+    pool.collect(wait=True)
+    pool.trim_reserve(0)  # as the reclaimer may: a group released here could not come back
+    second = queue.popleft_n(50)  # without the hold, the first take's balance released a group it needed
+    assert len({b.block_id for b in first + second}) == 100
+    guard.end_step()
+    assert queue.hold.secured == 0
+
+
+def test_a_refusal_removes_unmapped_groups_from_the_free_count_until_the_step_ends(built):
+    make, backend, _ = built
+    queue = make()
+    guard = commit_guard.CommitGuard(queue)
+    mapped_free = _mapped_free(queue)
+    backend.outsider = True
+    guard.secure(mapped_free + 2 * BLOCKS_PER_GROUP)
+    assert guard.refusals == 1 and queue.hold.refused
+    assert queue.num_free_blocks == mapped_free  # vLLM's check now fails: a scheduling miss
+    guard.secure(mapped_free + 2 * BLOCKS_PER_GROUP)  # vLLM retrying after a preemption
+    assert guard.refusals == 1, "the device was asked again within the step"
+    guard.end_step()
+    assert queue.num_free_blocks > mapped_free  # the next step may try again
+
+
+def test_where_mapping_is_asynchronous_the_guard_never_waits_but_still_holds(built):
+    make, _, _ = built
+    queue = make(AsyncMapper)
+    guard = commit_guard.CommitGuard(queue)
+    guard.secure(10 * BLOCKS_PER_GROUP)
+    assert queue.mapper.waited == 0
+    assert queue.hold.secured == 10 * BLOCKS_PER_GROUP and not queue.hold.refused
+
+
+def test_the_admission_check_of_0_19_maps_nothing(built):
+    make, _, _ = built
+    queue = make()
+    coordinator = _coordinator(scheduler_block_pool.BLOCKS_TO_ALLOCATE.expected_params(Version(0, 19, 0)))
+    guard = commit_guard.install(coordinator, queue)
+    manager = type("Manager", (), {})()
+    manager.coordinator = coordinator
+    seen = []
+
+    def can_fit_full_sequence(request):
+        seen.append(guard.admitting)
+        return coordinator.get_num_blocks_to_allocate("r", 200, (), 0, 0, 200) <= queue.num_free_blocks
+
+    assert admission_check._can_fit(can_fit_full_sequence, manager, ("request",), {}) is True
+    assert seen == [1] and guard.admitting == 0
+    assert queue.hold.secured == 0
+    plain = type("Manager", (), {})()  # a manager kvelastic did not attach to: vLLM's call as is
+    assert admission_check._can_fit(lambda request: "as is", plain, ("request",), {}) == "as is"
