@@ -89,7 +89,6 @@ class Settings:
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
     copy_path: str = "direct"  # chosen from bench_copy.py on an H100: docs/gpu-results.md
-    load_budget_bytes: int = 512 * MIB
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -124,7 +123,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
     "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged")),
-    "load_budget_bytes": ("KVELASTIC_LOAD_BUDGET", lambda n, t: parse_size(t, name=n)),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

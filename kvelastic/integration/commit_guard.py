@@ -42,16 +42,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from kvelastic.integration.load_pacing import HELD_BACK
-
 if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.load_pacing import LoadPacer
 
 log = logging.getLogger("kvelastic")
 
 ADMISSION_FLAG = "apply_admission_cap"  # vLLM >= 0.20.2: True for checks that allocate nothing
-COMPUTED = "new_computed_blocks"  # the request's prefix-cache hit, per KV cache group
 LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step
 
 
@@ -77,7 +73,6 @@ class CommitGuard:
         self.queue = queue
         self.admitting = 0  # depth of admission checks in progress (nothing to secure in them)
         self.refusals = 0   # estimates the device proved wrong, for logs and tests
-        self.pacer: LoadPacer | None = None  # holds back requests whose host loads would stall a step
         self._next_log = 0.0
 
     def secure(self, blocks: int) -> None:
@@ -110,8 +105,6 @@ class CommitGuard:
             self.admitting -= 1
 
     def end_step(self) -> None:
-        if self.pacer is not None:
-            self.pacer.end_step()
         self.queue.hold.end_step()
 
 
@@ -119,8 +112,8 @@ def install(coordinator: Any, queue: PageAwareFreeQueue) -> CommitGuard:
     """Wrap ``coordinator.get_num_blocks_to_allocate`` on this instance only; return the guard."""
     guard = CommitGuard(queue)
     original = coordinator.get_num_blocks_to_allocate
-    positions = (_position_of(original, ADMISSION_FLAG), _position_of(original, COMPUTED))
-    wrapper = functools.partial(_estimate, guard, original, positions)
+    admission_position = _position_of(original, ADMISSION_FLAG)
+    wrapper = functools.partial(_estimate, guard, original, admission_position)
     functools.update_wrapper(wrapper, original)
     coordinator.get_num_blocks_to_allocate = wrapper
     coordinator.kvelastic_guard = guard
@@ -137,20 +130,12 @@ def _position_of(method: Callable[..., Any], name: str) -> int | None:
     return params.index(name) if name in params else None
 
 
-def _argument(args: tuple, kwargs: dict, position: int | None, name: str) -> Any:
-    if position is not None and len(args) > position:
-        return args[position]
-    return kwargs.get(name)
-
-
-def _estimate(guard: CommitGuard, original: Callable[..., int], positions: tuple[int | None, int | None],
+def _estimate(guard: CommitGuard, original: Callable[..., int], admission_position: int | None,
               *args: Any, **kwargs: Any) -> int:
     blocks = original(*args, **kwargs)
-    if positions[0] is not None and _argument(args, kwargs, positions[0], ADMISSION_FLAG):
-        return blocks
-    pacer = guard.pacer
-    if pacer is not None and not guard.admitting and not pacer.admit(
-            _argument(args, kwargs, positions[1], COMPUTED)):
-        return HELD_BACK  # more than the pool has: vLLM leaves the request waiting for this step
+    if admission_position is not None:
+        flag = args[admission_position] if len(args) > admission_position else kwargs.get(ADMISSION_FLAG)
+        if flag:
+            return blocks
     guard.secure(blocks)
     return blocks

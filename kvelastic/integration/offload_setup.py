@@ -38,8 +38,7 @@ def attach_offload(block_pool: Any, queue: PageAwareFreeQueue, cache: ElasticKVC
     slot_bytes = sum(v.shape[1] for v in views)
     pin = views[0].device.type == "cuda"
     tier = HostTier(cpu_bytes, slot_bytes, pin=pin, policy=policy)
-    manager = OffloadManager(tier, BlockCopier(views, tier.buffer, path=copy_path), queue, block_pool,
-                             background_loads=True)
+    manager = OffloadManager(tier, BlockCopier(views, tier.buffer, path=copy_path), queue, block_pool)
     queue.spill_hook = manager.spill
     hook_lookup(block_pool, manager)
     return manager
@@ -49,7 +48,6 @@ def hook_lookup(block_pool: Any, manager: OffloadManager) -> None:
     """Let the prefix-cache map fall back to the host tier (again after a reset replaces it)."""
     index = block_pool.cached_block_hash_to_block
     original = index.get_one_block
-    manager.gpu_lookup = original
 
     @functools.wraps(original)
     def get_one_block(key: Any) -> Any:

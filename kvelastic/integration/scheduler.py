@@ -48,10 +48,6 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
     guard = commit_guard.install(scheduler.kv_cache_manager.coordinator, queue)
     lock = threading.RLock()
     offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings)
-    if offload is not None:
-        from kvelastic.integration.load_pacing import make_pacer
-
-        guard.pacer = make_pacer(scheduler, offload, settings.load_budget_bytes)
     for name in LOCKED_METHODS:
         method = getattr(scheduler, name, None)
         if method is None:

@@ -72,31 +72,20 @@ class BlockCopier:
         with self._on_copy_stream():
             self.mover.store(block_ids, slots, self._indices)
             fence = self._done()
-        if block_compute:
-            self.order_compute_after(fence)
+        if self.cuda and block_compute:
+            torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
 
-    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> Fence:
-        """Copy host slots into GPU blocks; the returned fence passes when they hold the data.
-
-        ``block_compute``: later compute on the legacy stream waits for the load
-        (the step about to run reads these blocks). Without it the load runs
-        beside later compute, which must be ordered after the fence
-        (:meth:`order_compute_after`) before it touches these blocks.
-        """
+    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> Fence:
+        """Copy host slots into GPU blocks; later compute on the legacy stream waits for it."""
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
             self.mover.load(block_ids, slots, self._indices)
             fence = self._done()
-        if block_compute:
-            self.order_compute_after(fence)
+        if self.cuda:
+            torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
-
-    def order_compute_after(self, fence: Fence) -> None:
-        """Make compute queued from now on wait for ``fence`` (on the GPU; no host thread blocks)."""
-        if self.cuda and isinstance(fence, EventFence):
-            torch.cuda.default_stream(self.device).wait_event(fence.event)
 
     def _on_copy_stream(self) -> Any:
         if not self.cuda:
