@@ -377,8 +377,10 @@ def test_servers_are_stopped_even_when_the_launcher_cannot_print_any_more(tmp_pa
 
 SLOW_NVIDIA_SMI = """\
 import os, sys, time
-with open(os.path.join(os.environ["FAKE_DIR"], "smi.pid"), "w") as out:
+path = os.path.join(os.environ["FAKE_DIR"], "smi.pid")
+with open(path + ".tmp", "w") as out:
     out.write(str(os.getpid()))
+os.replace(path + ".tmp", path)  # whole or absent: the test reads it as soon as it exists
 time.sleep(60)  # a GPU probe that takes long (the launcher gives nvidia-smi 30 s)
 """
 
