@@ -81,6 +81,11 @@ def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -
     return out
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile of sorted values (nearest rank below)."""
+    return ordered[int(q / 100 * (len(ordered) - 1))]
+
+
 def round_summary(rnd: dict, out_len: int) -> dict:
     turns = rnd["turns"]
     prompt = sum(t["prompt_tokens"] for t in turns)
@@ -89,7 +94,7 @@ def round_summary(rnd: dict, out_len: int) -> dict:
     ttft = sorted(x for t in turns[1:] for x in t["ttft"])
     outputs = sum(len(t["outputs"]) for t in turns) * out_len
     return {"seconds": rnd["seconds"], "tok_s": (prompt + outputs) / rnd["seconds"],
-            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+            "ttft_p50": statistics.median(ttft), "ttft_p99": percentile(ttft, 99),
             "prefix_hit_ratio": cached / later_prompt}
 
 
@@ -108,7 +113,7 @@ def summarize(r: dict, out_len: int) -> dict:
     row["tok_s_min"], row["tok_s_max"] = min(x["tok_s"] for x in per_round), max(x["tok_s"] for x in per_round)
     pooled = sorted(x for rnd in measured for t in rnd["turns"][1:] for x in t["ttft"])
     for q in (50, 90, 99):
-        row[f"pooled_p{q}"] = pooled[int(q / 100 * (len(pooled) - 1))]
+        row[f"pooled_p{q}"] = percentile(pooled, q)
     return row
 
 

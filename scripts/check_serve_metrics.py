@@ -75,6 +75,11 @@ def scrape(url: str) -> dict[str, Any]:
             "kvelastic": {name: values for name, values in parse_metrics(text).items() if name in WATCHED}}
 
 
+def _largest(scrape: dict[str, Any], name: str) -> float:
+    """A metric's largest value over its engines in one scrape; 0 where the scrape lacks it."""
+    return max((scrape["kvelastic"].get(name) or {"": 0.0}).values())
+
+
 def run_checks(ns: argparse.Namespace, url: str, data: dict[str, Any]) -> list[tuple[str, bool]]:
     first = send_round(url, ns.prompts)
     time.sleep(4)  # TTL 2 s: the idle cache is spilled and released by the reclaimer
@@ -84,13 +89,13 @@ def run_checks(ns: argparse.Namespace, url: str, data: dict[str, Any]) -> list[t
     data["cached_tokens_second"] = [r.get("cached_tokens") for r in second]
     data["scrapes"] = [scrape(url) for _ in range(ns.scrapes)]
     scrapes = data["scrapes"]
-    spilled = [max((s["kvelastic"].get("kvelastic_spilled_bytes_total") or {0: 0}).values()) for s in scrapes]
+    spilled = [_largest(s, "kvelastic_spilled_bytes_total") for s in scrapes]
     return [
         ("no request failed", not data["errors"]),
         ("second round token-identical to the first", data["identical"] == ns.prompts),
         ("every scrape has vllm: metrics", all(s["vllm_lines"] > 0 for s in scrapes)),
         ("every scrape has kvelastic_mapped_bytes > 0",
-         all(max((s["kvelastic"].get("kvelastic_mapped_bytes") or {0: 0}).values()) > 0 for s in scrapes)),
+         all(_largest(s, "kvelastic_mapped_bytes") > 0 for s in scrapes)),
         ("every scrape has the host-tier counters", all("kvelastic_host_hits_total" in s["kvelastic"]
                                                          for s in scrapes)),
         ("spills counted (limit + idle TTL forced them)", max(spilled) > 0),

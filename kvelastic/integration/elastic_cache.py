@@ -68,7 +68,7 @@ class ElasticKVCache(GroupedBlocks):
     def map_groups(self, groups: Iterable[int], *, force: bool = False) -> None:
         """Map groups before their blocks are handed out; raises PoolExhausted."""
         self.pool.map_groups(groups, force=force)
-        self._device_free_cache = (0.0, None)
+        self.forget_device_free()
 
     def unmap_groups(self, groups: Iterable[int], after: Sequence[Fence] = ()) -> None:
         """Unmap groups whose blocks are all free, once the GPU (and every ``after`` fence) is done."""
@@ -80,10 +80,11 @@ class ElasticKVCache(GroupedBlocks):
 
                 fence = AllFences([fence, *after])
             self.pool.unmap_groups(groups, fence=fence)
-            self._device_free_cache = (0.0, None)
+            self.forget_device_free()
 
     def forget_device_free(self) -> None:
-        """The device refused what the last reading promised: read it again next time."""
+        """The device's free memory changed (we mapped or unmapped, or it refused what the last
+        reading promised): read it again next time."""
         self._device_free_cache = (0.0, None)
 
     def mappable_groups(self, unmapped: int) -> int:
