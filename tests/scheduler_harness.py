@@ -185,3 +185,36 @@ def wait_unmapped(pool, at_most: int) -> int:
         pool.collect()
         time.sleep(0.01)
     return pool.stats().mapped_bytes
+
+
+class PatchedSchedulers:
+    """Schedulers patched by ``scheduler_block_pool`` over given host-backed caches, torn down together.
+
+    One patch is applied at a time, pointing at the runtime of the scheduler
+    being built; :meth:`close` reverts it and stops every scheduler's threads.
+    """
+
+    def __init__(self) -> None:
+        from kvelastic.patching.apply import Patcher
+
+        self.patcher = Patcher()
+        self.made: list = []
+
+    def make(self, pool, views, cache, settings, asynchronous: bool = False):
+        from kvelastic.integration.runtime import Runtime
+        from kvelastic.patches import scheduler_block_pool
+
+        runtime = Runtime(settings)
+        runtime.cache = cache
+        self.patcher.revert()
+        scheduler_block_pool.PATCH.apply(self.patcher, runtime)
+        scheduler = make_scheduler(asynchronous=asynchronous)
+        self.made.append((scheduler, pool, views))  # the views keep the KV tensors' memory alive
+        return scheduler
+
+    def close(self) -> None:
+        self.patcher.revert()
+        for scheduler, pool, _ in self.made:
+            scheduler.kvelastic_reclaimer.stop()
+            scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.stop()
+            pool.close()

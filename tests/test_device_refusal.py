@@ -16,9 +16,6 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
 from kvelastic.errors import DeviceOutOfMemory
-from kvelastic.integration.runtime import Runtime
-from kvelastic.patches import scheduler_block_pool
-from kvelastic.patching.apply import Patcher
 from kvelastic.pool import HostBackend
 from kvelastic.settings import Settings
 from tests.kv_fixtures import GROUP_BYTES, build_cache
@@ -27,6 +24,7 @@ from tests.scheduler_harness import (
     drive,
     drive_async,
     make_requests,
+    PatchedSchedulers,
     make_scheduler,
     wait_unmapped,
 )
@@ -54,26 +52,16 @@ class OutsiderBackend(HostBackend):
 def outsider(tmp_path, monkeypatch):
     """A factory of patched schedulers over an OutsiderBackend; torn down after the test."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    made: list = []
-    patcher = Patcher()
+    schedulers = PatchedSchedulers()
 
     def make(asynchronous: bool = False):
         backend = OutsiderBackend()
         pool, views, cache = build_cache(backend=backend)
-        runtime = Runtime(Settings(enabled=True, reserve_bytes=0))  # no warm pages: every map creates
-        runtime.cache = cache
-        patcher.revert()
-        scheduler_block_pool.PATCH.apply(patcher, runtime)
-        scheduler = make_scheduler(asynchronous=asynchronous)
-        made.append((scheduler, pool, views))  # the views keep the KV tensors' memory alive
-        return scheduler, pool, backend
+        settings = Settings(enabled=True, reserve_bytes=0)  # no warm pages: every map creates
+        return schedulers.make(pool, views, cache, settings, asynchronous), pool, backend
 
     yield make
-    patcher.revert()
-    for scheduler, pool, _ in made:
-        scheduler.kvelastic_reclaimer.stop()
-        scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.stop()
-        pool.close()
+    schedulers.close()
 
 
 def _requests() -> tuple[list, list]:

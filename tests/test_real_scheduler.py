@@ -11,39 +11,26 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
-from kvelastic.integration.runtime import Runtime  # noqa: E402
-from kvelastic.patches import scheduler_block_pool  # noqa: E402
-from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, GROUP_BYTES, N, build_cache  # noqa: E402
 from tests.scheduler_harness import (check_every_step, drive, drive_async, make_requests, make_scheduler,  # noqa: E402
                                      model_output, prefill, repeat_waves, wait_unmapped)
-from tests.scheduler_harness import cached_blocks_are_all_mapped  # noqa: E402
+from tests.scheduler_harness import PatchedSchedulers, cached_blocks_are_all_mapped  # noqa: E402
 
 @pytest.fixture
 def patched(tmp_path, monkeypatch):
     """A scheduler factory whose schedulers are patched over a host-backed cache; torn down after the test."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    made: list = []
-    patcher = Patcher()
+    schedulers = PatchedSchedulers()
 
     def make(limit_groups: int | None = None, asynchronous: bool = False, **settings):
         pool, views, cache = build_cache(limit_groups)
-        runtime = Runtime(Settings(enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES,
-                                   **settings))
-        runtime.cache = cache
-        patcher.revert()  # one wrapper at a time, pointing at this runtime
-        scheduler_block_pool.PATCH.apply(patcher, runtime)
-        scheduler = make_scheduler(asynchronous=asynchronous)
-        made.append((scheduler, pool))
+        scheduler = schedulers.make(pool, views, cache, Settings(
+            enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES, **settings), asynchronous)
         return scheduler, pool, views
 
     yield make
-    patcher.revert()
-    for scheduler, pool in made:
-        scheduler.kvelastic_reclaimer.stop()
-        scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.stop()
-        pool.close()
+    schedulers.close()
 
 
 def test_with_memory_to_spare_the_patched_scheduler_makes_vanillas_decisions(patched):
