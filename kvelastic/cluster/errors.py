@@ -19,8 +19,20 @@ class AccountNotFound(ClusterError):
     """No account file exists for the GPU (or none at all in the shared directory)."""
 
 
+class AccountVanished(AccountNotFound):
+    """The account file this process had open was removed or replaced (``kvelastic reset``, ``rm``)."""
+
+
 class AccountCorrupt(ClusterError):
-    """The file is not a kvelastic account, or was written by an incompatible version."""
+    """The file is not a kvelastic account, was written by an incompatible version, or holds out-of-range values."""
+
+
+class AccountBusy(ClusterError):
+    """Another process held the account's lock past the deadline: nothing happened, try again later."""
+
+
+class AccountNotWritable(ClusterError):
+    """This process may read the account but not change it."""
 
 
 class AccountFull(ClusterError):
