@@ -12,8 +12,16 @@ started with (vLLM's profiled KV size, or ``KVELASTIC_LIMIT``), which every
 member keeps in its record: an engine is sized around that cap at start-up, so
 a reset must never let it grow over the whole GPU.
 
+``kvelastic reset GPU`` removes a GPU's account (one that is corrupt, or with
+``--force`` any); the engines still running create and join a fresh one.
+Everything read from the shared folder is untrusted: names are shown without
+control characters, and only this user's (or group's) folder is read
+(``docs/security.md``).
+
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
-account or no live instance.
+account or no live instance; 5 not allowed (the account may not be changed by
+this user, or the shared folder is unsafe); 6 ``status`` found an account it
+cannot read (corrupt: ``kvelastic reset`` it).
 """
 
 from __future__ import annotations
@@ -28,14 +36,25 @@ from typing import Sequence
 
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
+from kvelastic.cluster.errors import AccountInUse, AccountNotOwned, AccountNotWritable
+from kvelastic.cluster.reset import reset_account
+from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.errors import ConfigError
 from kvelastic.integration.metrics import find_snapshot
+from kvelastic.shared.errors import SharedFileError
+from kvelastic.shared.names import gpu_of_account
+from kvelastic.shared.sweep import sweep_scope
+from kvelastic.shared.text import printable
 from kvelastic.units import SIZE_FORM, format_size, parse_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
 EXIT_NONE = 4
+EXIT_DENIED = 5
+EXIT_CORRUPT = 6
+_EXIT_CODES = ((ConfigError, EXIT_USAGE), (AccountInUse, EXIT_USAGE),
+               ((AccountNotWritable, AccountNotOwned, SharedFileError), EXIT_DENIED), (ClusterError, EXIT_NONE))
 _CLEAR_WORDS = {"none", "off", "unlimited"}  # a min of 0
 _RESTORE_WORDS = {"none", "reset", "default"}  # a max: the start-up cap
 _UNCAPPED_WORDS = {"off", "unlimited"}  # a max: refused, an engine never runs without its cap
@@ -79,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("size", nargs="?", metavar="SIZE", help="new budget (omit to show)")
     budget.add_argument("--gpu", metavar="ID", help="the GPU's account (needed to change it when "
                         "there are several)")
+    reset = sub.add_parser("reset", help="remove a GPU's account (corrupt, or with --force any); running "
+                           "instances create and join a fresh one")
+    reset.add_argument("gpu", metavar="GPU", help="the GPU id, as `kvelastic status` shows it")
+    reset.add_argument("--force", action="store_true", help="reset an account that is readable and has "
+                       "live instances too (their limits set with `kvelastic limit` are lost)")
     return parser
 
 
@@ -117,8 +141,12 @@ def _size(text: str, argument: str) -> int:
 
 
 # ------------------------------------------------------------------ accounts
-def open_accounts(gpu: str | None) -> list[SharedAccount]:
-    """The account of ``gpu``, or every account in the shared directory; CliError(4) if none."""
+def open_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[SharedAccount]:
+    """The account of ``gpu``, or every account in the shared directory; CliError(4) if none.
+
+    Accounts that cannot be read are added to ``broken`` (for ``status`` to
+    show) or, without it, named on stderr and skipped.
+    """
     where = shared_dir()
     paths = [account_path(gpu)] if gpu else find_account_paths()
     accounts = []
@@ -127,12 +155,18 @@ def open_accounts(gpu: str | None) -> list[SharedAccount]:
             accounts.append(SharedAccount.attach(path))
         except AccountNotFound:
             continue
-        except ClusterError as error:
-            print(f"kvelastic: skipping {path}: {error}", file=sys.stderr)
-    if not accounts:
+        except (ClusterError, SharedFileError, OSError) as error:
+            problem = printable(str(error))
+            if broken is None:
+                print(f"kvelastic: skipping {printable(str(path))}: {problem}", file=sys.stderr)
+            else:
+                broken.append({"gpu": printable(gpu_of_account(path.name)), "path": printable(str(path)),
+                               "error": problem})
+    if not accounts and not broken:
         what = f"for GPU {gpu!r}" if gpu else "of any GPU"
-        raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running? "
-                       f"KVELASTIC_SHARED_DIR sets the directory)", EXIT_NONE)
+        raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running as this "
+                       f"user? Accounts are per user, or per KVELASTIC_SHARED_GROUP; KVELASTIC_SHARED_DIR "
+                       f"sets the directory)", EXIT_NONE)
     return accounts
 
 
@@ -158,13 +192,14 @@ def engine_numbers(directory: Path, member: MemberInfo) -> dict[str, int]:
     It must carry the engine's pid and the member's name, so a stale file of an
     earlier process is never shown.
     """
-    record = find_snapshot(directory, member.pid, member.name)
+    try:
+        record = find_snapshot(directory, member.pid, member.name, member.pid_ns)
+    except (SharedFileError, OSError):
+        return {}
     if record is None:
         return {}
-    values = record.get("values")
-    if not isinstance(values, dict):
-        return {}
-    return {k: int(values[k]) for k in ENGINE_KEYS if isinstance(values.get(k), (int, float))}
+    values = record["values"]  # checked: finite numbers only
+    return {k: int(values[k]) for k in ENGINE_KEYS if k in values}
 
 
 # -------------------------------------------------------------------- status
@@ -177,7 +212,8 @@ def _short(text: str, width: int = 32) -> str:
 
 def _row(m: MemberInfo, now: float) -> tuple[str, ...]:
     size = format_size
-    return (m.name, str(m.pid), _short(m.model) or "-", str(m.port) if m.port else "-",
+    pid = f"{m.pid}*" if m.pid_ns != own_pid_namespace() else str(m.pid)
+    return (printable(m.name), pid, printable(_short(m.model)) or "-", str(m.port) if m.port else "-",
             size(m.mapped_bytes), size(m.cached_bytes), size(m.host_bytes),
             size(m.min_bytes) if m.min_bytes else "-", size(m.max_bytes) if m.max_bytes else "none",
             size(m.wanted_bytes) if m.wanted_bytes else "-", f"{max(0.0, now - m.heartbeat):.0f}s ago")
@@ -192,29 +228,45 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
     """The human status text: a heading per GPU, then an aligned row per instance."""
     now = time.time() if now is None else now
     lines = []
+    elsewhere = False
     for acct in accounts:
+        if "error" in acct:
+            lines.append(f"GPU {acct['gpu']}: cannot read its account {acct['path']}: {acct['error']}; "
+                         f"`kvelastic reset {acct['gpu']}` removes it")
+            continue
         budget, charged = acct["budget_bytes"], acct["charged_bytes"]
         share = 100.0 * charged / budget if budget else 0.0
-        lines.append(f"GPU {acct['gpu']}: budget {format_size(budget)}, in use or reserved "
+        lines.append(f"GPU {printable(acct['gpu'])}: budget {format_size(budget)}, in use or reserved "
                      f"{format_size(charged)} ({share:.0f}%), free {format_size(max(0, budget - charged))}")
         rows = [_row(_member(m), now) for m in acct["members"]]
         if not rows:
             lines.append("  (no live instances)")
             continue
+        elsewhere |= any(row[1].endswith("*") for row in rows)
         widths = [max(len(r[i]) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
         for row in [_COLUMNS, *rows]:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if elsewhere:
+        lines.append("* in another pid namespace (container): kvelastic cannot tell from here whether it still "
+                     "runs, so it is never removed from here; `kvelastic reset GPU --force` clears the account")
     return "\n".join(lines)
 
 
 def status_once(gpu: str | None, as_json: bool) -> int:
-    accounts = open_accounts(gpu)
+    sweep_scope()
+    broken: list[dict] = []
+    accounts = open_accounts(gpu, broken)
     try:
         data = snapshot(accounts)
     finally:
         for account in accounts:
             account.close()
+    data += broken
     print(json.dumps({"accounts": data}, indent=2) if as_json else render_table(data))
+    if broken:
+        print(f"kvelastic: {len(broken)} account(s) cannot be read; `kvelastic reset GPU` removes one",
+              file=sys.stderr)
+        return EXIT_CORRUPT
     if not any(acct["members"] for acct in data):
         print("kvelastic: no live kvelastic instances", file=sys.stderr)
         return EXIT_NONE
@@ -305,10 +357,20 @@ def budget(size: str | None, gpu: str | None) -> int:
                     account.set_budget(new)
                 except BadLimits as error:
                     raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
-            print(f"GPU {account.gpu_id}: budget {format_size(account.budget)}")
+            print(f"GPU {printable(account.gpu_id)}: budget {format_size(account.budget)}")
     finally:
         for account in accounts:
             account.close()
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------- reset
+def reset(gpu: str, force: bool) -> int:
+    path, problem = reset_account(gpu, force=force)
+    if problem is not None:
+        print(f"kvelastic reset: it could not be read: {printable(problem)}", file=sys.stderr)
+    print(f"GPU {printable(gpu)}: account {path} removed; running instances create and join a fresh one "
+          f"within a second")
     return EXIT_OK
 
 
@@ -320,6 +382,8 @@ def run(args: argparse.Namespace) -> int:
         return status_once(args.gpu, args.json)
     if args.command == "budget":
         return budget(args.size, args.gpu)
+    if args.command == "reset":
+        return reset(args.gpu, args.force)
     given = [flag for flag, value in (("MAX", args.size), ("--max", args.max), ("--reset", args.reset or None))
              if value is not None]
     if len(given) > 1:
@@ -341,9 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as error:
         print(str(error), file=sys.stderr)
         return error.code
-    except ClusterError as error:
-        print(f"kvelastic: {error}", file=sys.stderr)
-        return EXIT_NONE
+    except (ConfigError, ClusterError, SharedFileError) as error:
+        print(f"kvelastic {args.command}: {printable(str(error))}", file=sys.stderr)
+        return next(code for kinds, code in _EXIT_CODES if isinstance(error, kinds))
 
 
 if __name__ == "__main__":

@@ -78,3 +78,11 @@ class LaunchConfigError(ConfigError):
 
 class LaunchFailed(ClusterError):
     """A server of a launch exited, or did not become ready in time."""
+
+
+class AccountInUse(ClusterError):
+    """A readable account with live members was not reset (``--force`` resets it anyway)."""
+
+
+class AccountNotOwned(ClusterError):
+    """Only the owner of an account file may remove it; this process's user is not."""

@@ -165,8 +165,8 @@ class AccountFile:
 
     def _pwrite(self, data: bytes, offset: int) -> None:
         if not self.writable:
-            raise AccountNotWritable(f"this process (uid {os.geteuid()}) may read the account {self.path} but "
-                                     f"not change it (permission denied)")
+            raise AccountNotWritable(f"nothing changed: this process (uid {os.geteuid()}) may read the account "
+                                     f"{self.path} but not change it (permission denied)")
         os.pwrite(self._fd, data, offset)
 
 

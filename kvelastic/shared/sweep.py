@@ -39,3 +39,20 @@ def sweep(directory: SafeDir) -> list[str]:
     if removed:
         log.info("kvelastic: removed %d file(s) of dead engines from %s", len(removed), directory.path)
     return removed
+
+
+def sweep_scope(root: str | None = None) -> list[str]:
+    """:func:`sweep` this process's scope folder, if it exists (never raises)."""
+    from kvelastic.shared.errors import SharedFileError
+    from kvelastic.shared.scope import current_scope
+
+    try:
+        scope = current_scope(root)
+        folder = SafeDir.open(scope.path, scope, create=False)
+    except (SharedFileError, OSError) as error:
+        log.debug("kvelastic: not sweeping the shared folder: %s", error)
+        return []
+    if folder is None:
+        return []
+    with folder:
+        return sweep(folder)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import NULL_GROUP
 from kvelastic.pool.backend import Fence
+from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
 
@@ -77,11 +78,7 @@ class RankWorker:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
-        for name in (f"rank{self.info.rank}.board", f"rank{self.info.rank}.info"):
-            try:
-                (self.folder / name).unlink()
-            except FileNotFoundError:
-                pass
+        shm.remove_rank_files(self.folder, self.info.rank)
 
     def _run(self) -> None:
         _use_device_of(self.cache.pool.backend)
@@ -103,6 +100,9 @@ class RankWorker:
                     commands = shm.read_idle_commands(path)
                 except FileNotFoundError:
                     continue  # the scheduler removed it: every rank had applied it
+                except SharedFileError as error:  # never a crashed rank: its groups stay unconfirmed
+                    log.error("kvelastic: rank %d skips idle commands it cannot read: %s", self.info.rank, error)
+                    return
                 self._apply(commands)
                 applied = self.applied
 
