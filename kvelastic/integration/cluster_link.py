@@ -27,8 +27,10 @@ from kvelastic.cluster.errors import AccountBusy
 from kvelastic.cluster.member import Member
 from kvelastic.cluster.membership import ACCOUNT_ERRORS, Membership
 from kvelastic.cluster.source import SharedBudgetSource
+from kvelastic.errors import ConfigError
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
+from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
 log = logging.getLogger("kvelastic")
@@ -54,6 +56,19 @@ def default_name(settings: Settings, model: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{base}-{suffix}")[:64]
 
 
+def _warn_about_other_users() -> None:
+    """Engines of other users (or groups) on this GPU count in accounts of their own: say so, never silently."""
+    try:
+        scope = current_scope()
+    except ConfigError:
+        return
+    others = other_scopes(scope)
+    if others:
+        log.warning("kvelastic: this GPU account is shared by %s only; %s in %s hold(s) other users' kvelastic "
+                    "files, whose engines are not counted in it (docs/security.md; KVELASTIC_SHARED_GROUP lets "
+                    "a group share one account)", scope.describe(), ", ".join(others), scope.root)
+
+
 class ClusterLink:
     """Joins the account, gates the pool with it, and keeps the two in step."""
 
@@ -74,6 +89,7 @@ class ClusterLink:
         atexit.register(self.leave)
         if self.membership.attached:
             log.info("kvelastic: joined the shared KV account of %s as %r", self.gpu_id, self.name)
+        _warn_about_other_users()
 
     def _connect(self) -> Member:
         """Open (or create) the GPU's account and join it with this engine's settings."""

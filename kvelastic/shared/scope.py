@@ -6,14 +6,13 @@ live in ``$KVELASTIC_SHARED_DIR/kvelastic-u<uid>`` (mode 0700). With
 ``kvelastic-g<gid>`` (mode 2770: the set-group-id bit makes every file created
 in it belong to the group). Everyone else can see that such a directory exists,
 and nothing more. Root is trusted everywhere (it can write any file anyway).
+The shared directory itself must not be set-group-id to a group whose
+members are not all trusted (``/dev/shm`` is not).
 """
 
 from __future__ import annotations
 
-import functools
-import grp
 import os
-import pwd
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +52,14 @@ class Scope:
             return 0o077 if self.gid is None else 0o007
         return 0o022 if self.gid is None else 0o002
 
-    def trusts(self, uid: int) -> bool:
-        """Whether files owned by ``uid`` may be believed: this user, root, or a member of the group."""
-        return uid in (self.uid, 0) or (self.gid is not None and uid in _group_members(self.gid))
+    def trusts(self, st: os.stat_result) -> bool:
+        """Whether a file or folder with status ``st`` may be believed.
+
+        Its owner is this user or root; in a group scope, its group may be the
+        scope's group instead: only members (and root) can give a file that
+        group, and only they can create files in the scope's folder.
+        """
+        return st.st_uid in (self.uid, 0) or (self.gid is not None and st.st_gid == self.gid)
 
     def check(self, st: os.stat_result, what: str) -> None:
         """Raise UnsafeSharedPath unless ``st`` (of ``what``) is owned and protected as this scope requires.
@@ -66,10 +70,10 @@ class Scope:
         """
         from kvelastic.shared.errors import UnsafeSharedPath
 
-        if not self.trusts(st.st_uid):
-            raise UnsafeSharedPath(f"{what} belongs to uid {st.st_uid}, which this process (uid {self.uid}) does "
-                                   f"not trust; kvelastic never uses another user's files (docs/security.md). "
-                                   f"Its owner or root must remove it")
+        if not self.trusts(st):
+            raise UnsafeSharedPath(f"{what} belongs to uid {st.st_uid} (group {st.st_gid}), whom this process "
+                                   f"(uid {self.uid}) does not trust; kvelastic never uses another user's files "
+                                   f"(docs/security.md). Its owner or root must remove it")
         if st.st_mode & self.forbidden_mode_bits(stat.S_ISDIR(st.st_mode)):
             raise UnsafeSharedPath(f"{what} has mode {stat.S_IMODE(st.st_mode):o}: others than {self.describe()} "
                                    f"could change it; kvelastic refuses to use it (chmod it, or remove it)")
@@ -78,16 +82,6 @@ class Scope:
 
     def describe(self) -> str:
         return f"uid {self.uid}" if self.gid is None else f"the members of group {self.gid}"
-
-
-@functools.lru_cache(maxsize=8)
-def _group_members(gid: int) -> frozenset[int]:
-    """Users whose primary group is ``gid``, or listed in it (the user database is read once per group)."""
-    try:
-        names = set(grp.getgrgid(gid).gr_mem)
-    except KeyError:
-        names = set()
-    return frozenset(e.pw_uid for e in pwd.getpwall() if e.pw_gid == gid or e.pw_name in names)
 
 
 def current_scope(root: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Scope:
