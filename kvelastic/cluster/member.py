@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvelastic.cluster import policy
-from kvelastic.cluster.errors import AccountingError, MemberGone
+from kvelastic.cluster.errors import AccountingError, AccountNotFound, MemberGone
 from kvelastic.cluster.info import MemberInfo, MemberTick
 from kvelastic.cluster.records import MemberRecord
 from kvelastic.cluster.storage import Snapshot
@@ -176,8 +176,8 @@ class Member:
         try:
             with self._mine() as (snap, me):
                 snap.write(MemberRecord(slot=me.slot))
-        except MemberGone:
-            pass
+        except (MemberGone, AccountNotFound):
+            pass  # the record, or the whole account, is already gone
         self._left = True
 
     def __enter__(self) -> "Member":
