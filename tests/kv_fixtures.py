@@ -27,9 +27,12 @@ class StandInRequest:
         self.block_hashes = hashes
 
 
-def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None):
-    """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it)."""
-    pool = PagePool(backend or HostBackend(), page_bytes=PAGE)
+def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None):
+    """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it).
+
+    ``wrap_device`` is the pool's, e.g. the shared account's gate.
+    """
+    pool = PagePool(backend or HostBackend(), page_bytes=PAGE, wrap_device=wrap_device)
     raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
     views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
     per_view = []
