@@ -12,16 +12,13 @@ started with (vLLM's profiled KV size, or ``KVELASTIC_LIMIT``), which every
 member keeps in its record: an engine is sized around that cap at start-up, so
 a reset must never let it grow over the whole GPU.
 
-``kvelastic reset GPU`` removes a GPU's account (one that is corrupt, or with
-``--force`` any); the engines still running create and join a fresh one.
-Everything read from the shared folder is untrusted: names are shown without
-control characters, and only this user's (or group's) folder is read
-(``docs/security.md``).
+``kvelastic reset GPU`` removes a corrupt account (``--force``: any); running
+engines rejoin a fresh one. Only this user's (or group's) folder is read, and
+names from it are shown without control characters (``docs/security.md``).
 
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
-account or no live instance; 5 not allowed (the account may not be changed by
-this user, or the shared folder is unsafe); 6 ``status`` found an account it
-cannot read (corrupt: ``kvelastic reset`` it).
+account or no live instance; 5 not allowed (read-only account, unsafe folder,
+another user's file); 6 ``status`` found an account it cannot read.
 """
 
 from __future__ import annotations
@@ -247,8 +244,7 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
         for row in [_COLUMNS, *rows]:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if elsewhere:
-        lines.append("* in another pid namespace (container): kvelastic cannot tell from here whether it still "
-                     "runs, so it is never removed from here; `kvelastic reset GPU --force` clears the account")
+        lines.append("* in another pid namespace: never pruned from here; `kvelastic reset GPU --force` clears it")
     return "\n".join(lines)
 
 

@@ -32,7 +32,6 @@ from kvelastic.shared.locks import locked
 from kvelastic.shared.names import ACCOUNT_PREFIX, account_name
 from kvelastic.shared.scope import Scope, current_scope
 
-SHARED_DIR_ENV = "KVELASTIC_SHARED_DIR"
 DEFAULT_LOCK_TIMEOUT_S = 1.0
 
 

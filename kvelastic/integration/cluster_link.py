@@ -81,6 +81,7 @@ class ClusterLink:
         self.name = settings.name or default_name(settings, model)
         self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
+        self._set_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
         self.membership = Membership(self.name, self._connect)
         source.attach(self.membership)
         cache.external_headroom = self.headroom
@@ -93,14 +94,16 @@ class ClusterLink:
 
     def _connect(self) -> Member:
         """Open (or create) the GPU's account and join it with this engine's settings."""
-        account = SharedAccount.open(self.gpu_id, self.budget, reset_budget=bool(self.settings.shared_budget_bytes),
+        account = SharedAccount.open(self.gpu_id, self.budget, reset_budget=self._set_budget,
                                      lock_timeout_s=LOCK_TIMEOUT_S)
         try:
-            return account.join(self.name, model=self.model, port=self.settings.port,
-                                min_bytes=self.settings.min_bytes, max_bytes=self.base_limit or 0)
+            member = account.join(self.name, model=self.model, port=self.settings.port,
+                                  min_bytes=self.settings.min_bytes, max_bytes=self.base_limit or 0)
         except BaseException:
             account.close()
             raise
+        self._set_budget = False  # a budget changed with `kvelastic budget` since must survive a rejoin
+        return member
 
     @property
     def account(self) -> SharedAccount | None:

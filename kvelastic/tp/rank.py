@@ -49,6 +49,7 @@ class RankWorker:
         self._thread: threading.Thread | None = None
         self._last_free = 0.0
         self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
+        self._unreadable: set[Path] = set()  # idle command files reported as unreadable (once each)
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -101,7 +102,9 @@ class RankWorker:
                 except FileNotFoundError:
                     continue  # the scheduler removed it: every rank had applied it
                 except SharedFileError as error:  # never a crashed rank: its groups stay unconfirmed
-                    log.error("kvelastic: rank %d skips idle commands it cannot read: %s", self.info.rank, error)
+                    if path not in self._unreadable:
+                        self._unreadable.add(path)
+                        log.error("kvelastic: rank %d cannot read idle commands: %s", self.info.rank, error)
                     return
                 self._apply(commands)
                 applied = self.applied
