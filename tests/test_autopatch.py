@@ -283,8 +283,8 @@ def test_kvelastic_1_patches_vllm_on_import(interpreters):
     assert result["v2_wrapped"] is True
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors" in result["patches"]
     assert len(result["patches"]) == _wrapped_targets()
-    _, _, err = interpreters["on"].finish()
-    assert "kvelastic" in err and "patches applied" in err
+    _, out, err = interpreters["on"].finish()
+    assert "patches applied" in out + err  # through vLLM's logging, whose default stream is stdout
 
 
 def test_without_kvelastic_the_hook_imports_nothing_and_patches_nothing(interpreters):

@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any, Mapping
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -22,7 +22,7 @@ from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
 from kvelastic.settings import Settings
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 #: Scheduler methods that read or change the GPU block pool, called by the engine thread.
 LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
