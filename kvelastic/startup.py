@@ -30,7 +30,8 @@ class StartupRefused(SystemExit):
     """kvelastic refused to switch on; uncaught, Python prints the message alone and exits with 1."""
 
     def __init__(self, error: KvelasticError):
-        super().__init__(f"kvelastic: {error}")
+        text = str(error)
+        super().__init__(text if text.startswith("kvelastic:") else f"kvelastic: {text}")
         self.error = error
 
 

@@ -100,3 +100,13 @@ def test_a_bad_setting_stops_start_up_with_one_line(runs, case, message):
     code, out, err = runs[case]
     assert code == 1 and "imported" not in out
     assert len(err.strip().splitlines()) == 1 and err.startswith(message), err[-3000:]
+
+
+def test_a_refusal_is_prefixed_once():
+    from kvelastic.errors import ConfigError, PatchError
+    from kvelastic.startup import StartupRefused
+
+    assert str(StartupRefused(ConfigError("KVELASTIC_LIMIT='x' is bad"))) == "kvelastic: KVELASTIC_LIMIT='x' is bad"
+    assert str(StartupRefused(PatchError("kvelastic: vLLM 9.0 is not supported"))) == \
+        "kvelastic: vLLM 9.0 is not supported"
+    assert isinstance(StartupRefused(ConfigError("x")), SystemExit)
