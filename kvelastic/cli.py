@@ -13,7 +13,8 @@ member keeps in its record: an engine is sized around that cap at start-up, so
 a reset must never let it grow over the whole GPU.
 
 ``kvelastic launch`` starts kvelastic-enabled vLLM servers on one GPU (see
-:mod:`kvelastic.launch`, which has its own options and exit codes).
+:mod:`kvelastic.launch`, which has its own options and exit codes);
+``kvelastic top`` is a live view of the instances' memory (:mod:`kvelastic.top`).
 
 ``--gpu`` takes the id ``kvelastic status`` shows, the GPU's UUID as
 ``nvidia-smi -L`` prints it, or its index as nvidia-smi numbers them
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from kvelastic import __version__
+from kvelastic import __version__, top
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
 from kvelastic.errors import ConfigError
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output (bytes as integers)")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
+    top.add_parser(sub)
     limit = sub.add_parser("limit", help="change an instance's cap (max) and/or reservation (min)",
                            description="Sizes: " + SIZE_FORM + ". A max of 'none' (or --reset) puts back "
                            "the cap the instance started with (vLLM's profiled KV size, or KVELASTIC_LIMIT); "
@@ -363,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
         return status_once(args.gpu, args.json)
     if args.command == "budget":
         return budget(args.size, args.gpu)
+    if args.command == "top":
+        return top.main(args)
     given = [flag for flag, value in (("MAX", args.size), ("--max", args.max), ("--reset", args.reset or None))
              if value is not None]
     if len(given) > 1:

@@ -321,3 +321,46 @@ def test_launch_is_a_subcommand(shared):
     assert json.loads(result.stdout)["instances"][0]["name"] == "m-9001"
     assert "kvelastic launch" in kvelastic(shared, "launch", "--help").stdout
     assert "launch" in kvelastic(shared, "--help").stdout
+
+
+# ----------------------------------------------------------------------- top
+def test_sparkline_draws_each_reading_as_its_share_of_the_scale():
+    from kvelastic.top import sparkline
+
+    assert sparkline([0, 1, 4 * GIB, 8 * GIB, 9 * GIB], 8 * GIB) == " ▁▄██"
+    assert sparkline([], GIB) == "" and sparkline([GIB], 0) == " "
+
+
+def test_top_shows_each_instance_with_the_history_of_what_it_mapped(fleet, shared):
+    from rich.console import Console
+
+    from kvelastic.cli import open_accounts, snapshot
+    from kvelastic.top import History, render
+
+    history = History(length=3)
+    account, small, big = fleet
+    for step in range(4):
+        small.acquire(4 * GIB)
+        accounts = open_accounts(None)
+        history.add(snapshot(accounts))
+        for opened in accounts:
+            opened.close()
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render(snapshot([account]), history))
+    text = console.export_text()
+    assert "GPU GPU-aaaa: budget 40.00 GiB" in text
+    small_line = next(line for line in text.splitlines() if "small" in line)
+    # 11, 15 and 19 GiB of a 40 GiB budget: 2.2, 3.0 and 3.8 eighths, rounded up
+    assert "19.00 GiB" in small_line and small_line.rstrip(" │").endswith("▃▃▄")
+    assert list(history.of("GPU-aaaa", "big")) == [12 * GIB] * 3
+    big.leave()
+    history.add(snapshot([account]))
+    assert list(history.of("GPU-aaaa", "big")) == []  # an instance that left is forgotten
+
+
+def test_top_refreshes_count_times_and_refuses_a_bad_interval(fleet, shared):
+    result = kvelastic(shared, "top", "--interval", "0.05", "--count", "2")
+    assert result.returncode == 0, result.stderr
+    assert "small" in result.stdout and "big" in result.stdout and "GPU GPU-aaaa" in result.stdout
+    bad = kvelastic(shared, "top", "--interval", "0")
+    assert bad.returncode == 2 and "--interval: '0' is not a positive float" in bad.stderr
