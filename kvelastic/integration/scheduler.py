@@ -100,7 +100,7 @@ def _publisher(link: Any, scheduler: Any) -> Any:
 
     from kvelastic.integration.metrics import StatsPublisher
 
-    model_config = getattr(scheduler.vllm_config, "model_config", None)
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
     publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}",
                                model_name=str(getattr(model_config, "served_model_name", "") or ""))
     import atexit
