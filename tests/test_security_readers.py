@@ -69,8 +69,8 @@ def test_a_hostile_snapshot_never_fails_a_scrape(tmp_path, kind):
     bad.publish({"mapped_bytes": 1})
     bad.path.write_bytes(HOSTILE[kind].replace(b"%d", str(os.getpid()).encode()))
     text = _scrape(tmp_path)
-    assert 'kvelastic_mapped_bytes{engine="good"} 4096.0' in text
-    assert 'engine="bad"' not in text and 'engine="x"' not in text
+    assert 'kvelastic_mapped_bytes{instance_name="good",model_name=""} 4096.0' in text
+    assert 'instance_name="bad"' not in text and 'instance_name="x"' not in text
 
 
 def test_a_fifo_where_a_snapshot_should_be_never_hangs_a_scrape(tmp_path):
@@ -81,7 +81,7 @@ def test_a_fifo_where_a_snapshot_should_be_never_hangs_a_scrape(tmp_path):
     bad.path.unlink()
     os.mkfifo(bad.path)
     try:
-        assert 'kvelastic_mapped_bytes{engine="good"} 4096.0' in _scrape(tmp_path)
+        assert 'kvelastic_mapped_bytes{instance_name="good",model_name=""} 4096.0' in _scrape(tmp_path)
     finally:
         _release_fifo_readers(bad.path)
 
@@ -145,7 +145,7 @@ def test_a_dead_engines_snapshot_owned_by_another_user_is_neither_read_nor_remov
     child.join(30)  # ...that died without removing its snapshot
     os.chown(path, OTHER_UID, OTHER_UID)  # which now belongs to someone else
     text = _scrape(tmp_path)
-    assert 'engine="gone"' not in text
+    assert 'instance_name="gone"' not in text
     assert os.path.exists(path), "a reader deleted another user's file"
     StatsPublisher("next", tmp_path)  # the next engine sweeps what dead engines of this user left
     assert os.path.exists(path), "the sweep deleted another user's file"

@@ -31,7 +31,7 @@ from kvelastic.cluster.member import Grant
 from kvelastic.pool.sources import PageSource
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 class BudgetGate(Protocol):

@@ -33,7 +33,7 @@ from kvelastic.settings import Settings
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 LOCK_TIMEOUT_S = 0.005  # the longest the scheduler's thread waits for another process
 

@@ -32,7 +32,7 @@ from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MAPPABLE_TTL_S = 0.001
 

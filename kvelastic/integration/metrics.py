@@ -34,25 +34,32 @@ from kvelastic.shared.scope import current_scope
 from kvelastic.shared.sweep import sweep
 
 log = logging.getLogger("kvelastic")
+#: Snapshot key -> (metric name, help). Prometheus conventions: the unit ends the name (``_bytes``,
+#: ``_blocks``), and prometheus_client exports a counter with ``_total`` after it.
 GAUGES = {
-    "mapped_bytes": "Physical KV bytes mapped on the GPU",
-    "held_bytes": "Physical KV bytes held (mapped, waiting for a fence, or warm)",
-    "limit_bytes": "Physical KV byte limit of this engine (0: none)",
-    "cached_bytes": "GPU bytes in groups holding only cached prefix blocks",
-    "host_bytes_used": "Host-tier bytes holding spilled blocks",
-    "arc_p": "ARC's target size of its recency list, in blocks",
+    "mapped_bytes": ("kvelastic_mapped_bytes", "Physical KV bytes mapped on the GPU"),
+    "held_bytes": ("kvelastic_held_bytes", "Physical KV bytes held (mapped, waiting for a fence, or warm)"),
+    "limit_bytes": ("kvelastic_limit_bytes", "Physical KV byte limit of this engine (0: none)"),
+    "cached_bytes": ("kvelastic_cached_bytes", "GPU bytes in groups holding only cached prefix blocks"),
+    "host_bytes_used": ("kvelastic_host_used_bytes", "Host-tier bytes holding spilled blocks"),
+    "arc_p": ("kvelastic_host_arc_target_blocks",
+              "ARC's adaptive target size of its recency list (its p), as a count of KV blocks"),
 }
 COUNTERS = {
-    "spilled_bytes": "KV bytes copied from the GPU to the host tier",
-    "reloaded_bytes": "KV bytes copied back from the host tier on a prefix hit",
-    "host_hits": "Prefix lookups served by the host tier",
-    "host_misses": "Prefix lookups the host tier could not serve",
+    "spilled_bytes": ("kvelastic_spilled_bytes", "KV bytes copied from the GPU to the host tier"),
+    "reloaded_bytes": ("kvelastic_reloaded_bytes", "KV bytes copied back from the host tier on a prefix hit"),
+    "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
+    "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
 }
+#: ``model_name`` is vLLM's served model name, as on vLLM's own metrics; ``instance_name`` is the
+#: engine's kvelastic name (KVELASTIC_NAME, as ``kvelastic status`` lists it).
+LABELS = ("model_name", "instance_name")
 
 
 MAX_SNAPSHOT_BYTES = 64 * 1024
 _ENGINE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_SNAPSHOT = {"name": str, "pid": int, "ppid": int, "time": (int, float), "values": dict}
+_SNAPSHOT = {"name": str, "model_name": str, "pid": int, "ppid": int, "time": (int, float), "values": dict}
+MAX_MODEL_NAME = 512
 
 
 def stats_dir() -> Path:
@@ -81,13 +88,14 @@ class StatsPublisher:
 
     _numbers = itertools.count()
 
-    def __init__(self, name: str, directory: Path | None = None):
+    def __init__(self, name: str, directory: Path | None = None, model_name: str = ""):
         from kvelastic.integration.metrics_multiproc import MultiprocessMirror
 
         self.name = name
+        self.model_name = model_name
         self.directory = directory
         self.file_name = stats_name(own_owner(), next(self._numbers))
-        self._mirror = MultiprocessMirror.for_environment(name, GAUGES, COUNTERS)
+        self._mirror = MultiprocessMirror.for_environment((model_name, name), GAUGES, COUNTERS)
         self._problem = ""
         self._with_folder(sweep, create=True)
 
@@ -97,8 +105,8 @@ class StatsPublisher:
 
     def publish(self, values: dict[str, Any]) -> None:
         finite = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                  "values": finite}
+        record = {"name": self.name, "model_name": self.model_name, "pid": os.getpid(), "ppid": os.getppid(),
+                  "time": time.time(), "values": finite}
         self._with_folder(lambda folder: folder.write_atomic(self.file_name, bounded_json.dumps(record)),
                           create=True)
         if self._mirror is not None:
@@ -124,8 +132,9 @@ class StatsPublisher:
 def parse_snapshot(data: bytes, what: str) -> dict[str, Any]:
     """A snapshot as :class:`StatsPublisher` writes it, with only the known numbers; BadSharedData otherwise."""
     record = bounded_json.expect(bounded_json.loads(data, what), _SNAPSHOT, what)
-    if not _ENGINE_NAME.match(record["name"]):
-        raise BadSharedData(f"{what}: engine name {record['name'][:80]!r} is not one kvelastic writes")
+    if not _ENGINE_NAME.match(record["name"]) or len(record["model_name"]) > MAX_MODEL_NAME:
+        raise BadSharedData(f"{what}: engine name {record['name'][:80]!r} or its model name is not one "
+                            f"kvelastic writes")
     known = GAUGES.keys() | COUNTERS.keys()
     record["values"] = {k: v for k, v in record["values"].items()
                         if k in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -190,12 +199,12 @@ class KvelasticCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         snapshots = self._snapshots()
-        for keys, family_type in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
-            for key, help_text in keys.items():
-                family = family_type(f"kvelastic_{key}", help_text, labels=["engine"])
+        for table, kind in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for key, (metric, help_text) in table.items():
+                family = kind(metric, help_text, labels=LABELS)
                 for s in snapshots:
                     if s["values"].get(key) is not None:
-                        family.add_metric([s["name"]], float(s["values"][key]))
+                        family.add_metric([s["model_name"], s["name"]], float(s["values"][key]))
                 yield family
 
     def _snapshots(self) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from kvelastic.integration.free_queue import PageAwareFreeQueue
 
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 STATS_PERIOD_S = 10.0
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvelastic.pool import PagePool, PhysicalBackend
     from kvelastic.pool.sources import PageSource
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 @dataclass(frozen=True)
