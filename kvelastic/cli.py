@@ -45,7 +45,7 @@ from typing import Sequence
 from kvelastic import __version__, top
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
-from kvelastic.cluster.errors import AccountInUse, AccountNotOwned, AccountNotWritable
+from kvelastic.cluster.errors import AccountBusy, AccountInUse, AccountNotOwned, AccountNotWritable
 from kvelastic.cluster.reset import reset_account
 from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.errors import ConfigError
@@ -187,7 +187,7 @@ def open_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[Sha
                 print(f"kvelastic: skipping {printable(str(path))}: {problem}", file=sys.stderr)
             else:
                 broken.append({"gpu": printable(gpu_of_account(path.name)), "path": printable(str(path)),
-                               "error": problem})
+                               "error": problem, "busy": isinstance(error, AccountBusy)})
     if not accounts and not broken:
         what = f"for GPU {gpu!r}" if gpu else "of any GPU"
         raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running as this "
@@ -267,8 +267,8 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
     elsewhere = False
     for acct in accounts:
         if "error" in acct:
-            lines.append(f"GPU {acct['gpu']}: cannot read its account {acct['path']}: {acct['error']}; "
-                         f"`kvelastic reset {acct['gpu']}` removes it")
+            fix = "try again (a stopped instance holds it?)" if acct["busy"] else f"`kvelastic reset {acct['gpu']}`"
+            lines.append(f"GPU {acct['gpu']}: cannot read its account {acct['path']}: {acct['error']}; {fix}")
             continue
         budget, charged = acct["budget_bytes"], acct["charged_bytes"]
         share = 100.0 * charged / budget if budget else 0.0
@@ -304,8 +304,7 @@ def status_once(gpu: str | None, as_json: bool) -> int:
     data += broken
     print(json.dumps({"accounts": data}, indent=2) if as_json else render_table(data))
     if broken:
-        print(f"kvelastic: {len(broken)} account(s) cannot be read; `kvelastic reset GPU` removes one",
-              file=sys.stderr)
+        print(f"kvelastic: {len(broken)} account(s) cannot be read (see above)", file=sys.stderr)
         return EXIT_CORRUPT
     if not any(acct["members"] for acct in data):
         print("kvelastic: no live kvelastic instances", file=sys.stderr)

@@ -191,3 +191,28 @@ def test_two_pid_namespaces_sharing_the_folder_never_prune_each_other(tmp_path, 
         finally:
             inner.communicate("", timeout=60)
         assert [m.name for m in account.members()] == ["outer"]
+
+
+def test_status_and_reset_answer_while_a_stopped_member_holds_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tmp_path)}
+    with SharedAccount.open("GPU-wedged", 1000) as account:
+        path = account.path
+    stopped = FORK.Process(target=_stop_inside_a_transaction, args=(str(path),))
+    stopped.start()
+    try:
+        _wait_for_lock_held(path)
+        started = time.monotonic()
+        status = subprocess.run([sys.executable, "-m", "kvelastic.cli", "status"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 6 and "try again" in status.stdout and "kvelastic reset" not in status.stdout
+        refused = subprocess.run([sys.executable, "-m", "kvelastic.cli", "reset", "GPU-wedged"], env=env,
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "--force" in refused.stderr and path.exists()
+        forced = subprocess.run([sys.executable, "-m", "kvelastic.cli", "reset", "GPU-wedged", "--force"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert forced.returncode == 0 and not path.exists()
+        assert time.monotonic() - started < 30
+    finally:
+        os.kill(stopped.pid, signal.SIGKILL)
+        stopped.join(30)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from kvelastic.cluster.account import SharedAccount
-from kvelastic.cluster.errors import AccountCorrupt, AccountInUse, AccountNotFound, AccountNotOwned
+from kvelastic.cluster.errors import AccountBusy, AccountCorrupt, AccountInUse, AccountNotFound, AccountNotOwned
 from kvelastic.cluster.storage import account_path
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.shared.files import SafeDir
@@ -29,6 +29,10 @@ def reset_account(gpu_id: str, *, force: bool = False) -> tuple[Path, str | None
     problem = None
     try:
         account = SharedAccount.attach(path)
+    except AccountBusy as error:  # a member stopped inside a transaction, or just a busy moment
+        if not force:
+            raise AccountInUse(f"{error}; --force resets it anyway") from None
+        problem = str(error)
     except (AccountCorrupt, SharedFileError) as error:
         problem = str(error)
     else:
