@@ -28,6 +28,16 @@ FORK = multiprocessing.get_context("fork")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root (CI runs as root)")
 
 
+class RunsCodeWhenUnpickled:
+    """What an attacker plants where kvelastic once used pickle: loading it writes ``marker``."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
+
+
 def _become(uid: int, gid: int, groups: list[int]) -> None:
     os.setgroups(groups)
     os.setgid(gid)

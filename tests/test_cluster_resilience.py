@@ -8,6 +8,7 @@ and it rejoins the account when it can, handing it what it holds.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ from kvelastic.cluster import SharedAccount
 from kvelastic.cluster.records import MemberRecord
 from tests.test_cluster_link import PAGE, engine
 
-FORK = __import__("multiprocessing").get_context("fork")
+FORK = multiprocessing.get_context("fork")
 GPU_OF_HOST_ENGINES = f"host-{os.uname().nodename}"
 
 

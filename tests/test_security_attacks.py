@@ -11,12 +11,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import stat
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -24,22 +20,12 @@ import pytest
 from kvelastic.cluster import SharedAccount, account_path
 from kvelastic.cluster.records import Header
 from kvelastic.tp import board as shm
-from tests.other_user import (FORK, OTHER_UID, RunningAs, as_user, cli_as, env_with, needs_root,  # noqa: F401
-                              shared_root)
+from tests.other_user import (FORK, OTHER_UID, RunningAs, RunsCodeWhenUnpickled, as_user, cli_as,  # noqa: F401
+                              env_with, needs_root, shared_root)
 
 GPU = "GPU-attacked"
 GIB = 1024**3
 pytestmark = needs_root
-
-
-class _Payload:
-    """A pickle that runs code when loaded: it writes ``marker``."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').write('code ran')",))
 
 
 def _victim_tries(*attempts) -> list[BaseException]:
@@ -55,8 +41,8 @@ def _victim_tries(*attempts) -> list[BaseException]:
 # ------------------------------------------------------- 1. code execution
 def _plant_engine_folder(folder: str, marker: str, target: str) -> str:
     os.makedirs(folder, exist_ok=True)
-    Path(folder, "rank0.info").write_bytes(pickle.dumps(_Payload(marker)))
-    Path(folder, "idle-000000000002-000000000002.cmd").write_bytes(pickle.dumps(_Payload(marker)))
+    Path(folder, "rank0.info").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(marker)))
+    Path(folder, "idle-000000000002-000000000002.cmd").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(marker)))
     os.symlink(target, os.path.join(folder, "rank0.board"))
     return "planted"
 

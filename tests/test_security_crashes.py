@@ -13,6 +13,7 @@ import errno
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from kvelastic.cluster import AccountCorrupt, SharedAccount, account_path
 from kvelastic.cluster.records import Header, MemberRecord, record_offset
 from kvelastic.errors import ConfigError
 
-FORK = __import__("multiprocessing").get_context("fork")
+FORK = multiprocessing.get_context("fork")
 GPU = "GPU-crash"
 MUTATIONS = ("write", "pwrite", "ftruncate", "posix_fallocate", "link", "rename", "replace", "unlink", "fchmod",
              "fchown", "mkdir")

@@ -21,7 +21,7 @@ from kvelastic.shared.errors import BadSharedData, LockBusy, UnsafeSharedPath
 from kvelastic.shared.files import SafeDir
 from kvelastic.shared.locks import locked
 from kvelastic.shared.scope import Scope, current_scope
-from tests.other_user import OTHER_UID, THIRD_UID, RunningAs, as_user, cli_as, env_with, needs_root, shared_root  # noqa: F401
+from tests.other_user import OTHER_UID, THIRD_UID, RunningAs, cli_as, env_with, needs_root, shared_root  # noqa: F401
 
 GIB = 1024**3
 

@@ -12,6 +12,7 @@ from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import load_command, map_command, reserve_command, store_command, unmap_command
 from kvelastic.tp.rank_files import decode_commands, decode_info, encode_commands, encode_info
 from tests.kv_fixtures import build_cache
+from tests.other_user import RunsCodeWhenUnpickled
 
 
 @pytest.fixture
@@ -61,14 +62,9 @@ def test_malformed_commands_are_refused(text, complaint):
 
 def test_a_pickle_in_a_rank_file_is_refused_unread(folder, tmp_path):
     marker = tmp_path / "ran"
-
-    class Payload:
-        def __reduce__(self):
-            return (exec, (f"open({str(marker)!r}, 'w').write('x')",))
-
     shm.open_folder(folder, create=True).close()
-    (folder / "rank0.info").write_bytes(pickle.dumps(Payload()))
-    (folder / "idle-000000000001-000000000001.cmd").write_bytes(pickle.dumps(Payload()))
+    (folder / "rank0.info").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(str(marker))))
+    (folder / "idle-000000000001-000000000001.cmd").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(str(marker))))
     with pytest.raises(BadSharedData):
         shm.read_info(folder, 0)
     with pytest.raises(BadSharedData):

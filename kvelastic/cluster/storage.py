@@ -84,9 +84,13 @@ class AccountFile:
         if directory is None:
             raise AccountNotFound(f"no kvelastic account at {self.path} (no directory {self.scope.path})")
         with directory:
-            if self._create_with is not None:
-                directory.create_new(self.path.name, _initial_content(self._create_with))
-            self._fd, self.writable = self._open_file(directory)
+            try:
+                self._fd, self.writable = self._open_file(directory)
+            except AccountNotFound:
+                if self._create_with is None:
+                    raise
+                directory.create_new(self.path.name, _initial_content(self._create_with))  # or another did
+                self._fd, self.writable = self._open_file(directory)
         self._owner_pid = os.getpid()
         try:
             with self.transaction() as snap:
