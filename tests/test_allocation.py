@@ -62,7 +62,7 @@ def runtime():
     active = activation.activate(Settings(enabled=True, chunk_bytes=CHUNK), backend_factory=HostBackend)
     assert active is not None
     yield active.runtime
-    pools = list(getattr(active.runtime, "_pools", []))
+    pools = [engine_pool.pool for engine_pool in active.runtime._pools]
     activation.deactivate()
     active.runtime.cache = None
     for pool in pools:

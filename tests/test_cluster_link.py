@@ -14,7 +14,7 @@ from kvelastic.integration.cluster_link import ClusterLink
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.integration.reclaimer import Reclaimer
-from kvelastic.pool import HostBackend, PagePool
+from kvelastic.pool import DeviceSource, HostBackend, LimitedSource, PagePool, ReserveSource
 from kvelastic.settings import Settings
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
@@ -22,13 +22,9 @@ N, ROW, PAGE = 256, 2048, 64 * 1024  # blocks, bytes per block per layer, page: 
 
 
 def engine(name: str, budget: int, limit: int | None):
-    sources: list[SharedBudgetSource] = []
-
-    def gate(device):
-        sources.append(SharedBudgetSource(device))
-        return sources[0]
-
-    pool = PagePool(HostBackend(), page_bytes=PAGE, zero_on_map=False, wrap_device=gate)
+    backend = HostBackend()
+    gate = SharedBudgetSource(DeviceSource(backend, PAGE))
+    pool = PagePool(backend, ReserveSource(LimitedSource(gate)), zero_on_map=False)
     raw = pool.add_tensor(N * ROW)
     region = pool.region_of(raw)
     view = raw.view(N, ROW)
@@ -36,7 +32,7 @@ def engine(name: str, budget: int, limit: int | None):
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
     queue = make_page_aware(bp, cache)
-    link = ClusterLink(cache, sources[0], Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
+    link = ClusterLink(cache, gate, Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
     return pool, raw, cache, bp, queue, link
 
 

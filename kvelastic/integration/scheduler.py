@@ -109,7 +109,7 @@ def _publisher(link: Any) -> Any:
 
 def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:
     """Join the GPU's shared account; None where the pool has no shared-budget gate."""
-    source = runtime.budget_sources.get(id(cache.pool))
+    source = runtime.budget
     if source is None:
         return None
     from kvelastic.cluster.errors import NameInUse
