@@ -12,8 +12,18 @@ started with (vLLM's profiled KV size, or ``KVELASTIC_LIMIT``), which every
 member keeps in its record: an engine is sized around that cap at start-up, so
 a reset must never let it grow over the whole GPU.
 
+``kvelastic launch`` starts kvelastic-enabled vLLM servers on one GPU (see
+:mod:`kvelastic.launch`, which has its own options and exit codes);
+``kvelastic top`` is a live view of the instances' memory (:mod:`kvelastic.top`).
+
+``--gpu`` takes the id ``kvelastic status`` shows, the GPU's UUID as
+``nvidia-smi -L`` prints it, or its index as nvidia-smi numbers them
+(:mod:`kvelastic.gpu_ids`).
+
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
-account or no live instance.
+account or no live instance (``status --json`` still prints an empty list);
+141 the reader of the output went away (``kvelastic status | head``), as for
+any tool stopped by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -21,21 +31,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
+from kvelastic import __version__, top
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
 from kvelastic.errors import ConfigError
+from kvelastic.gpu_ids import UnknownGpu, account_gpu_id
 from kvelastic.integration.metrics import find_snapshot
+from kvelastic.settings import CHUNK_GRANULE
 from kvelastic.units import SIZE_FORM, format_size, parse_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
 EXIT_NONE = 4
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a tool the signal stopped
 _CLEAR_WORDS = {"none", "off", "unlimited"}  # a min of 0
 _RESTORE_WORDS = {"none", "reset", "default"}  # a max: the start-up cap
 _UNCAPPED_WORDS = {"off", "unlimited"}  # a max: refused, an engine never runs without its cap
@@ -56,13 +71,18 @@ class CliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvelastic", description="Inspect and steer kvelastic instances "
                                      "sharing GPUs (accounts in $KVELASTIC_SHARED_DIR or /dev/shm).")
+    parser.add_argument("--version", action="version", version=f"kvelastic {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    sub.add_parser("launch", add_help=False, help="start kvelastic-enabled vLLM servers on one GPU "
+                   "(kvelastic launch --help)")
     status = sub.add_parser("status", help="list live instances and their KV memory")
-    status.add_argument("--gpu", metavar="ID", help="only this GPU's account (default: every account found)")
+    status.add_argument("--gpu", metavar="ID", help="only this GPU's account: its id, UUID or nvidia-smi "
+                        "index (default: every account found)")
     status.add_argument("--json", action="store_true", help="machine-readable output (bytes as integers)")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
+    top.add_parser(sub)
     limit = sub.add_parser("limit", help="change an instance's cap (max) and/or reservation (min)",
                            description="Sizes: " + SIZE_FORM + ". A max of 'none' (or --reset) puts back "
                            "the cap the instance started with (vLLM's profiled KV size, or KVELASTIC_LIMIT); "
@@ -106,7 +126,15 @@ def parse_max(text: str | None, argument: str) -> int | None:
     if not nbytes:  # 0 is how the account spells "no cap of its own"
         raise CliError(f"kvelastic limit: {argument}={text!r}: an instance cannot run without a cap; "
                        f"'none' restores the cap it started with, a size sets a new one", EXIT_USAGE)
+    check_one_chunk(nbytes, f"kvelastic limit: {argument}={text!r}")
     return nbytes
+
+
+def check_one_chunk(nbytes: int, what: str) -> None:
+    """CliError(2) for a size below the smallest chunk any instance maps: it could not hold one page."""
+    if nbytes < CHUNK_GRANULE:
+        raise CliError(f"{what} is smaller than one chunk (at least {format_size(CHUNK_GRANULE)}, "
+                       f"KVELASTIC_CHUNK_SIZE, 8.00 MiB by default): not even one page would fit", EXIT_USAGE)
 
 
 def _size(text: str, argument: str) -> int:
@@ -120,6 +148,7 @@ def _size(text: str, argument: str) -> int:
 def open_accounts(gpu: str | None) -> list[SharedAccount]:
     """The account of ``gpu``, or every account in the shared directory; CliError(4) if none."""
     where = shared_dir()
+    gpu = resolve_gpu(gpu) if gpu else None
     paths = [account_path(gpu)] if gpu else find_account_paths()
     accounts = []
     for path in paths:
@@ -134,6 +163,16 @@ def open_accounts(gpu: str | None) -> list[SharedAccount]:
         raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running? "
                        f"KVELASTIC_SHARED_DIR sets the directory)", EXIT_NONE)
     return accounts
+
+
+def resolve_gpu(text: str) -> str:
+    """The account id of ``--gpu``: as ``status`` shows it, an nvidia-smi UUID, or an index (CliError(2))."""
+    if account_path(text).exists():
+        return text
+    try:
+        return account_gpu_id(text)
+    except UnknownGpu as error:
+        raise CliError(f"kvelastic: --gpu {text}: {error}", EXIT_USAGE) from None
 
 
 def snapshot(accounts: list[SharedAccount]) -> list[dict]:
@@ -208,7 +247,12 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
 
 
 def status_once(gpu: str | None, as_json: bool) -> int:
-    accounts = open_accounts(gpu)
+    try:
+        accounts = open_accounts(gpu)
+    except CliError as error:
+        if as_json and error.code == EXIT_NONE:  # a script still gets JSON it can parse
+            print(json.dumps({"accounts": []}, indent=2))
+        raise
     try:
         data = snapshot(accounts)
     finally:
@@ -294,6 +338,7 @@ def budget(size: str | None, gpu: str | None) -> int:
             raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
         if new <= 0:
             raise CliError(f"kvelastic budget: SIZE={size!r} must be larger than zero", EXIT_USAGE)
+        check_one_chunk(new, f"kvelastic budget: SIZE={size!r}")
     accounts = open_accounts(gpu)
     try:
         if new is not None and len(accounts) > 1:
@@ -320,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
         return status_once(args.gpu, args.json)
     if args.command == "budget":
         return budget(args.size, args.gpu)
+    if args.command == "top":
+        return top.main(args)
     given = [flag for flag, value in (("MAX", args.size), ("--max", args.max), ("--reset", args.reset or None))
              if value is not None]
     if len(given) > 1:
@@ -335,6 +382,22 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvelastic`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, so a reader that went away is noticed before the interpreter exits
+        return code
+    except BrokenPipeError:
+        # The reader (head, a pager) stopped reading: end quietly, and keep the exit flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["launch"]:  # its own parser: option groups separated by --and, vllm arguments after --
+        from kvelastic.launch import main as launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return run(args)

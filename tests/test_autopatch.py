@@ -1,4 +1,4 @@
-"""How kvelastic switches itself on: the .pth hook, vLLM's plugin entry point, and the wheel.
+"""How kvelastic switches itself on: the .pth hook and vLLM's plugin entry point (the wheel: test_packaging).
 
 The hook tests run fresh interpreters with a clean environment, because the
 ``.pth`` line runs at interpreter start. The interpreters are started together
@@ -10,11 +10,9 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 from kvelastic.patches import ALL_PATCHES
@@ -235,44 +233,6 @@ def test_register_with_a_bad_switch_names_kvelastic(monkeypatch, no_leaked_patch
     assert activation.current() is None
 
 
-# -------------------------------------------------------------------- wheel
-def _copy_source(destination: Path) -> Path:
-    """The repository without build outputs, environments or VCS data, so the wheel is built fresh."""
-    ignore = shutil.ignore_patterns(".git", ".venv*", ".ci-venv", "venv", "build", "dist", "*.egg-info",
-                                    "__pycache__", ".hypothesis", ".pytest_cache", ".gpu*", ".whl",
-                                    "benchmarks", "*.pyc")  # .venv*: run_tests.sh keeps one venv per band
-    shutil.copytree(REPO, destination, ignore=ignore)
-    return destination
-
-
-def test_wheel_carries_the_pth_hook_at_its_root(tmp_path):
-    """Slow-ish (a pip build, with build isolation fetching setuptools): what makes wheel installs work."""
-    source = _copy_source(tmp_path / "src")
-    out = tmp_path / "wheels"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVELASTIC")}
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), "."],
-                          cwd=source, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    wheels = list(out.glob("kvelastic-*.whl"))
-    assert len(wheels) == 1
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        names = wheel.namelist()
-        assert PTH in names, "the .pth must sit at the root of the wheel (site-packages)"
-        assert wheel.read(PTH).decode().strip() == pth_line().strip()
-        assert "kvelastic/patches/__init__.py" in names
-        assert "kvelastic/patches/v2_allocate_kv_cache.py" in names
-        assert "kvelastic/_autopatch.py" in names and "kvelastic/plugin.py" in names
-        for package in ("pool", "integration", "offload", "patching"):
-            assert f"kvelastic/{package}/__init__.py" in names
-        assert not any(name.startswith(("patches/", "tests/")) for name in names)
-        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-        text = wheel.read(entry_points).decode()
-        assert "[vllm.general_plugins]" in text
-        assert "kvelastic = kvelastic.plugin:register" in text
-        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
-        assert any(line.startswith(PTH + ",") for line in wheel.read(record).decode().splitlines())
-
-
 # ------------------------------------------- .pth hook, in fresh interpreters
 # Last in the file: the interpreters start with the module's first test and run meanwhile.
 def test_kvelastic_1_patches_vllm_on_import(interpreters):
@@ -283,8 +243,8 @@ def test_kvelastic_1_patches_vllm_on_import(interpreters):
     assert result["v2_wrapped"] is True
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors" in result["patches"]
     assert len(result["patches"]) == _wrapped_targets()
-    _, _, err = interpreters["on"].finish()
-    assert "kvelastic" in err and "patches applied" in err
+    _, out, err = interpreters["on"].finish()
+    assert "patches applied" in out + err  # through vLLM's logging, whose default stream is stdout
 
 
 def test_without_kvelastic_the_hook_imports_nothing_and_patches_nothing(interpreters):

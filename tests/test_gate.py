@@ -257,7 +257,7 @@ def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(
     assert activation.current() is None
     assert good.calls == 0
     assert_untouched(before)
-    warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "kvelastic"]
+    warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "vllm.kvelastic"]
     assert warnings, "no warning was logged"
     text = warnings[0].getMessage()
     assert V2_ALLOCATE in text and "KVELASTIC_STRICT=0" in text and "without kvelastic" in text

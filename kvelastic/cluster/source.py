@@ -28,7 +28,7 @@ from kvelastic.cluster.member import Member
 from kvelastic.pool.sources import PageAdaptor, PageSource
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 class SharedBudgetSource(PageAdaptor):

@@ -9,21 +9,21 @@ was and, unless ``KVELASTIC_STRICT=0``, stops start-up with the reason.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvelastic import __version__
-from kvelastic.errors import PatchError
+from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.integration.runtime import Runtime, default_backend
 from kvelastic.patching.apply import Patcher, apply_all
 from kvelastic.patching.gate import check
 from kvelastic.patching.spec import Patch
 from kvelastic.patching.versions import Version, installed_vllm_version
 from kvelastic.settings import Settings
+from kvelastic.startup import StartupRefused, report_start, use_vllm_logging
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 @dataclass
@@ -48,15 +48,6 @@ def current() -> Activation | None:
     return _Once.current
 
 
-def _configure_logging() -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-
-
 def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | None = None,
              version: Version | None = None,
              backend_factory: Callable = default_backend) -> Activation | None:
@@ -67,7 +58,8 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
     with _Once.lock:
         if _Once.current is not None or _Once.failed:
             return _Once.current
-        _configure_logging()
+        use_vllm_logging()
+        report_start(settings)
         if patches is None:
             from kvelastic.patches import ALL_PATCHES
 
@@ -102,5 +94,8 @@ def deactivate() -> None:
 
 
 def activate_from_hook() -> None:
-    """Entry for the import hook and the vLLM plugin: activate from the environment."""
-    activate()
+    """Entry for the import hook and the vLLM plugin: activate from the environment; a refusal is one line."""
+    try:
+        activate()
+    except KvelasticError as error:
+        raise StartupRefused(error) from None

@@ -18,7 +18,7 @@ from kvelastic.integration.runtime import Runtime
 from kvelastic.pool import PagePool
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 def allocate_kv_tensors(runtime: Runtime, kv_cache_config: Any) -> dict[str, Any]:

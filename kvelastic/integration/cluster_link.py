@@ -22,7 +22,7 @@ from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 def gpu_identity(cache: ElasticKVCache) -> tuple[str, int | None]:

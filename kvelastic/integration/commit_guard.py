@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 ADMISSION_FLAG = "apply_admission_cap"  # vLLM >= 0.20.2: True for checks that allocate nothing
 LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step

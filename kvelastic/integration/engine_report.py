@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
     from kvelastic.integration.metrics import StatsPublisher
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 STATS_PERIOD_S = 10.0
 
 

@@ -33,7 +33,7 @@ from kvelastic.integration.free_ledger import FreeBlockLedger
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MAPPABLE_TTL_S = 0.001
 

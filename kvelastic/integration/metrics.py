@@ -21,20 +21,26 @@ from pathlib import Path
 from typing import Any, Collection, Iterator
 
 PREFIX = "kvelastic-stats-"
+#: Snapshot key -> (metric name, help). Prometheus conventions: the unit ends the name (``_bytes``,
+#: ``_blocks``), and prometheus_client exports a counter with ``_total`` after it.
 GAUGES = {
-    "mapped_bytes": "Physical KV bytes mapped on the GPU",
-    "held_bytes": "Physical KV bytes held (mapped, waiting for a fence, or warm)",
-    "limit_bytes": "Physical KV byte limit of this engine (0: none)",
-    "cached_bytes": "GPU bytes in groups holding only cached prefix blocks",
-    "host_bytes_used": "Host-tier bytes holding spilled blocks",
-    "arc_p": "ARC's target size of its recency list, in blocks",
+    "mapped_bytes": ("kvelastic_mapped_bytes", "Physical KV bytes mapped on the GPU"),
+    "held_bytes": ("kvelastic_held_bytes", "Physical KV bytes held (mapped, waiting for a fence, or warm)"),
+    "limit_bytes": ("kvelastic_limit_bytes", "Physical KV byte limit of this engine (0: none)"),
+    "cached_bytes": ("kvelastic_cached_bytes", "GPU bytes in groups holding only cached prefix blocks"),
+    "host_bytes_used": ("kvelastic_host_used_bytes", "Host-tier bytes holding spilled blocks"),
+    "arc_p": ("kvelastic_host_arc_target_blocks",
+              "ARC's adaptive target size of its recency list (its p), as a count of KV blocks"),
 }
 COUNTERS = {
-    "spilled_bytes": "KV bytes copied from the GPU to the host tier",
-    "reloaded_bytes": "KV bytes copied back from the host tier on a prefix hit",
-    "host_hits": "Prefix lookups served by the host tier",
-    "host_misses": "Prefix lookups the host tier could not serve",
+    "spilled_bytes": ("kvelastic_spilled_bytes", "KV bytes copied from the GPU to the host tier"),
+    "reloaded_bytes": ("kvelastic_reloaded_bytes", "KV bytes copied back from the host tier on a prefix hit"),
+    "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
+    "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
 }
+#: ``model_name`` is vLLM's served model name, as on vLLM's own metrics; ``instance_name`` is the
+#: engine's kvelastic name (KVELASTIC_NAME, as ``kvelastic status`` lists it).
+LABELS = ("model_name", "instance_name")
 
 
 def stats_dir() -> Path:
@@ -55,16 +61,17 @@ class StatsPublisher:
 
     _numbers = itertools.count()
 
-    def __init__(self, name: str, directory: Path | None = None):
+    def __init__(self, name: str, directory: Path | None = None, model_name: str = ""):
         from kvelastic.integration.metrics_multiproc import MultiprocessMirror
 
         self.name = name
+        self.model_name = model_name
         self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}-{next(self._numbers)}.json"
-        self._mirror = MultiprocessMirror.for_environment(name, GAUGES, COUNTERS)
+        self._mirror = MultiprocessMirror.for_environment((model_name, name), GAUGES, COUNTERS)
 
     def publish(self, values: dict[str, Any]) -> None:
-        record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                  "values": values}
+        record = {"name": self.name, "model_name": self.model_name, "pid": os.getpid(), "ppid": os.getppid(),
+                  "time": time.time(), "values": values}
         tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
@@ -121,18 +128,13 @@ class KvelasticCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         snapshots = read_snapshots(self.directory, self.parents)
-        for key, help_text in GAUGES.items():
-            family = GaugeMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
-            for s in snapshots:
-                if s["values"].get(key) is not None:
-                    family.add_metric([s["name"]], float(s["values"][key]))
-            yield family
-        for key, help_text in COUNTERS.items():
-            family = CounterMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
-            for s in snapshots:
-                if s["values"].get(key) is not None:
-                    family.add_metric([s["name"]], float(s["values"][key]))
-            yield family
+        for table, kind in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for key, (metric, help_text) in table.items():
+                family = kind(metric, help_text, labels=LABELS)
+                for s in snapshots:
+                    if s["values"].get(key) is not None:
+                        family.add_metric([str(s.get("model_name", "")), s["name"]], float(s["values"][key]))
+                yield family
 
 
 class _Registered:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvelastic.integration.elastic_cache import ElasticKVCache
     from kvelastic.pool import PagePool, PhysicalBackend
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.settings import Settings
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 #: Scheduler methods that read or change the GPU block pool, called by the engine thread.
 LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
@@ -67,7 +67,8 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> UpkeepThread:
     link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                               reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
-                              publisher=_publisher(link), rank_held_bytes=mapper.rank_held_bytes if remote else None,
+                              publisher=_publisher(link, scheduler),
+                              rank_held_bytes=mapper.rank_held_bytes if remote else None,
                               after_tick=runtime.retire_unused_pools)
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
@@ -94,13 +95,15 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, map
     return offload
 
 
-def _publisher(link: Any) -> Any:
-    """The metrics snapshot writer, named like the engine's account membership."""
+def _publisher(link: Any, scheduler: Any) -> Any:
+    """The metrics snapshot writer, named like the engine's account membership, with vLLM's model name."""
     import os
 
     from kvelastic.integration.metrics import StatsPublisher
 
-    publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}")
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}",
+                               model_name=str(getattr(model_config, "served_model_name", "") or ""))
     import atexit
 
     atexit.register(publisher.remove)

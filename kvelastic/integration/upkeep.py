@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
     from kvelastic.integration.metrics import StatsPublisher
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 class PeriodicJob(Protocol):

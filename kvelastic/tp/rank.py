@@ -24,7 +24,7 @@ from kvelastic.pool.backend import Fence
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 IDLE_POLL_S = 0.02
 DEVICE_FREE_PERIOD_S = 0.05

@@ -22,7 +22,7 @@ from kvelastic.tp import board as shm
 from kvelastic.tp.remote_mapper import RemoteMapper
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 RANKS_WAIT_S = 30.0
 

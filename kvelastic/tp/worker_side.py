@@ -17,7 +17,7 @@ from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp.rank import RankWorker
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 def scheduler_elsewhere(runner: Any) -> bool:
