@@ -29,7 +29,7 @@ class StandInRequest:
 
 def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None):
     """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it)."""
-    pool = PagePool(backend or HostBackend(), page_bytes=PAGE)
+    pool = PagePool.standard(backend or HostBackend(), page_bytes=PAGE)
     raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
     views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
     per_view = []

@@ -25,18 +25,17 @@ from typing import Any
 
 from kvelastic.cluster.errors import ClusterError, SharedBudgetExceeded
 from kvelastic.cluster.member import Member
-from kvelastic.pool.sources import PageSource
+from kvelastic.pool.sources import PageAdaptor, PageSource
 from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
 
 
-class SharedBudgetSource(PageSource):
+class SharedBudgetSource(PageAdaptor):
     """Gates ``upstream`` with ``member``'s grants in the shared account."""
 
     def __init__(self, upstream: PageSource, member: Member | None = None):
-        super().__init__(upstream.page_bytes)
-        self.upstream = upstream
+        super().__init__(upstream)
         self.member = member
         self._outstanding = 0
         self.refusals = 0
