@@ -60,7 +60,7 @@ def profile(page: int, tensors: int, grow_bytes: int, warm: bool, rounds: int) -
     backend = CudaBackend()
     timed = TimedDriver(backend._driver)
     backend._driver = timed
-    pool = PagePool(backend, page_bytes=page)
+    pool = PagePool.standard(backend, page_bytes=page)
     views = [pool.add_tensor(4 * GIB) for _ in range(tensors)]
     groups = grow_bytes // (page * tensors)
     walls, splits = [], []

@@ -13,7 +13,7 @@ SMALL_PAGE = 64 * 1024
 
 @pytest.fixture
 def host_pool():
-    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE)
+    pool = PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE)
     yield pool
     pool.close()
     assert pool.leak_report() == []

@@ -207,8 +207,7 @@ class PatchedSchedulers:
 
         runtime = Runtime(settings)
         runtime.cache = cache
-        if budget_source is not None:
-            runtime.budget_sources[id(pool)] = budget_source
+        runtime.budget = budget_source
         self.patcher.revert()
         scheduler_block_pool.PATCH.apply(self.patcher, runtime)
         scheduler = make_scheduler(asynchronous=asynchronous)

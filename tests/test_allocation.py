@@ -62,7 +62,7 @@ def runtime():
     active = activation.activate(Settings(enabled=True, chunk_bytes=CHUNK), backend_factory=HostBackend)
     assert active is not None
     yield active.runtime
-    pools = list(getattr(active.runtime, "_pools", []))
+    pools = [engine_pool.pool for engine_pool in active.runtime._pools]
     activation.deactivate()
     active.runtime.cache = None
     for pool in pools:
@@ -244,6 +244,21 @@ def test_a_replaced_pool_is_closed_once_its_tensors_are_gone(runtime):
         profiling.add_tensor(CHUNK)
     assert real.regions_alive() == 2
     real.add_tensor(CHUNK)  # the live cache's pool stays open
+
+
+def test_the_runtime_holds_the_shared_budget_layer_of_the_published_pool_only(runtime):
+    raw, views = allocate_and_view(runtime)       # vLLM's profiling run, still alive
+    profiling = runtime.finish_allocation()
+    kept_raw, kept_views = allocate_and_view(runtime)
+    real = runtime.finish_allocation()
+    assert runtime.budget is None  # nothing published yet
+    publish_views(runtime, real, kept_views, N, premap_blocks=2 * BLOCKS_PER_GROUP)
+    budget = runtime.budget
+    assert budget is not None and budget.member is None  # counting only, until the scheduler joins
+    assert budget.outstanding_bytes == real.stats().held_bytes > 0
+    profiling.map_groups([3])  # pages of another pool go through another stack
+    assert budget.outstanding_bytes == real.stats().held_bytes
+    assert len(raw) == len(kept_raw) == 3 and views and kept_views
 
 
 def test_a_replaced_pool_whose_tensors_live_is_kept(runtime):

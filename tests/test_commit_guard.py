@@ -59,8 +59,7 @@ def built():
 
 def _mapped_free(queue) -> int:
     """Free blocks in mapped groups: what can be taken without asking the device."""
-    queue._adopt_mapped()  # groups the mapper has mapped since
-    return queue._free_uncached_total + len(queue._cached)
+    return queue.mapped_free_blocks()  # groups the mapper has mapped since included
 
 
 def _coordinator(params: tuple[str, ...]):

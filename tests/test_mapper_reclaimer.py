@@ -15,7 +15,8 @@ import pytest
 
 from kvelastic.errors import PatchError
 from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.reclaimer import Reclaimer
+from kvelastic.integration.reclaimer import WarmReserve
+from kvelastic.integration.upkeep import EachTick, UpkeepThread, engine_upkeep
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.scheduler import LOCKED_METHODS, attach_scheduler
 from kvelastic.pool import PagePool
@@ -188,7 +189,7 @@ def test_the_worker_survives_a_failed_command(cache_and_pool, monkeypatch, kv_lo
     assert any("group mapper failed" in r.getMessage() for r in kv_log.records)
 
 
-# -------------------------------------------------------------------- Reclaimer
+# ------------------------------------------------- upkeep: reclaiming memory, the warm reserve
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 
@@ -218,9 +219,9 @@ def engine():
     assert pool.leak_report() == []
 
 
-def reclaimer_for(engine, *, ttl=TTL, reserve_pages=0, **kwargs) -> Reclaimer:
-    return Reclaimer(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=ttl,
-                     reserve_bytes=reserve_pages * PAGE, clock=engine.clock, **kwargs)
+def reclaimer_for(engine, *, ttl=TTL, reserve_pages=0, **kwargs) -> UpkeepThread:
+    return engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=ttl,
+                         reserve_bytes=reserve_pages * PAGE, clock=engine.clock, **kwargs)
 
 
 def cache_and_free(bp, count: int, tag: str) -> list:
@@ -369,7 +370,31 @@ def test_the_reclaimer_thread_ticks_until_stopped_and_survives_errors(engine, kv
     count = len(ticks)
     time.sleep(0.05)
     assert len(ticks) == count
-    assert any("reclaimer tick failed" in r.getMessage() for r in kv_log.records)
+    assert any("upkeep tick failed" in r.getMessage() for r in kv_log.records)
+
+
+class LockProbe:
+    """A job that notes its name, and whether the scheduler's lock was held, each time it runs."""
+
+    def __init__(self, name: str, lock: threading.Lock, under_scheduler_lock: bool, runs: list):
+        self.name, self.lock, self.runs = name, lock, runs
+        self.under_scheduler_lock = under_scheduler_lock
+
+    def run(self, now: float) -> None:
+        self.runs.append((self.name, self.lock.locked(), now))
+
+
+def test_upkeep_runs_its_jobs_in_order_and_only_block_pool_jobs_under_the_lock():
+    lock = threading.Lock()
+    runs: list = []
+    jobs = [LockProbe("reclaim", lock, True, runs), EachTick(lambda: runs.append("after")),
+            LockProbe("report", lock, False, runs)]
+    upkeep = UpkeepThread(jobs, lock, clock=iter([5.0, 6.0]).__next__)
+    upkeep.tick()
+    upkeep.tick()
+    assert runs == [("reclaim", True, 5.0), "after", ("report", False, 5.0),
+                    ("reclaim", True, 6.0), "after", ("report", False, 6.0)]
+    assert not lock.locked()
 
 
 # ------------------------------------------------------------ attach_scheduler
@@ -424,7 +449,7 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         assert isinstance(queue, PageAwareFreeQueue) and bp.kvelastic_queue is queue
         assert pool.stats().limit_bytes == 5 * GROUP_BYTES
         assert queue.prefetch.max_groups == 3
-        assert reclaimer.reserve_pages == 2
+        assert [j.reserve_pages for j in reclaimer.jobs if isinstance(j, WarmReserve)] == [2]
         assert scheduler.schedule() == "scheduled"
         assert contested == [False]  # the reclaimer's lock was held during schedule()
         assert scheduler.update_from_output(1, 2) == (1, 2)

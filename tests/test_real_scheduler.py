@@ -107,7 +107,7 @@ def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patch
     scheduler, pool, _ = patched(cache_ttl_s=0.0, reserve_bytes=0, **settings)
     trace = drive(scheduler, [make_requests("a", 4, 320, 0, seed=0)])  # 80 prompt blocks: three groups
     busy = pool.stats().mapped_bytes
-    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2  # as if the engine had idled for 2 s
+    scheduler.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 2  # as if the engine had idled for 2 s
     scheduler.kvelastic_reclaimer.tick()
     idle = wait_unmapped(pool, GROUP_BYTES)
     assert idle <= GROUP_BYTES < busy  # only the group holding vLLM's null block stays
@@ -135,7 +135,7 @@ def test_a_limit_lowered_mid_run_is_honoured_without_losing_a_request(patched):
     trace = drive(scheduler, [make_requests("c", 8, 460, 0, seed=1)], after_step=lower_the_limit)
     assert max(steps[:6]) > 2 * GROUP_BYTES  # the wave had more than the new limit before it came
     assert {rid for step in trace for rid, _ in step} == {f"c-{i}" for i in range(8)}
-    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2
+    scheduler.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 2
     scheduler.kvelastic_reclaimer.tick()
     assert wait_unmapped(pool, 2 * GROUP_BYTES) <= 2 * GROUP_BYTES
 
@@ -181,9 +181,9 @@ def test_random_workloads_keep_the_invariants_and_finish(patched, seed):
 
     def step(s) -> None:
         checks(s)
-        lose.maybe(s.kvelastic_reclaimer.link)
+        lose.maybe(s.kvelastic_reclaimer)
         if rng.random() < 0.05:  # now and then the engine idles long enough for the reclaimer
-            s.kvelastic_reclaimer.queue.last_allocation -= 20
+            s.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 20
             s.kvelastic_reclaimer.tick()
 
     trace = (drive_async if asynchronous else drive)(scheduler, waves, after_step=step)
@@ -207,10 +207,11 @@ class AccountLoss:
         self.steps = 0
         self.done = False
 
-    def maybe(self, link) -> None:
+    def maybe(self, upkeep) -> None:
         self.steps += 1
         if not self.shared or self.done or self.steps < self.at_step:
             return
+        link = _link_of(upkeep)
         from kvelastic.cluster import SharedAccount
         from kvelastic.cluster.records import MemberRecord
 
@@ -230,7 +231,7 @@ class AccountLoss:
         """After the run the engine is a member again and the account shows what it really holds."""
         if not self.shared:
             return
-        link = reclaimer.link
+        link = _link_of(reclaimer)
         assert self.done, "the run ended before the account was taken away"
         if self.way == "header zeroed" and link.account is not None:
             link.headroom()  # notices the corrupt header now if no step has asked since
@@ -242,6 +243,11 @@ class AccountLoss:
         assert link.membership.attached
         (member,) = [m for m in link.account.members() if m.name == link.name]
         assert member.mapped_bytes == link.source.outstanding_bytes
+
+
+def _link_of(upkeep):
+    """The engine's ClusterLink, held by its upkeep's account job."""
+    return next(job.link for job in upkeep.jobs if hasattr(job, "link"))
 
 
 def _account_file(link):

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from kvelastic.cluster.errors import SharedBudgetExceeded
 from kvelastic.cluster.member import Grant
-from kvelastic.pool.sources import PageSource
+from kvelastic.pool.sources import PageAdaptor, PageSource
 from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
@@ -46,12 +46,11 @@ class BudgetGate(Protocol):
     def release(self, nbytes: int) -> None: ...
 
 
-class SharedBudgetSource(PageSource):
+class SharedBudgetSource(PageAdaptor):
     """Gates ``upstream`` with ``member``'s grants in the shared account."""
 
     def __init__(self, upstream: PageSource, member: BudgetGate | None = None):
-        super().__init__(upstream.page_bytes)
-        self.upstream = upstream
+        super().__init__(upstream)
         self.member = member
         self._outstanding = 0
         self.refusals = 0

@@ -18,8 +18,8 @@ from typing import Any
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
+from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.settings import Settings
 
 log = logging.getLogger("vllm.kvelastic")
@@ -28,7 +28,7 @@ log = logging.getLogger("vllm.kvelastic")
 LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
 
 
-def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
+def attach_scheduler(scheduler: Any, runtime: Runtime) -> UpkeepThread:
     settings = runtime.settings
     cache = runtime.cache
     remote = cache is None
@@ -64,11 +64,12 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
             setattr(scheduler, name, _locked(lock, method, after or flush))
     if remote:
         cache.pool.lock = lock  # idle delivery of commands must not race a scheduling step
-    reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
-                          reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
-    reclaimer.offload = offload
-    reclaimer.link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
-    reclaimer.publisher = _publisher(reclaimer.link, scheduler)
+    link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
+    reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
+                              reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
+                              publisher=_publisher(link, scheduler),
+                              rank_held_bytes=mapper.rank_held_bytes if remote else None,
+                              after_tick=runtime.retire_unused_pools)
     reclaimer.start()
     scheduler.kvelastic_reclaimer = reclaimer
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
@@ -111,7 +112,7 @@ def _publisher(link: Any, scheduler: Any) -> Any:
 
 def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:
     """Join the GPU's shared account; None where the pool has no shared-budget gate."""
-    source = runtime.budget_sources.get(id(cache.pool))
+    source = runtime.budget
     if source is None:
         return None
     from kvelastic.cluster.errors import NameInUse
