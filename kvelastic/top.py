@@ -52,23 +52,27 @@ def render(accounts: list[dict], history: History, now: float | None = None) -> 
     """The rich renderable of one refresh: a table per GPU."""
     from rich import box
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     from kvelastic.cli import _member, _row
+    from kvelastic.shared.text import printable
 
     now = time.time() if now is None else now
     tables = []
     for account in accounts:
         budget, charged = account["budget_bytes"], account["charged_bytes"]
         share = 100.0 * charged / budget if budget else 0.0
-        table = Table(title=f"GPU {account['gpu']}: budget {format_size(budget)}, in use or reserved "
+        gpu = escape(printable(account["gpu"]))  # read from a shared file: never terminal codes or markup
+        table = Table(title=f"GPU {gpu}: budget {format_size(budget)}, in use or reserved "
                             f"{format_size(charged)} ({share:.0f}%)", title_justify="left", box=box.SIMPLE_HEAD)
         for column in ("INSTANCE", "MAPPED", "CACHED", "HOST", "MIN", "MAX"):
             table.add_column(column, justify="left" if column == "INSTANCE" else "right", no_wrap=True)
         table.add_column("HISTORY", no_wrap=True, max_width=history.length, overflow="crop")
         for data in account["members"]:
             name, _, _, _, mapped, cached, host, low, high, _, _ = _row(_member(data), now)
-            table.add_row(name, mapped, cached, host, low, high, sparkline(history.of(account["gpu"], name), budget))
+            table.add_row(escape(name), mapped, cached, host, low, high,  # a name is text, never rich markup
+                          sparkline(history.of(account["gpu"], name), budget))
         if not account["members"]:
             table.add_row("(no live instances)", *[""] * 6)
         tables.append(table)

@@ -200,12 +200,14 @@ class PatchedSchedulers:
         self.patcher = Patcher()
         self.made: list = []
 
-    def make(self, pool, views, cache, settings, asynchronous: bool = False):
+    def make(self, pool, views, cache, settings, asynchronous: bool = False, budget_source=None):
+        """``budget_source``: the pool's shared-account gate, so the scheduler joins the GPU's account."""
         from kvelastic.integration.runtime import Runtime
         from kvelastic.patches import scheduler_block_pool
 
         runtime = Runtime(settings)
         runtime.cache = cache
+        runtime.budget = budget_source
         self.patcher.revert()
         scheduler_block_pool.PATCH.apply(self.patcher, runtime)
         scheduler = make_scheduler(asynchronous=asynchronous)

@@ -75,7 +75,7 @@ def test_status_json_is_for_scripts(fleet, shared):
 def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, shared):
     from kvelastic.integration.metrics import StatsPublisher
 
-    publisher = StatsPublisher("small", shared)  # what the engine of "small" (this process) writes
+    publisher = StatsPublisher("small")  # what the engine of "small" (this process) writes
     publisher.publish({"mapped_bytes": 2 * GIB, "limit_bytes": 8 * GIB, "spilled_bytes": 7 * GIB,
                        "reloaded_bytes": 3 * GIB, "host_bytes_used": 5 * GIB, "host_hits": 4})
     (account,) = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"]
@@ -84,7 +84,7 @@ def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, share
     assert (small["host_bytes_used"], small["limit_bytes"]) == (5 * GIB, 8 * GIB)
     assert "host_hits" not in small
     assert "spilled_bytes" not in big  # no snapshot with that name: absent, not 0
-    renamed = StatsPublisher("someone-else", shared)  # same pid, another name: not small's numbers
+    renamed = StatsPublisher("someone-else")  # same pid, another name: not small's numbers
     renamed.publish({"spilled_bytes": 9})
     members = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
     assert [m.get("spilled_bytes") for m in members if "spilled_bytes" in m] == [7 * GIB]

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
+from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher, read_snapshots
+from kvelastic.shared.names import Owner, stats_name
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -30,16 +32,25 @@ def test_collector_exports_an_engines_snapshot(tmp_path):
     assert "llama-8001" not in prometheus_client.generate_latest(registry).decode()
 
 
-def test_snapshots_of_other_parents_and_dead_engines_are_ignored(tmp_path):
+def _planted(folder, pid: int, text: str, start: int = 0) -> str:
+    """A snapshot file named as the engine ``pid`` of this pid namespace would name it."""
+    name = stats_name(Owner(own_pid_namespace(), pid, start), 0)
+    (folder / name).write_text(text)
+    return name
+
+
+def test_snapshots_of_other_parents_and_dead_engines_are_ignored_then_swept(tmp_path):
     mine = StatsPublisher("mine", tmp_path)
     mine.publish({"mapped_bytes": 1})
-    (tmp_path / "kvelastic-stats-999999999.json").write_text(
-        '{"name": "ghost", "pid": 999999999, "ppid": %d, "time": 0, "values": {}}' % os.getppid())
-    (tmp_path / "kvelastic-stats-1.json").write_text('{"name": "other", "pid": 1, "ppid": 0, "values": {}}')
-    (tmp_path / "kvelastic-stats-2.json").write_text("not json")
+    ghost = _planted(tmp_path, 999999999, '{"name": "ghost", "pid": 999999999, "ppid": %d, "time": 0, '
+                                          '"values": {}}' % os.getppid())
+    _planted(tmp_path, 1, '{"name": "other", "pid": 1, "ppid": 0, "time": 0, "values": {}}')
+    _planted(tmp_path, 2, "not json")
     names = [s["name"] for s in read_snapshots(tmp_path, [os.getppid()])]
     assert names == ["mine"]
-    assert not (tmp_path / "kvelastic-stats-999999999.json").exists()  # a dead engine's file is removed
+    assert (tmp_path / ghost).exists()  # a reader never deletes
+    StatsPublisher("next", tmp_path)  # the next engine removes what dead engines left
+    assert not (tmp_path / ghost).exists() and (tmp_path / mine.file_name).exists()
 
 
 def test_an_engine_in_this_process_is_counted_once(tmp_path):

@@ -280,9 +280,12 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
 def test_the_engine_folder_is_unique_to_the_process_not_just_its_pid(tmp_path):
     from kvelastic.cluster.liveness import process_start_time
 
+    from kvelastic.cluster.liveness import own_pid_namespace
+
     here = shm.engine_dir(os.getpid(), tmp_path)
     assert here == shm.engine_dir(os.getpid(), tmp_path)
-    assert here.name == f"kvelastic-engine-{os.getpid()}-{process_start_time()}"
+    assert here.parent == tmp_path / f"kvelastic-u{os.geteuid()}"  # this user's folder: nobody else writes there
+    assert here.name == f"engine-{own_pid_namespace()}-{os.getpid()}-{process_start_time()}"
     assert process_start_time() > 0  # Linux: a reused pid would carry another start time
 
 
