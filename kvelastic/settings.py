@@ -10,21 +10,11 @@ import os
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
+from kvelastic import switch
 from kvelastic.errors import ConfigError
 from kvelastic.units import parse_size
 
 MIB = 1024 * 1024
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _switch(name: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={text!r} is not a switch: use 1 or 0 (also true/false, yes/no, on/off)")
 
 
 def _seconds(name: str, text: str) -> float:
@@ -112,8 +102,8 @@ class Settings:
 
 
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "enabled": ("KVELASTIC", _switch),
-    "strict": ("KVELASTIC_STRICT", _switch),
+    "enabled": (switch.VARIABLE, switch.parse),
+    "strict": ("KVELASTIC_STRICT", switch.parse),
     "chunk_bytes": ("KVELASTIC_CHUNK_SIZE", _chunk),
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),

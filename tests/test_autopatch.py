@@ -39,14 +39,11 @@ def _wrapped_targets() -> int:
 
 
 def pth_line() -> str:
-    """The hook line as setup.py writes it (read from setup.py's source, without running setup())."""
-    import ast
+    """The hook line, from its one definition (``kvelastic/switch.py``, which setup.py writes out)."""
+    from kvelastic.switch import pth_line as line
 
-    tree = ast.parse((REPO / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PTH_LINE" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError("setup.py defines no PTH_LINE")
+    return line()
+
 
 PROBE = f"""
 import json, sys, types
