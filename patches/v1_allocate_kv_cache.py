@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import allocate_kv_tensors
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import ALL, argument
 
@@ -13,11 +12,13 @@ TARGET = Target(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner._allocate_kv_cache_tensors",
     kind="method",
-    signatures=(Signature(ALL, ("self", "kv_cache_config")),),
+    shapes=(Signature(ALL, ("self", "kv_cache_config")),),
 )
 
 
 def _allocate(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    from kvelastic.integration.allocation import allocate_kv_tensors
+
     config = argument(wrapped, args, kwargs, "kv_cache_config")
     raw = allocate_kv_tensors(runtime, config)
     skip = getattr(instance, "runner_only_attn_layers", set())

@@ -5,24 +5,24 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import allocate_kv_tensors
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import ALL, argument
+from kvelastic.patches._common import ALL, argument, before, since
 
-BEFORE_SHARED_LAYERS = VersionRange.of("0.12", "0.22")
-WITH_SHARED_LAYERS = VersionRange.of("0.22", "0.29")
+BEFORE_SHARED_LAYERS = before("0.22")
+WITH_SHARED_LAYERS = since("0.22")
 
 TARGET = Target(
     module="vllm.v1.worker.gpu.attn_utils",
     qualname="_allocate_kv_cache",
     kind="function",
-    signatures=(Signature(BEFORE_SHARED_LAYERS, ("kv_cache_config", "device")),
+    shapes=(Signature(BEFORE_SHARED_LAYERS, ("kv_cache_config", "device")),
                 Signature(WITH_SHARED_LAYERS, ("kv_cache_config", "shared_layers", "device"))),
 )
 
 
 def _allocate(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    from kvelastic.integration.allocation import allocate_kv_tensors
+
     return allocate_kv_tensors(runtime, argument(wrapped, args, kwargs, "kv_cache_config"))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import publish_after_initialize
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import ALL
 
@@ -13,11 +12,13 @@ TARGET = Target(
     module="vllm.v1.worker.gpu.model_runner",
     qualname="GPUModelRunner.initialize_kv_cache",
     kind="method",
-    signatures=(Signature(ALL, ("self", "kv_cache_config")),),
+    shapes=(Signature(ALL, ("self", "kv_cache_config")),),
 )
 
 
 def apply(patcher: Any, runtime: Any) -> None:
+    from kvelastic.integration.allocation import publish_after_initialize
+
     patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime))
 
 

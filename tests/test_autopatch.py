@@ -35,7 +35,7 @@ MARK = "KVELASTIC-TEST-RESULT:"
 def _wrapped_targets() -> int:
     """Functions the patches claiming the installed release wrap (instance-level and read-only targets aside)."""
     version = installed_vllm_version()
-    return sum(t.wrapped for p in ALL_PATCHES if p.claims(version) for t in p.targets)
+    return sum(t.use == "wrap" for p in ALL_PATCHES if p.claims(version) for t in p.targets)
 
 
 def pth_line() -> str:
@@ -261,7 +261,9 @@ def test_wheel_carries_the_pth_hook_at_its_root(tmp_path):
         assert "kvelastic/_autopatch.py" in names and "kvelastic/plugin.py" in names
         for package in ("pool", "integration", "offload", "patching"):
             assert f"kvelastic/{package}/__init__.py" in names
-        assert not any(name.startswith(("patches/", "tests/")) for name in names)
+        assert not any(name.startswith(("patches/", "tests/", "kvelastic_dev/")) for name in names)
+        assert not any(name.startswith("kvelastic/patching/") and name.endswith(
+            ("vllm_source.py", "static_check.py", "remote_zip.py", "releases.py")) for name in names)
         entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         text = wheel.read(entry_points).decode()
         assert "[vllm.general_plugins]" in text

@@ -16,6 +16,7 @@ from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_v
 from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.pool import HostBackend, PagePool
 from kvelastic.settings import Settings
+from tests.scheduler_harness import scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 N, ROW, PAGE = 256, 2048, 64 * 1024  # blocks, bytes per block per layer, page: 32 blocks
@@ -35,7 +36,7 @@ def engine(name: str, budget: int, limit: int | None):
     runs = runs_of_view(view.shape, view.stride(), 1, 0, N)
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    queue = make_page_aware(bp, cache)
+    queue = make_page_aware(bp, cache, patcher=scheduler_patcher())
     link = ClusterLink(cache, sources[0], Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
     return pool, raw, cache, bp, queue, link
 

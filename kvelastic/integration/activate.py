@@ -76,7 +76,7 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
         try:
             result = check(patches, version)
             runtime = Runtime(settings, backend_factory)
-            patcher = apply_all(list(result.patches), runtime)
+            patcher = apply_all(result, runtime)
         except PatchError as exc:
             _Once.failed = True
             if settings.strict:

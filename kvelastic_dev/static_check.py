@@ -1,25 +1,27 @@
 """Check patch targets against a vLLM release's source, without importing vLLM.
 
-The gate (``gate.check_target``) imports each target, which needs that release
-installed with its torch. This module answers the same question from the
-source tree alone, by parsing the target's module with ``ast``, so every
-supported release can be checked on one CPU machine in seconds. It mirrors the
-gate's rules: a module-level name may be imported from another module, a
+The gate (``kvelastic.patching.gate``) imports each target, which needs that
+release installed with its torch. This module describes the same target from
+the source tree alone, by parsing its module with ``ast``, so every supported
+release can be checked on one CPU machine in seconds. Both descriptions are
+judged by the one rule set, ``kvelastic.patching.rules.problem``. The lookup
+mirrors the gate's: a module-level name may be imported from another module, a
 method must be defined in the class body itself (the gate reads the class
-``__dict__``), and the parameters are the ``def``'s, ``self`` included, as
-``inspect.signature`` lists them.
+``__dict__``), parameters are the ``def``'s, ``self`` included, as
+``inspect.signature`` lists them, and a class's attributes are what its body
+defines and its ``__init__`` assigns to ``self``.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
 from kvelastic.errors import PatchError
 from kvelastic.patching import gate
+from kvelastic.patching.rules import Found, problem, self_attributes
 from kvelastic.patching.spec import Patch, Target, claimed
 from kvelastic.patching.versions import Version
 
@@ -29,20 +31,6 @@ _MAX_IMPORT_HOPS = 4
 
 class StaticLookupError(LookupError):
     """A target's module, class or function is not in the source tree."""
-
-
-@dataclass(frozen=True)
-class Found:
-    """A target as the source defines it."""
-
-    params: tuple[str, ...]
-    decorators: tuple[str, ...]
-    file: Path
-    line: int
-
-    @property
-    def is_staticmethod(self) -> bool:
-        return "staticmethod" in self.decorators
 
 
 def module_file(root: Path, module: str) -> Path | None:
@@ -152,9 +140,9 @@ def _decorator_name(node: ast.expr) -> str:
 
 
 def find(root: Path, target: Target) -> Found:
-    """Locate ``target`` under ``root`` (the directory holding ``vllm/``); StaticLookupError if absent."""
+    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent."""
     first, *rest = target.qualname.split(".")
-    node, path = _top_level(root, target.module, first)
+    node, _ = _top_level(root, target.module, first)
     for part in rest:
         if not isinstance(node, ast.ClassDef):
             name = getattr(node, "name", first)
@@ -163,33 +151,51 @@ def find(root: Path, target: Target) -> Found:
         if inner is None or isinstance(inner, ast.ImportFrom):
             raise StaticLookupError(f"{target.path} does not exist")
         node = inner
-    if not isinstance(node, _Def):
-        raise StaticLookupError(f"{target.path}: expected a function, found a class")
-    return Found(_params(node), tuple(_decorator_name(d) for d in node.decorator_list), path, node.lineno)
+    if isinstance(node, ast.ClassDef):
+        return Found("class", attributes=frozenset(_class_attributes(node)))
+    assert isinstance(node, _Def)
+    decorators = {_decorator_name(d) for d in node.decorator_list}
+    if "setter" in decorators:  # the last def of a name wins: a property's setter, if it has one
+        return Found("property", _params(node), settable=True)
+    if "property" in decorators:
+        return Found("property")
+    kind = next((k for k in ("staticmethod", "classmethod") if k in decorators), "function")
+    return Found(kind, _params(node))
+
+
+def _class_attributes(node: ast.ClassDef) -> set[str]:
+    """What the gate's ``class_attributes`` counts, read off the class body and its ``__init__``."""
+    names: set[str] = set()
+    for statement in _body(node.body):
+        if isinstance(statement, (*_Def, ast.ClassDef)):
+            names.add(statement.name)
+        elif isinstance(statement, ast.Assign):
+            names |= {t.id for t in statement.targets if isinstance(t, ast.Name)}
+        elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            names.add(statement.target.id)
+    init = _defined(node.body, "__init__")
+    if isinstance(init, _Def):
+        names |= self_attributes(init)
+    return names
 
 
 def check_target(root: Path, target: Target, version: Version) -> str | None:
-    """None if ``target`` is as expected in ``version``'s source, else what is wrong (gate's wording)."""
-    expected = target.expected_params(version)
-    if expected is None:
-        return f"{target.path}: the patch declares no signature for vLLM {version}"
+    """None if ``target`` is as declared for ``version`` in ``root``'s source, else what is wrong (the gate's words)."""
+    if target.shape(version) is None:
+        return problem(target, version, StaticLookupError())
     try:
-        found = find(root, target)
+        described: Found | LookupError = find(root, target)
     except StaticLookupError as exc:
-        return f"{target.path}: {exc}"
-    if target.kind == "staticmethod" and not found.is_staticmethod:
-        return f"{target.path}: expected a staticmethod, found a function"
-    if found.params != expected:
-        return f"{target.path}: expected parameters {expected}, found {found.params}"
-    return None
+        described = exc
+    return problem(target, version, described)
 
 
 def check_release(root: Path, version: Version, patches: Sequence[Patch]) -> list[str]:
     """Every problem with the targets of the patches that claim ``version``, checked in ``root``."""
     if not (root / "vllm").is_dir():
         raise FileNotFoundError(f"{root} holds no vllm/ source tree")
-    return [f"{patch.name}: {problem}" for patch in claimed(patches, version) for target in patch.targets
-            if (problem := check_target(root, target, version))]
+    return [f"{patch.name}: {issue}" for patch in claimed(patches, version) for target in patch.targets
+            if (issue := check_target(root, target, version))]
 
 
 def attributes_used_on(root: Path, package: str, holder: str) -> set[str]:
