@@ -57,7 +57,7 @@ def assert_untouched(before: dict) -> None:
         module, qualname = path.split(":")
         now = gate.resolve(Target(module, qualname, ()))[1]
         assert now is original, f"{path} was changed"
-        assert not isinstance(now, wrapt.ObjectProxy), f"{path} is still wrapped"
+        assert not isinstance(now, wrapt.FunctionWrapper), f"{path} is still wrapped"
 
 
 class Recorder:
