@@ -139,8 +139,11 @@ def _decorator_name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ast.dump(node)
 
 
-def find(root: Path, target: Target) -> Found:
-    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent."""
+def find(root: Path, target: Target, set_in: tuple[str, ...] = ("__init__",)) -> Found:
+    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent.
+
+    A class's attributes count what its methods ``set_in`` assign to ``self``.
+    """
     first, *rest = target.qualname.split(".")
     node, _ = _top_level(root, target.module, first)
     for part in rest:
@@ -152,7 +155,7 @@ def find(root: Path, target: Target) -> Found:
             raise StaticLookupError(f"{target.path} does not exist")
         node = inner
     if isinstance(node, ast.ClassDef):
-        return Found("class", attributes=frozenset(_class_attributes(node)))
+        return Found("class", attributes=frozenset(_class_attributes(node, set_in)))
     assert isinstance(node, _Def)
     decorators = {_decorator_name(d) for d in node.decorator_list}
     if "setter" in decorators:  # the last def of a name wins: a property's setter, if it has one
@@ -163,8 +166,8 @@ def find(root: Path, target: Target) -> Found:
     return Found(kind, _params(node))
 
 
-def _class_attributes(node: ast.ClassDef) -> set[str]:
-    """What the gate's ``class_attributes`` counts, read off the class body and its ``__init__``."""
+def _class_attributes(node: ast.ClassDef, set_in: tuple[str, ...]) -> set[str]:
+    """What the gate's ``class_attributes`` counts, read off the class body and its methods ``set_in``."""
     names: set[str] = set()
     for statement in _body(node.body):
         if isinstance(statement, (*_Def, ast.ClassDef)):
@@ -173,18 +176,20 @@ def _class_attributes(node: ast.ClassDef) -> set[str]:
             names |= {t.id for t in statement.targets if isinstance(t, ast.Name)}
         elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
             names.add(statement.target.id)
-    init = _defined(node.body, "__init__")
-    if isinstance(init, _Def):
-        names |= self_attributes(init)
+    for method in set_in:
+        function = _defined(node.body, method)
+        if isinstance(function, _Def):
+            names |= self_attributes(function)
     return names
 
 
 def check_target(root: Path, target: Target, version: Version) -> str | None:
     """None if ``target`` is as declared for ``version`` in ``root``'s source, else what is wrong (the gate's words)."""
-    if target.shape(version) is None:
+    shape = target.shape(version)
+    if shape is None:
         return problem(target, version, StaticLookupError())
     try:
-        described: Found | LookupError = find(root, target)
+        described: Found | LookupError = find(root, target, getattr(shape, "set_in", ("__init__",)))
     except StaticLookupError as exc:
         described = exc
     return problem(target, version, described)

@@ -7,6 +7,8 @@ from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import ALL, before, since
+from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
+from kvelastic.patches.kv_cache_objects import PUBLISHING, V1_RUNNER
 
 BEFORE_PROFILING_FLAG = before("0.20")
 WITH_PROFILING_FLAG = since("0.20")  # 0.20 also calls it with is_profiling=True while profiling
@@ -27,4 +29,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("v1_initialize_kv_cache", "V1 runner: publish the KV block layout to the scheduler",
-              ALL, (TARGET,), apply)
+              ALL, (TARGET, V1_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)

@@ -7,6 +7,8 @@ from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import ALL
+from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
+from kvelastic.patches.kv_cache_objects import PUBLISHING, V2_RUNNER
 
 TARGET = Target(
     module="vllm.v1.worker.gpu.model_runner",
@@ -23,4 +25,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("v2_initialize_kv_cache", "V2 runner: publish the KV block layout to the scheduler",
-              ALL, (TARGET,), apply)
+              ALL, (TARGET, V2_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)

@@ -86,6 +86,13 @@ class Patcher:
             raise PatchError(f"kvelastic: {target.path} is a {target.kind}, it has no parameters")
         return shape.params
 
+    def attributes(self, target: Target) -> tuple[str, ...]:
+        """The attributes a class target's objects carry in this release, as declared and checked."""
+        shape = self._cleared(target, target.use)
+        if not isinstance(shape, Attributes):
+            raise PatchError(f"kvelastic: {target.path} is a {target.kind}, not a class")
+        return shape.names
+
     def _cleared(self, target: Target, use: str) -> Signature | Attributes:
         if target not in self._checked:
             raise PatchError(f"kvelastic: {target.path} was not checked by the gate; declare it in the "

@@ -52,8 +52,11 @@ def resolve(target: Target) -> tuple[Any, Any]:
     return owner, raw
 
 
-def describe(raw: Any) -> Found:
-    """What the live object ``raw`` (as a class ``__dict__`` holds it) is, in the rules' terms."""
+def describe(raw: Any, set_in: tuple[str, ...] = ("__init__",)) -> Found:
+    """What the live object ``raw`` (as a class ``__dict__`` holds it) is, in the rules' terms.
+
+    A class's attributes count what its methods ``set_in`` assign to ``self``.
+    """
     if isinstance(raw, staticmethod):
         return Found("staticmethod", _params(raw.__func__))
     if isinstance(raw, classmethod):
@@ -61,7 +64,7 @@ def describe(raw: Any) -> Found:
     if isinstance(raw, property):
         return Found("property", _params(raw.fset) if raw.fset else (), settable=raw.fset is not None)
     if isinstance(raw, type):
-        return Found("class", attributes=frozenset(class_attributes(raw)))
+        return Found("class", attributes=frozenset(class_attributes(raw, set_in)))
     if callable(raw):
         return Found("function", _params(raw))
     return Found(type(raw).__name__)
@@ -71,37 +74,40 @@ def _params(function: Any) -> tuple[str, ...]:
     return tuple(inspect.signature(function).parameters)
 
 
-def class_attributes(cls: type) -> set[str]:
-    """Names ``cls``'s objects carry: its own ``__dict__`` and annotations, and what its ``__init__`` sets.
+def class_attributes(cls: type, set_in: tuple[str, ...] = ("__init__",)) -> set[str]:
+    """Names ``cls``'s objects carry: its own ``__dict__`` and annotations, and what its methods
+    ``set_in`` assign to ``self``.
 
-    The ``__init__`` is read from its source (unwrapped, should kvelastic's own
-    wrapper sit on it): an attribute cannot be seen before an object exists.
+    Those methods are read from source (unwrapped, should kvelastic's own
+    wrapper sit on one): an attribute cannot be seen before an object exists.
     A generated ``__init__`` (a dataclass's) has no source; its fields are
     annotations, counted already.
     """
     names = set(vars(cls)) | set(inspect.get_annotations(cls))
-    init = vars(cls).get("__init__")
-    if init is not None and inspect.isfunction(init := inspect.unwrap(init)):
-        try:
-            names |= init_attributes(inspect.getsource(init))
-        except (OSError, TypeError):
-            pass  # generated (dataclass) or source not shipped: annotations and __dict__ stand
+    for method in set_in:
+        function = vars(cls).get(method)
+        if function is not None and inspect.isfunction(function := inspect.unwrap(function)):
+            try:
+                names |= init_attributes(inspect.getsource(function))
+            except (OSError, TypeError):
+                pass  # generated (dataclass) or source not shipped: annotations and __dict__ stand
     return names
 
 
-def found(target: Target) -> Found | LookupError:
+def found(target: Target, set_in: tuple[str, ...] = ("__init__",)) -> Found | LookupError:
     """The running vLLM's ``target``, described; the LookupError where it is missing."""
     try:
-        return describe(resolve(target)[1])
+        return describe(resolve(target)[1], set_in)
     except LookupError as exc:
         return exc
 
 
 def check_target(target: Target, version: Version) -> str | None:
     """None if ``target`` is as declared for ``version`` in the running vLLM, else what is wrong."""
-    if target.shape(version) is None:  # nothing to look up
+    shape = target.shape(version)
+    if shape is None:  # nothing to look up
         return problem(target, version, LookupError())
-    return problem(target, version, found(target))
+    return problem(target, version, found(target, getattr(shape, "set_in", ("__init__",))))
 
 
 def check(patches: Sequence[Patch], version: Version) -> GateResult:

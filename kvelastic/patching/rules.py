@@ -53,8 +53,8 @@ def problem(target: Target, version: Version, found: Found | LookupError) -> str
     if isinstance(shape, Attributes):
         missing = tuple(name for name in shape.names if name not in found.attributes)
         if missing:
-            return (f"{target.path}: expected its objects to carry {shape.names}; "
-                    f"{missing} are neither defined on the class nor set in its __init__")
+            return (f"{target.path}: expected its objects to carry {shape.names}; {missing} are neither "
+                    f"defined on the class nor set in its {' or '.join(shape.set_in)}")
         return None
     assert isinstance(shape, Signature)
     if found.params != shape.params:
@@ -95,7 +95,7 @@ def self_attributes(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str
 
 
 def init_attributes(source: str) -> set[str]:
-    """:func:`self_attributes` of the one function defined in ``source`` (``inspect.getsource`` of an ``__init__``)."""
+    """:func:`self_attributes` of the one function defined in ``source`` (``inspect.getsource`` of a method)."""
     for node in ast.parse(textwrap.dedent(source)).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return self_attributes(node)

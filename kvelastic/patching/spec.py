@@ -42,13 +42,15 @@ class Attributes:
     """A class whose objects carry at least these attribute names in ``versions``.
 
     A name counts when the class body defines it (a method, property, class
-    attribute or dataclass field) or the class's own ``__init__`` assigns it to
-    ``self``. Attributes set elsewhere cannot be checked before an object
-    exists, so they are not declared this way.
+    attribute or dataclass field) or one of the class's own methods in
+    ``set_in`` assigns it to ``self``: ``__init__``, or a method kvelastic wraps
+    and reads the attribute right after (the V2 runner binds ``kv_caches`` in
+    ``initialize_kv_cache``). Both are read from source, before any object exists.
     """
 
     versions: VersionRange
     names: tuple[str, ...]
+    set_in: tuple[str, ...] = ("__init__",)
 
 
 @dataclass(frozen=True)
