@@ -74,3 +74,51 @@ def test_a_broken_contact_refuses_start_up_naming_it_and_leaves_vllm_as_it_was(p
     assert result["changed_by_refusal"] == []  # nothing wrapped or replaced by the refused start-up
     assert result["not_restored"] == []  # the breakage undone, every class and module is as it was
     assert result["instance_changes"] == []  # a scheduler built afterwards is vLLM's own
+
+
+# A module imported after start-up whose live shape differs from its source (another plugin
+# patched it): kvelastic undoes what it had applied and the import fails, naming the contact.
+LATE = f"""
+import json, sys
+from kvelastic.integration import activate as activation
+from kvelastic.settings import Settings
+assert activation.activate(Settings(enabled=True)) is not None
+before = sorted(m for m in {{"vllm.v1.worker.gpu_worker", "vllm.v1.core.sched.scheduler"}} if m in sys.modules)
+import wrapt
+import vllm.v1.worker.gpu_worker as gpu_worker
+patcher = activation.current().patcher
+applied = list(patcher.wrapped)
+import vllm.v1.core.block_pool as block_pool
+def get_usage(self, window):
+    return 0.0
+block_pool.BlockPool.get_usage = get_usage
+try:
+    import vllm.v1.core.sched.scheduler
+    outcome = "imported"
+except Exception as exc:
+    outcome = type(exc).__name__ + ": " + str(exc)
+print("{MARK}" + json.dumps({{
+    "imported_before": before, "applied": applied, "outcome": outcome,
+    "worker_wrapped_after": isinstance(vars(gpu_worker.Worker)["determine_available_memory"], wrapt.FunctionWrapper),
+    "wrapped_after": list(patcher.wrapped), "active_after": activation.current() is not None,
+}}), flush=True)
+"""
+
+
+def test_a_module_that_differs_from_its_source_when_imported_later_undoes_everything_and_fails_its_import(
+        tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVELASTIC", "VLLM_PLUGINS"))}
+    done = subprocess.run([sys.executable, "-c", LATE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(lines[-1][len(MARK):])
+    assert result["imported_before"] == []  # start-up imported neither module: the late path ran
+    assert {"vllm.v1.worker.gpu_worker:Worker.determine_available_memory",
+            "vllm.v1.worker.gpu_worker:Worker.execute_model"} <= set(result["applied"])  # on gpu_worker's import
+    outcome = result["outcome"]
+    assert outcome.startswith("PatchError") and "vllm.v1.core.block_pool:BlockPool.get_usage" in outcome
+    assert "expected parameters ('self',)" in outcome and "differ from their source" in outcome
+    assert "every patch was undone" in outcome
+    assert result["worker_wrapped_after"] is False and result["wrapped_after"] == []
+    assert result["active_after"] is False

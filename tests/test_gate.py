@@ -16,7 +16,8 @@ from kvelastic.integration.runtime import Runtime  # noqa: E402
 from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, v1_allocate_kv_cache, v2_allocate_kv_cache  # noqa: E402
 from kvelastic.patches._common import ALL  # noqa: E402
 from kvelastic.patching import gate  # noqa: E402
-from kvelastic.patching.apply import apply_all  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.patching.on_import import ImportApplier  # noqa: E402
 from kvelastic.patching.spec import Patch, Signature, Target  # noqa: E402
 from kvelastic.patching.versions import SUPPORTED, Version, VersionRange, band_of, installed_vllm_version  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
@@ -203,6 +204,13 @@ def test_patches_that_do_not_claim_the_version_are_neither_checked_nor_chosen():
 
 
 # ------------------------------------------------------------------ apply_all
+def apply_all(result, runtime) -> Patcher:
+    """Every cleared patch applied at once, as activation does when their modules are imported already."""
+    patcher = Patcher.for_gate(result)
+    ImportApplier(result, runtime, patcher).start()
+    return patcher
+
+
 def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
     runtime = Runtime(Settings(enabled=True))
     first = [uniform_kv_cache.PATCH, v1_allocate_kv_cache.PATCH, v2_allocate_kv_cache.PATCH]

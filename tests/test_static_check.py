@@ -1,4 +1,4 @@
-"""The static checker and the source cache, on small trees and archives made here (no network).
+"""The source lookup and the source cache, on small trees and archives made here (no network).
 
 The checker must list parameters exactly as ``inspect.signature`` does, so
 each case is also imported and compared with it.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic.patching import gate
+from kvelastic.patching import gate, source
 from kvelastic.patching.spec import Absent, Attributes, Signature, Target
-from kvelastic_dev import remote_zip, static_check, vllm_source
+from kvelastic_dev import remote_zip, vllm_source
 from kvelastic_dev.remote_zip import SourceFetchError
 from kvelastic.patching.versions import Version, VersionRange
 
@@ -152,21 +152,21 @@ def test_parameters_match_inspect_signature(tree: Path, qualname: str) -> None:
         owner = getattr(owner, part)
     raw = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
     function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-    assert static_check.find(tree, _target(qualname)).params == tuple(inspect.signature(function).parameters)
-    assert static_check.find(tree, _target(qualname)) == gate.found(_target(qualname))
+    assert source.find(tree, _target(qualname)).params == tuple(inspect.signature(function).parameters)
+    assert source.find(tree, _target(qualname)) == gate.found(_target(qualname))
 
 
 def test_check_target_reports_like_the_gate(tree: Path) -> None:
     v1 = Version.parse("1.5")
     static = _target("Runner.static", ("groups", "dtype"), "staticmethod")
-    assert static_check.check_target(tree, static, v1) is None
+    assert source.check_target(tree, static, v1) is None
     problems = {
-        "undeclared": static_check.check_target(tree, _target("conditional", ("x", "y")), Version.parse("3.0")),
-        "params": static_check.check_target(tree, _target("conditional", ("x",)), v1),
-        "static": static_check.check_target(tree, _target("Runner.method", ("self",), "staticmethod"), v1),
-        "inherited": static_check.check_target(tree, _target("Runner.inherited", ("self", "x")), v1),
-        "module": static_check.check_target(tree, Target(f"{PACKAGE}.gone", "f", _target("f").shapes), v1),
-        "class": static_check.check_target(tree, _target("Runner", ("self",)), v1),
+        "undeclared": source.check_target(tree, _target("conditional", ("x", "y")), Version.parse("3.0")),
+        "params": source.check_target(tree, _target("conditional", ("x",)), v1),
+        "static": source.check_target(tree, _target("Runner.method", ("self",), "staticmethod"), v1),
+        "inherited": source.check_target(tree, _target("Runner.inherited", ("self", "x")), v1),
+        "module": source.check_target(tree, Target(f"{PACKAGE}.gone", "f", _target("f").shapes), v1),
+        "class": source.check_target(tree, _target("Runner", ("self",)), v1),
     }
     assert "declares nothing for vLLM 3.0.0" in problems["undeclared"]
     assert "expected parameters ('x',), found ('x', 'y')" in problems["params"]
@@ -181,10 +181,10 @@ HOLDER_NAMES = ("level", "a", "b", "c", "d", "e", "method", "__init__")
 
 def test_class_attributes_are_what_the_body_defines_and_init_sets_alike_in_source_and_live(tree: Path) -> None:
     live = gate.class_attributes(importlib.import_module(f"{PACKAGE}.mod").Holder)
-    static = static_check.find(tree, _class("Holder", ())).attributes
+    static = source.find(tree, _class("Holder", ())).attributes
     assert set(HOLDER_NAMES) <= static and set(HOLDER_NAMES) <= live
     assert "not_in_init" not in static and "not_in_init" not in live  # set later: cannot be checked up front
-    fields = static_check.find(tree, _class("Record", ())).attributes
+    fields = source.find(tree, _class("Record", ())).attributes
     assert {"field_a", "field_b", "prop", "read_only"} <= fields
     assert fields <= gate.class_attributes(importlib.import_module(f"{PACKAGE}.mod").Record)
 
@@ -211,7 +211,7 @@ VERDICTS = [
 @pytest.mark.parametrize("target, verdict", VERDICTS, ids=lambda v: v.path if isinstance(v, Target) else "")
 def test_one_rule_set_gives_the_source_and_the_live_lookup_the_same_verdict(tree: Path, target, verdict) -> None:
     version = Version.parse("1.5")
-    static, live = static_check.check_target(tree, target, version), gate.check_target(target, version)
+    static, live = source.check_target(tree, target, version), gate.check_target(target, version)
     assert static == live
     if verdict is None:
         assert static is None
@@ -232,7 +232,7 @@ def test_declarations_refuse_shapes_that_do_not_fit_their_kind() -> None:
 
 def test_check_release_needs_a_vllm_tree(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        static_check.check_release(tmp_path, Version.parse("0.28.0"), ())
+        source.check_release(tmp_path, Version.parse("0.28.0"), ())
 
 
 def test_only_vllm_python_sources_are_kept() -> None:

@@ -20,7 +20,7 @@ from kvelastic.errors import PatchError
 from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.patches import ALL_PATCHES
 from kvelastic.patches.block_pool_queue import FREE_QUEUE_MEMBERS, free_queue_members
-from kvelastic.patching import gate
+from kvelastic.patching import gate, source
 from kvelastic.patching.spec import Target
 from kvelastic.patching.versions import BANDS, FIRST_UNSUPPORTED, OLDEST_SUPPORTED, SUPPORTED, Version, \
     installed_vllm_version
@@ -109,7 +109,7 @@ def test_the_supported_range_is_written_once_and_pyproject_agrees() -> None:
 @pytest.mark.matrix
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_source_matches_every_patch_claiming_it(sources: dict, release: str) -> None:
-    problems = static_check.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
+    problems = source.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
     assert problems == [], f"vLLM {release} (band {release_band(release)}):\n" + "\n".join(problems)
 
 
@@ -182,9 +182,9 @@ def test_first_unsupported_release_allocates_all_layers_in_one_backing(sources: 
     """The refusal's stated reason holds in 0.29.0's source: no use_uniform_kv_cache, one allocator."""
     root = _source(sources, OLDEST_NEWER_UNSUPPORTED)
     uniform = BY_NAME["uniform_kv_cache"].targets[0]
-    with pytest.raises(static_check.StaticLookupError):
-        static_check.find(root, uniform)
-    allocator = static_check.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
+    with pytest.raises(source.StaticLookupError):
+        source.find(root, uniform)
+    allocator = source.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
     assert allocator.params[:2] == ("kv_cache_config", "device")
 
 
@@ -198,21 +198,21 @@ def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
     for patch in ALL_PATCHES:
         for target in patch.targets:
             if not patch.claims(version):  # absent from this release, both ways of looking agree
-                with pytest.raises(static_check.StaticLookupError):
-                    static_check.find(root, target)
+                with pytest.raises(source.StaticLookupError):
+                    source.find(root, target)
                 with pytest.raises(LookupError):
                     gate.resolve(target)
                 continue
-            assert static_check.check_target(root, target, version) == gate.check_target(target, version)
+            assert source.check_target(root, target, version) == gate.check_target(target, version)
             if not target.exists_in(version):
                 continue
             set_in = getattr(target.shape(version), "set_in", ("__init__",))
-            found, live = static_check.find(root, target, set_in), gate.found(target, set_in)
+            found, live = source.find(root, target, set_in), gate.found(target, set_in)
             if target.kind == "class":  # the live class also has dunders the source does not spell
                 assert set(target.shape(version).names) <= found.attributes & live.attributes
                 assert found.attributes <= live.attributes
             else:
                 assert found == live
     if version in SUPPORTED:
-        assert static_check.check_release(root, version, ALL_PATCHES) == []
+        assert source.check_release(root, version, ALL_PATCHES) == []
         assert {p.name for p in gate.check(ALL_PATCHES, version).patches} == set(_claimed_names(version))

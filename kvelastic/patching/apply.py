@@ -190,17 +190,3 @@ class Patcher:
             raise
         finally:
             open_scopes.remove(scope)
-
-
-def apply_all(result: Any, runtime: Any) -> Patcher:
-    """Run ``apply`` of every patch the gate cleared (``gate.check``'s result); if any fails, undo all
-    of them and raise PatchError."""
-    patcher = Patcher.for_gate(result)
-    for patch in result.patches:
-        try:
-            patch.apply(patcher, runtime)
-        except Exception as exc:
-            patcher.revert()
-            raise PatchError(f"kvelastic: applying patch {patch.name!r} failed ({exc}); "
-                             f"every patch was undone and vLLM is unchanged") from exc
-    return patcher

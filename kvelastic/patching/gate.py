@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from kvelastic.errors import PatchError
 from kvelastic.patching.rules import Found, init_attributes, problem
@@ -111,7 +112,31 @@ def check_target(target: Target, version: Version) -> str | None:
 
 
 def check(patches: Sequence[Patch], version: Version) -> GateResult:
-    """Validate ``version`` and every target of every patch claiming it; raise PatchError if any fails."""
+    """Validate ``version`` and every target of every patch claiming it, imported; PatchError if any fails."""
+    return _judge(patches, version, check_target)
+
+
+def check_source(patches: Sequence[Patch], version: Version, root: Path | None = None) -> GateResult:
+    """:func:`check`, judged from the installed vLLM's source files (or ``root``'s): imports no vLLM module.
+
+    Start-up decides this way (``kvelastic.patching.on_import``); each patch is
+    checked again, imported, when vLLM imports its module.
+    """
+    from kvelastic.patching import source
+
+    tree = root or source.installed_root()
+    return _judge(patches, version, lambda target, at: source.check_target(tree, target, at))
+
+
+def problems_of(patches: Sequence[Patch], version: Version,
+                check_one: Callable[[Target, Version], str | None] = check_target) -> list[str]:
+    """What is wrong with the targets of ``patches`` in ``version``, one line each (each contact once)."""
+    targets = dict.fromkeys(target for patch in patches for target in patch.targets)
+    return [p for target in targets if (p := check_one(target, version))]
+
+
+def _judge(patches: Sequence[Patch], version: Version,
+           check_one: Callable[[Target, Version], str | None]) -> GateResult:
     if version not in SUPPORTED:
         newer = version >= SUPPORTED.high
         reason = UNSUPPORTED_NEWER_NOTE if newer else f"kvelastic supports vLLM {SUPPORTED}"
@@ -119,10 +144,15 @@ def check(patches: Sequence[Patch], version: Version) -> GateResult:
                          f"Set KVELASTIC=0 to run vLLM without kvelastic, or KVELASTIC_STRICT=0 to warn only.")
     band = band_of(version)
     chosen = claimed(patches, version)
-    targets = dict.fromkeys(target for patch in chosen for target in patch.targets)  # one check per contact
-    problems = [p for target in targets if (p := check_target(target, version))]
+    problems = problems_of(chosen, version, check_one)
     if problems:
-        lines = "\n  - ".join(problems)
-        raise PatchError(f"kvelastic: vLLM {version} (band {band.name if band else '?'}) does not match "
-                         f"what kvelastic expects; nothing was patched:\n  - {lines}")
+        raise PatchError(refusal_message(version, problems, "nothing was patched"))
     return GateResult(version, band.name if band else "?", tuple(chosen))
+
+
+def refusal_message(version: Version, problems: Sequence[str], outcome: str) -> str:
+    """The one wording of a refusal: the release, what kvelastic did about it, each problem on a line."""
+    band = band_of(version)
+    lines = "\n  - ".join(problems)
+    return (f"kvelastic: vLLM {version} (band {band.name if band else '?'}) does not match what kvelastic "
+            f"expects; {outcome}:\n  - {lines}")
