@@ -122,10 +122,19 @@ def check_source(patches: Sequence[Patch], version: Version, root: Path | None =
     Start-up decides this way (``kvelastic.patching.on_import``); each patch is
     checked again, imported, when vLLM imports its module.
     """
+    import gc
+
     from kvelastic.patching import source
 
     tree = root or source.installed_root()
-    return _judge(patches, version, lambda target, at: source.check_target(tree, target, at))
+    collecting = gc.isenabled()
+    gc.disable()  # parsing allocates many nodes; each collection would walk vLLM's whole heap (5x slower)
+    try:
+        return _judge(patches, version, lambda target, at: source.check_target(tree, target, at))
+    finally:
+        source.parse.cache_clear()  # the trees are not needed again in this process
+        if collecting:
+            gc.enable()
 
 
 def problems_of(patches: Sequence[Patch], version: Version,
