@@ -66,7 +66,7 @@ def _configure_logging() -> None:
 def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | None = None,
              version: Version | None = None,
              backend_factory: Callable = default_backend) -> Activation | None:
-    """Check and apply every patch for the running vLLM; None when kvelastic is off."""
+    """Check every patch for the running vLLM and apply each as vLLM imports its module; None when off."""
     settings = settings or Settings.from_env()
     if not settings.enabled:
         return None
@@ -84,8 +84,8 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
             runtime = Runtime(settings, backend_factory)
             patcher = Patcher.for_gate(result)
             applier = ImportApplier(result, runtime, patcher, on_refusal=_refused_later)
-            _Once.current = Activation(runtime, patcher, applier, version, result.band)
             applier.start()
+            _Once.current = Activation(runtime, patcher, applier, version, result.band)
         except PatchError as exc:
             _Once.current = None
             _Once.failed = True

@@ -94,7 +94,9 @@ class ImportApplier:
                 return  # another of its modules is still to come
             problems = gate.problems_of([patch], self.result.version)
             if problems:
-                self._refuse(problems, f"{patch.name}'s modules as imported differ from their source")
+                self._refuse(gate.refusal_message(
+                    self.result.version, problems, f"{patch.name}'s modules as imported differ from their "
+                    f"source; every patch was undone and vLLM is unchanged"))
             self._apply([patch])
 
     def _apply(self, patches: Sequence[Patch]) -> None:
@@ -103,11 +105,12 @@ class ImportApplier:
             try:
                 patch.apply(self.patcher, self.runtime)
             except Exception as exc:
-                self._refuse([f"applying patch {patch.name!r} failed ({exc})"], "", cause=exc)
+                self._refuse(f"kvelastic: applying patch {patch.name!r} failed ({exc}); every patch was "
+                             f"undone and vLLM is unchanged", cause=exc)
 
-    def _refuse(self, problems: list[str], why: str, cause: BaseException | None = None) -> None:
+    def _refuse(self, message: str, cause: BaseException | None = None) -> None:
+        """Undo every change kvelastic made in this process, then raise ``message``."""
         self.active = False
         self.patcher.revert()
         self.on_refusal()
-        outcome = f"{why + '; ' if why else ''}every patch was undone and vLLM is unchanged"
-        raise PatchError(gate.refusal_message(self.result.version, problems, outcome)) from cause
+        raise PatchError(message) from cause
