@@ -11,7 +11,6 @@ missing" is the same test.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from pathlib import Path
 
 import pytest

@@ -1,8 +1,9 @@
 """The one rule set for "is this target what its patch declares?", whoever looked it up.
 
-Two lookups describe a target as a :class:`Found`: the gate imports the running
-vLLM (``gate.describe``), the version matrix parses a release's source without
-importing it (``kvelastic_dev.static_check``). :func:`problem` compares either
+Two lookups describe a target as a :class:`Found`: one imports it from the
+running vLLM (``gate.describe``), the other parses a vLLM source tree without
+importing anything (``kvelastic.patching.source``: start-up on the installed
+vLLM, the version matrix on every release). :func:`problem` compares either
 description with the declaration, so both give the same verdict in the same
 words, and a rule changed here changes for both.
 """

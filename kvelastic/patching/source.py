@@ -18,11 +18,10 @@ defines and its ``__init__`` assigns to ``self``.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
-
-import importlib.util
 
 from kvelastic.patching.rules import Found, problem, self_attributes
 from kvelastic.patching.spec import Patch, Target, claimed
