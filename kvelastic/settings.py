@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Mapping
 
+from kvelastic import switch
 from kvelastic.errors import ConfigError
 from kvelastic.units import format_size, parse_size
 
@@ -28,17 +29,6 @@ OTHER_VARIABLES = ("KVELASTIC_LAUNCH_NO_GPU", "KVELASTIC_VLLM_SRC_CACHE",
                    "KVELASTIC_REQUIRE_VLLM", "KVELASTIC_DROP_VENVS", "KVELASTIC_BAND_A", "KVELASTIC_VENV",
                    "KVELASTIC_VENV_BAND_A")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _switch(name: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={text!r} is not a switch: use 1 or 0 (also true/false, yes/no, on/off)")
 
 
 def _seconds(name: str, text: str) -> float:
@@ -216,8 +206,8 @@ def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> st
 
 
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "enabled": ("KVELASTIC", _switch),
-    "strict": ("KVELASTIC_STRICT", _switch),
+    "enabled": (switch.VARIABLE, switch.parse),
+    "strict": ("KVELASTIC_STRICT", switch.parse),
     "chunk_bytes": ("KVELASTIC_CHUNK_SIZE", _chunk),
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),

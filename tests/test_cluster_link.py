@@ -17,6 +17,7 @@ from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.pool import DeviceSource, HostBackend, LimitedSource, PagePool, ReserveSource
 from kvelastic.settings import Settings
 from tests.kv_fixtures import StandInRequest
+from tests.scheduler_harness import scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 N, ROW, PAGE = 256, 2048, 64 * 1024  # blocks, bytes per block per layer, page: 32 blocks
@@ -32,7 +33,7 @@ def engine(name: str, budget: int, limit: int | None):
     runs = runs_of_view(view.shape, view.stride(), 1, 0, N)
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    queue = make_page_aware(bp, cache)
+    queue = make_page_aware(bp, cache, patcher=scheduler_patcher())
     link = ClusterLink(cache, gate, Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
     return pool, raw, cache, bp, queue, link
 

@@ -24,6 +24,7 @@ from kvelastic.settings import Settings
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, HALF, LAYERS, PAGE, N,  # noqa: F401
                                 StandInRequest,
                                 build_cache)
+from tests.scheduler_harness import scheduler_patcher
 
 TTL = 100.0
 
@@ -212,7 +213,7 @@ def engine():
 
     pool, views, cache = build_cache()
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-    queue = make_page_aware(bp, cache, GroupMapper(cache))
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
     engine = Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, clock=Clock())
     yield engine
     pool.close()
@@ -410,7 +411,7 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
     monkeypatch.setattr(scheduler_side, "RANKS_WAIT_S", 0.2)
     runtime = Runtime(Settings(enabled=True))
     with pytest.raises(PatchError) as info:
-        attach_scheduler(_scheduler_with(world=2), runtime)
+        attach_scheduler(_scheduler_with(world=2), runtime, scheduler_patcher())
     message = str(info.value)
     assert "no elastic KV cache in its process" in message
     assert "worker ranks [0, 1] of 2" in message
@@ -419,7 +420,7 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
 
 def test_attach_scheduler_refuses_pipeline_parallelism():
     with pytest.raises(PatchError, match="pipeline parallelism is not supported"):
-        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)))
+        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)), scheduler_patcher())
 
 
 def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():
@@ -441,8 +442,8 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
     coordinator = types.SimpleNamespace(get_num_blocks_to_allocate=lambda request_id, num_tokens: num_tokens)
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
                                       schedule=schedule, update_from_output=lambda *a: a,
-                                      finish_requests=lambda *a: None)
-    reclaimer = attach_scheduler(scheduler, runtime)
+                                      finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True)
+    reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())
     queue = bp.free_block_queue
     try:
         assert scheduler.kvelastic_reclaimer is reclaimer
@@ -457,8 +458,8 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         assert queue.hold.secured == 40 and queue.num_free_blocks >= 40
         scheduler.schedule()
         assert queue.hold.secured == 0  # a step's promise ends with the step
-        assert not hasattr(scheduler, "reset_prefix_cache")  # absent methods are not invented
-        assert set(LOCKED_METHODS) >= {"schedule", "update_from_output", "finish_requests"}
+        assert scheduler.reset_prefix_cache() is True
+        assert set(LOCKED_METHODS) == {"schedule", "update_from_output", "finish_requests", "reset_prefix_cache"}
         blocks = bp.get_new_blocks(70)
         assert {cache.group_of_block(b.block_id) for b in blocks} == {0, 1, 2}
         bp.free_blocks(blocks)

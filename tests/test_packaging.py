@@ -90,7 +90,9 @@ def test_the_wheel_carries_the_hook_entry_points_model_and_license(wheel):
             assert f"kvelastic/{package}/__init__.py" in names
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             assert f"kvelastic/models/llama-1b/{name}" in names
-        assert not any(name.startswith(("patches/", "tests/", "scripts/")) for name in names)
+        assert not any(name.startswith(("patches/", "tests/", "scripts/", "kvelastic_dev/")) for name in names)
+        assert not any(name.startswith("kvelastic/patching/") and name.endswith(
+            ("vllm_source.py", "static_check.py", "remote_zip.py", "releases.py")) for name in names)
         meta = {Path(n).name: archive.read(n).decode() for n in names if ".dist-info/" in n}
         assert "[vllm.general_plugins]\nkvelastic = kvelastic.plugin:register" in meta["entry_points.txt"]
         assert "[console_scripts]\nkvelastic = kvelastic.cli:main" in meta["entry_points.txt"]
