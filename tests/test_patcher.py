@@ -151,7 +151,7 @@ def kvelastic_threads() -> int:
 
 
 def test_a_failure_late_in_attaching_leaves_every_object_of_the_scheduler_as_vllm_made_it(monkeypatch, tmp_path):
-    from kvelastic.integration.reclaimer import Reclaimer
+    from kvelastic.integration.upkeep import UpkeepThread
 
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     pool, views, cache = build_cache(4)
@@ -160,9 +160,9 @@ def test_a_failure_late_in_attaching_leaves_every_object_of_the_scheduler_as_vll
     threads = kvelastic_threads()
 
     def fail(self):
-        raise RuntimeError("the reclaimer could not start")
+        raise RuntimeError("the upkeep thread could not start")
 
-    monkeypatch.setattr(Reclaimer, "start", fail)
+    monkeypatch.setattr(UpkeepThread, "start", fail)
     patcher = scheduler_patcher()
     try:
         with pytest.raises(RuntimeError, match="could not start"):
