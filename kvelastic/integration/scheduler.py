@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.connector_fence import check_offload_owner, transfers_in_flight
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
@@ -50,6 +51,7 @@ def attach_scheduler(scheduler: Any, runtime: Runtime, patcher: Patcher) -> Upke
 
 def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[Any]) -> UpkeepThread:
     settings = runtime.settings
+    check_offload_owner(scheduler.connector, settings.cpu_bytes)
     cache = runtime.cache
     remote = cache is None
     if remote:
@@ -67,6 +69,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     block_pool = manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead)
+    queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
     lock = threading.RLock()
     offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings, patcher)
