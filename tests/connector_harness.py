@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvelastic_dev.connector_transfers import is_simple, transfers_of
 from tests.kv_fixtures import BS, D, H, N
 from tests.scheduler_harness import MODEL, model_output, step_of
 
@@ -21,6 +22,7 @@ CPU_BLOCKS = 512
 MODES: dict[str, tuple[str, dict]] = {
     "simple-eager": ("SimpleCPUOffloadConnector", {}),
     "simple-lazy": ("SimpleCPUOffloadConnector", {"lazy_offload": True}),
+    "simple-disk": ("SimpleCPUOffloadConnector", {"kv_offload_backend": "disk", "disk_path": "/nonexistent/kv"}),
     "offload-lru": ("OffloadingConnector", {"block_size": BS, "eviction_policy": "lru"}),
     "offload-arc": ("OffloadingConnector", {"block_size": BS, "eviction_policy": "arc"}),
 }
@@ -43,6 +45,8 @@ def connector_config(mode: str, **extra: Any):
 
     name, mode_extra = MODES[mode]
     cpu_bytes = CPU_BLOCKS * 3 * page_bytes()  # three layers
+    if mode_extra.get("kv_offload_backend") == "disk":  # the scheduler side never opens the file
+        mode_extra = {**mode_extra, "disk_capacity_bytes": cpu_bytes}
     model = ModelConfig(model=str(MODEL), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16", seed=0)
     scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
                                 is_encoder_decoder=False, enable_chunked_prefill=True)
@@ -83,36 +87,11 @@ class Transfers:
         return {b for _, blocks in self.in_flight for b in blocks}
 
 
-def _offload_jobs(meta) -> list[tuple[str, int, str, list[int]]]:
-    """(kind, job id, request, GPU block ids) of an OffloadingConnector step's jobs."""
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
-    jobs = []
-    for kind, table in (("load", meta.load_jobs), ("store", meta.store_jobs)):
-        for job_id, job in table.items():
-            specs = getattr(job, "transfer_spec", None) or (job.src_spec, job.dst_spec)  # 0.23 / 0.24+
-            gpu = next(s for s in specs if isinstance(s, GPULoadStoreSpec))
-            jobs.append((kind, job_id, job.req_id, [int(b) for b in gpu.block_ids]))
-    return jobs
-
-
 def plan(meta, transfers: Transfers) -> None:
     """Record what the step's connector metadata asks the worker to copy."""
-    transfers.in_flight = []
-    if hasattr(meta, "store_gpu_blocks"):  # SimpleCPUOffloadConnector
-        if meta.store_gpu_blocks:
-            transfers.in_flight.append(("store", list(meta.store_gpu_blocks)))
-            transfers.stored_blocks += len(meta.store_gpu_blocks)
-        if meta.load_gpu_blocks:
-            transfers.in_flight.append(("load", list(meta.load_gpu_blocks)))
-            transfers.loaded_blocks += len(meta.load_gpu_blocks)
-    else:
-        for kind, _, _, blocks in _offload_jobs(meta):
-            transfers.in_flight.append((kind, blocks))
-            if kind == "store":
-                transfers.stored_blocks += len(blocks)
-            else:
-                transfers.loaded_blocks += len(blocks)
+    transfers.in_flight = [(t.kind, list(t.gpu_blocks)) for t in transfers_of(meta)]
+    transfers.stored_blocks += sum(len(b) for kind, b in transfers.in_flight if kind == "store")
+    transfers.loaded_blocks += sum(len(b) for kind, b in transfers.in_flight if kind == "load")
     transfers._pending = meta if transfers.in_flight else None
 
 
@@ -123,7 +102,7 @@ def completions(transfers: Transfers):
     meta, transfers._pending = transfers._pending, None
     if meta is None:
         return KVConnectorOutput()
-    if hasattr(meta, "store_gpu_blocks"):
+    if is_simple(meta):
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
         done = {meta.store_event: 1} if meta.store_gpu_blocks else {}
@@ -132,9 +111,9 @@ def completions(transfers: Transfers):
                                  kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=done))
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
-    jobs = _offload_jobs(meta)
-    worker_meta = OffloadingWorkerMetadata(completed_jobs={job_id: 1 for _, job_id, _, _ in jobs})
-    loaded = {req for kind, _, req, _ in jobs if kind == "load"}
+    jobs = transfers_of(meta)
+    worker_meta = OffloadingWorkerMetadata(completed_jobs={t.job_id: 1 for t in jobs})
+    loaded = {t.request for t in jobs if t.kind == "load"}
     return KVConnectorOutput(finished_recving=loaded or None, kv_connector_worker_meta=worker_meta)
 
 

@@ -1,7 +1,7 @@
 """vLLM's offload connectors on the elastic pool: vLLM's real scheduler and each connector's real scheduler side.
 
-Every mode the installed vLLM ships (SimpleCPUOffloadConnector eager and lazy,
-OffloadingConnector lru and arc) runs over a host-backed elastic cache, with the
+Every mode the installed vLLM ships (SimpleCPUOffloadConnector eager, lazy and,
+from 0.28, disk; OffloadingConnector lru and arc) runs over a host-backed elastic cache, with the
 connector's worker stood in for (``tests/connector_harness.py``). Checked: the
 same steps as the same connector on vanilla vLLM with memory to spare, a
 prefix loaded back by the connector after vLLM's prefix cache was dropped;
@@ -29,7 +29,8 @@ def _installed_modes() -> list[str]:
     from importlib.util import find_spec
 
     simple = find_spec("vllm.v1.simple_kv_offload") is not None
-    return [m for m in MODES if simple or not m.startswith("simple")]
+    disk = simple and find_spec("vllm.v1.simple_kv_offload.disk_backend") is not None  # from 0.28
+    return [m for m in MODES if (simple or not m.startswith("simple")) and (disk or m != "simple-disk")]
 
 
 @pytest.fixture
