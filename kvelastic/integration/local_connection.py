@@ -41,9 +41,8 @@ class LocalConnection(CacheConnection):
 
     @classmethod
     def of(cls, runtime: "Runtime", cache: ElasticKVCache) -> "LocalConnection":
-        """The runtime's cache under the limit its plan (or, without one, its settings) sets."""
-        plan = runtime.plan
-        return cls(cache, plan.limit_bytes if plan else runtime.settings.limit_bytes)
+        """The runtime's cache under the runtime's limit."""
+        return cls(cache, runtime.limit_bytes)
 
     def host_tier(self, settings: "Settings") -> tuple["HostTier", "BlockCopier"]:
         from kvelastic.integration.offload_setup import local_host_tier

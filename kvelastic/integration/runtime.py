@@ -79,6 +79,11 @@ class Runtime:
                  format_size(virtual), format_size(limit), format_size(profiled_bytes))
         return self.plan
 
+    @property
+    def limit_bytes(self) -> int | None:
+        """The physical KV limit: the capacity plan's once there is one, else the user's setting."""
+        return self.plan.limit_bytes if self.plan else self.settings.limit_bytes
+
     # ------------------------------------------------------------ allocation
     def new_pool(self) -> "PagePool":
         """A pool for the allocation in progress; earlier pools retire once their tensors die.

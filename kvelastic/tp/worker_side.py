@@ -44,9 +44,7 @@ def rank_and_world(runner: Any) -> tuple[int, int]:
 def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> RankWorker:
     rank, world = rank_and_world(runner)
     settings = runtime.settings
-    plan = runtime.plan
-    limit = plan.limit_bytes if plan else settings.limit_bytes
-    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, limit, settings.cpu_bytes,
+    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, runtime.limit_bytes, settings.cpu_bytes,
                         copy_path=settings.copy_path)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
