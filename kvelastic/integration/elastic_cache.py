@@ -33,10 +33,12 @@ def groups_within(room: int | None, unmapped: int, group_bytes: int) -> int:
 
 
 class GroupedBlocks(SchedulerCache):
-    """What every view of an engine's KV cache computes alike: block-to-group arithmetic over
-    ``layout``, and how many more groups fit (the pool's room, within the device's free memory less
-    a margin kept for others' allocations). Each view says how it reads the device in
-    :meth:`device_room`."""
+    """Block arithmetic and the room left, computed alike by every view of an engine's KV cache.
+
+    How many more groups fit is the pool's room within the device's free
+    memory less a margin kept for others' allocations; each view says how it
+    reads the device (:meth:`device_room`).
+    """
 
     layout: KVGroupLayout
     group_bytes: int
@@ -62,7 +64,7 @@ class GroupedBlocks(SchedulerCache):
 
     @property
     def device_margin(self) -> int:
-        """Bytes left free on the device: at least two groups, so others' allocations rarely fail first."""
+        """Bytes left free on the device for others' allocations: 256 MiB, or two groups if larger."""
         return max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
 
     def beyond_margin(self, device_free: int | None) -> int | None:
