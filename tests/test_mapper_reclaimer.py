@@ -423,10 +423,9 @@ def test_attach_scheduler_refuses_pipeline_parallelism():
         attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)), scheduler_patcher())
 
 
-def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points(tmp_path, monkeypatch):
+def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():
     from kvelastic.integration.free_queue import PageAwareFreeQueue
 
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))  # the metrics snapshot goes there
     pool, views, cache = build_cache()
     runtime = Runtime(Settings(enabled=True, prefetch_bytes=3 * GROUP_BYTES, reserve_bytes=2 * PAGE,
                                chunk_bytes=2 * 1024 * 1024))
@@ -441,9 +440,8 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         return "scheduled"
 
     coordinator = types.SimpleNamespace(get_num_blocks_to_allocate=lambda request_id, num_tokens: num_tokens)
-    model = types.SimpleNamespace(model="stand-in", served_model_name="stand-in")  # named in the metrics
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
-                                      vllm_config=types.SimpleNamespace(model_config=model), schedule=schedule, update_from_output=lambda *a: a,
+                                      schedule=schedule, update_from_output=lambda *a: a,
                                       finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True)
     reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())
     queue = bp.free_block_queue
