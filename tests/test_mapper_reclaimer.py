@@ -442,7 +442,9 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
     coordinator = types.SimpleNamespace(get_num_blocks_to_allocate=lambda request_id, num_tokens: num_tokens)
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
                                       schedule=schedule, update_from_output=lambda *a: a,
-                                      finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True)
+                                      finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True,
+                                      vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(
+                                          model="stand-in", served_model_name="stand-in")))
     reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())
     queue = bp.free_block_queue
     try:
