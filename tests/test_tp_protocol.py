@@ -67,6 +67,9 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
     conn.send("closed")
 
 
+RANK_START_S = 240
+
+
 class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
@@ -80,8 +83,8 @@ class RankProcesses:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        for conn in self.conns:
-            assert conn.poll(60) and conn.recv() == "ready"
+        for conn in self.conns:  # a spawned rank imports torch and vLLM: minutes on a loaded 2-core machine
+            assert conn.poll(RANK_START_S) and conn.recv() == "ready"
         self.mapped_bytes = [0] * WORLD
 
     def send(self, plan, writes=(), checks=(), live=None) -> list:
