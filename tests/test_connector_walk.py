@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.integration.mapper import GroupMapper
 from kvelastic.patches.offload_connectors import LAZY_WALK_MEMBERS
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache
 from tests.scheduler_harness import scheduler_patcher
@@ -42,7 +43,7 @@ class WalkMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool, self.views, self.cache = build_cache(5)
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-        self.queue: PageAwareFreeQueue = make_page_aware(self.bp, self.cache, patcher=scheduler_patcher())
+        self.queue: PageAwareFreeQueue = make_page_aware(self.bp, self.cache, GroupMapper(self.cache), patcher=scheduler_patcher())
         self.vanilla = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.owned: list[int] = []    # one entry per reference held, in both pools
         self.freed: set[int] = set()  # blocks this test freed that have kept their place since
@@ -146,7 +147,7 @@ def test_a_walker_whose_place_was_released_starts_again_from_the_front() -> None
     """Lazy mode keeps the block it visited last; if kvelastic unmaps that block's group, the walk restarts."""
     pool, _, cache = build_cache(8)
     bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-    queue = make_page_aware(bp, cache, patcher=scheduler_patcher())
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
     blocks = bp.get_new_blocks(3 * cache.blocks_per_group)  # three groups
     bp.free_blocks(blocks)
     cursor = blocks[-1]

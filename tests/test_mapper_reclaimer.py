@@ -443,7 +443,9 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
                                       schedule=schedule, update_from_output=lambda *a: a,
                                       finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True,
-                                      connector=None, finished_req_ids=set())
+                                      connector=None, finished_req_ids=set(),
+                                      vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(
+                                          model="stand-in", served_model_name="stand-in")))
     reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())
     queue = bp.free_block_queue
     try:

@@ -96,7 +96,7 @@ def test_the_wheel_carries_the_hook_entry_points_model_and_license(wheel):
         meta = {Path(n).name: archive.read(n).decode() for n in names if ".dist-info/" in n}
         assert "[vllm.general_plugins]\nkvelastic = kvelastic.plugin:register" in meta["entry_points.txt"]
         assert "[console_scripts]\nkvelastic = kvelastic.cli:main" in meta["entry_points.txt"]
-        assert "License-Expression: Apache-2.0" in meta["METADATA"]
+        assert "License: Apache-2.0" in meta["METADATA"] and "License-File: LICENSE" in meta["METADATA"]
         assert "Apache License" in meta["LICENSE"] and "Version 2.0, January 2004" in meta["LICENSE"]
         assert any(line.startswith(PTH + ",") for line in meta["RECORD"].splitlines())
 

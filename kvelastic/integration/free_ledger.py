@@ -20,14 +20,15 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
-from kvelastic.integration.elastic_cache import NULL_GROUP, GroupedBlocks
+from kvelastic.integration.elastic_cache import NULL_GROUP
 from kvelastic.integration.free_order import FreeOrder
+from kvelastic.roles import SchedulerCache
 
 
 class FreeBlockLedger:
     """The free blocks of one block pool, grouped by page group."""
 
-    def __init__(self, layout: GroupedBlocks, blocks: list[Any], free_blocks: Iterable[Any],
+    def __init__(self, layout: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
                  is_mapped: Callable[[int], bool]):
         """Start from vLLM's free blocks (every other block is in use) and the groups mapped now."""
         self.layout = layout

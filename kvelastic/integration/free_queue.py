@@ -28,10 +28,9 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from kvelastic.integration.commit_guard import AllocationHold
-from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_ledger import FreeBlockLedger
-from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
+from kvelastic.roles import Mapper, SchedulerCache
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -41,11 +40,11 @@ MAPPABLE_TTL_S = 0.001
 class PageAwareFreeQueue:
     """Implements the interface of vLLM's ``FreeKVCacheBlockQueue`` over page groups."""
 
-    def __init__(self, cache: ElasticKVCache, blocks: list[Any], free_blocks: Iterable[Any],
-                 evict_cached: Callable[[Any], Any], mapper: GroupMapper | None = None, *,
+    def __init__(self, cache: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
+                 evict_cached: Callable[[Any], Any], mapper: Mapper, *,
                  max_ahead_groups: int = 1, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
-        self.mapper = mapper or GroupMapper(cache)
+        self.mapper = mapper
         self._evict_cached = evict_cached
         self._clock = clock
         self.prefetch = BurstPrefetch(cache.blocks_per_group, max_ahead_groups)
@@ -253,7 +252,7 @@ class PageAwareFreeQueue:
         confirm a group first): blocks are promised only once really mapped;
         zero too for the rest of a step in which the device refused a map.
         """
-        if not getattr(self.mapper, "synchronous", True) or self.hold.refused:
+        if not self.mapper.synchronous or self.hold.refused:
             return 0
         now = self._clock()
         if now < self._mappable_until:
@@ -282,7 +281,7 @@ class PageAwareFreeQueue:
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
-        if not getattr(self.mapper, "synchronous", True):
+        if not self.mapper.synchronous:
             return  # ranks in other processes confirm groups a step later: nothing to wait for here
         if not self._mappable_blocks() and not self._requested:
             return  # the pool can map nothing now: do not wait on the worker for a refusal
