@@ -80,5 +80,10 @@ def is_a(obj: Any, target: Target) -> bool:
 
 
 def offload_in_flight(patcher: Any, connector_scheduler: Any) -> bool:
-    """OffloadingConnector's scheduler side has a load or store that the workers have not reported done."""
-    return any(getattr(connector_scheduler, name) for name in patcher.attributes(OFFLOADING_SCHEDULER))
+    """OffloadingConnector's scheduler side has a load or store that the workers have not reported done.
+
+    Each declared attribute is a dict; before 0.21 a lookup leaves an empty entry behind for every
+    request (a ``defaultdict``), so only a non-empty entry counts.
+    """
+    return any(value for name in patcher.attributes(OFFLOADING_SCHEDULER)
+               for value in getattr(connector_scheduler, name).values())
