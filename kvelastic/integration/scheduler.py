@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.connector_fence import check_offload_owner, transfers_in_flight
 from kvelastic.integration.local_connection import LocalConnection
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
@@ -57,6 +58,7 @@ def attach_scheduler(scheduler: Any, runtime: Runtime, patcher: Patcher) -> Upke
 
 def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[Any]) -> UpkeepThread:
     settings = runtime.settings
+    check_offload_owner(scheduler.connector, settings.cpu_bytes)
     lock = threading.RLock()
     connection = _connect(scheduler, runtime, lock)
     cache, mapper = connection.cache, connection.mapper
@@ -66,6 +68,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     block_pool = manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead)
+    queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
