@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-pytest.importorskip("aiohttp")  # comes with vLLM, which CI installs
+pytest.importorskip("aiohttp", reason="needs aiohttp (vllm's dependency: installed with it)")
+pytest.importorskip("prometheus_client", reason="needs prometheus_client (vllm's dependency: installed with it)")
 
 from benchmarks import multi_model  # noqa: E402
 from benchmarks.mmbench.client import SseBuffer, finish_timing  # noqa: E402

@@ -35,6 +35,10 @@ class NotReady(RuntimeError):
     """A server did not answer ``/health`` (or serves another model) in time."""
 
 
+class StreamError(RuntimeError):
+    """The server reported an error inside the stream, or the stream broke off."""
+
+
 @dataclass(frozen=True)
 class Server:
     """One server: the model name it serves and its base URL."""
@@ -78,16 +82,12 @@ def _take_event(record: dict[str, Any], payload: dict[str, Any], since_send: flo
         ids = choice.get("token_ids") or []
         if ids:
             record["tokens"].extend(ids)
-            record["chunks"].append([round(since_send, 6), len(ids)])
+            record["chunks"].append([round(since_send, 5), len(ids)])
         record["finish_reason"] = choice.get("finish_reason") or record["finish_reason"]
     usage = payload.get("usage")
     if usage:
         record["prompt_tokens"] = usage.get("prompt_tokens")
         record["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-
-
-class StreamError(RuntimeError):
-    """The server reported an error inside the stream, or the stream broke off."""
 
 
 def finish_timing(record: dict[str, Any], max_tokens: int) -> None:
