@@ -172,6 +172,8 @@ async def drive(args: argparse.Namespace, workload: Workload, requests: list[Req
         load = OpenLoop(session, {s.model: s for s in servers}, workload, args.timeout, clock)
         try:
             result["warmup"] = await warm_up(session, servers, workload, clock, args.timeout)
+            print("warm-up: " + ", ".join(f"{r['model']} {r['status']}" + (f" ({r['error']})" if r["error"] else "")
+                                          for r in result["warmup"]), flush=True)
             print(f"[{clock():7.1f}s] load starts", flush=True)
             result["load_start_s"] = await load.run_timed(requests, drain, stop)
             result["load_end_s"] = clock()

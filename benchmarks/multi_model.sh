@@ -105,7 +105,10 @@ step "config $config; $(tail -1 "$W/env.txt")"
 busy=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs)
 for port in "${PORTS[@]}"; do (: </dev/tcp/127.0.0.1/"$port") 2>/dev/null && busy="$busy port:$port"; done
 if [ -n "$busy" ]; then  # servers of an earlier call would be measured instead, or squeeze these out
-    step "GPU processes or ports already in use ($busy): nothing started"
+    groups=$(for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do
+                 ps -o pgid= -p "$pid"; done | sort -u | xargs)
+    step "GPU processes or ports already in use ($busy): nothing started (left by an earlier call? process" \
+         "groups: ${groups:-none}; stop them with kill -TERM -- -PGID, or start a fresh machine)"
     finish 4
 fi
 case $config in

@@ -113,7 +113,7 @@ def reclaim_episodes(samples: list[dict[str, Any]]) -> dict[str, Any]:
                                      "wanted_bytes": wanted,
                                      "others_released_bytes": others - _mapped_others(members, name)})
     durations = sorted(e["seconds"] for e in episodes)
-    return {"episodes": episodes, "count": len(episodes), "unresolved": len(open_since),
+    return {"samples": len(samples), "episodes": episodes, "count": len(episodes), "unresolved": len(open_since),
             "p50_s": percentile(durations, 50) if durations else None,
             "p95_s": percentile(durations, 95) if durations else None, "max_s": max(durations, default=None)}
 
@@ -203,9 +203,12 @@ def render(summary: dict[str, Any], label: str) -> str:
               f"{_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}, {_ratio(r['slo_attainment'])}, "
               f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}" for r in summary["windows"]]
     rec = summary["reclaim"]
-    lines.append(f"reclaim (account sampled; budget refusal until granted): {rec['count']} episodes, "
-                 f"p50 {_ms(rec['p50_s'])} ms, p95 {_ms(rec['p95_s'])} ms, max {_ms(rec['max_s'])} ms, "
-                 f"{rec['unresolved']} unresolved")
+    if rec["samples"]:
+        lines.append(f"reclaim (kvelastic account sampled, a budget refusal until its grant): {rec['count']} "
+                     f"episodes, p50 {_ms(rec['p50_s'])} ms, p95 {_ms(rec['p95_s'])} ms, max {_ms(rec['max_s'])} ms, "
+                     f"{rec['unresolved']} unresolved")
+    else:
+        lines.append("reclaim: no kvelastic account sampled")
     probes = summary["probes"]
     per_server = "per server" if summary["gpu_memory_per_server"] else "no process matched to a server"
     lines.append(f"probes: {probes['ok']}/{probes['requests']} ok; GPU memory: {summary['gpu_memory_source']}, "
