@@ -84,7 +84,14 @@ class Member:
 
     # ---------------------------------------------------------------- bytes
     def request(self, nbytes: int) -> Grant:
-        """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see."""
+        """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see.
+
+        The want holds until a grant of more bytes, or until it lapses
+        (:func:`policy.wanting`). Asking for 0 bytes (how an engine reads its
+        headroom, every 50 ms while it schedules) leaves it alone: the engine
+        still waits for what was refused, and clearing the want there would hide
+        it from the others between two refusals.
+        """
         if nbytes < 0:
             raise AccountingError(f"{self.name!r} asked for a negative amount ({nbytes})")
         with self._mine() as (snap, me):
@@ -92,10 +99,10 @@ class Member:
             verdict = policy.judge(snap.records, me, nbytes, budget)
             available = policy.headroom(snap.records, me, budget)
             me.heartbeat = snap.now
-            if verdict is policy.Verdict.GRANTED:
+            if verdict is policy.Verdict.GRANTED and nbytes:
                 me.mapped_bytes += nbytes
                 me.wanted_bytes, me.wanted_at = 0, 0.0
-            elif verdict is policy.Verdict.OVER_BUDGET:
+            elif verdict is policy.Verdict.OVER_BUDGET and nbytes:
                 me.wanted_bytes, me.wanted_at = nbytes, snap.now
             snap.write(me)
         return Grant(verdict is policy.Verdict.GRANTED, verdict, nbytes, available)
