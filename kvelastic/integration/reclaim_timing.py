@@ -275,9 +275,11 @@ def format_line(episode: Episode) -> str:
                 f" ({format_size(episode.asked_bytes)} refused {episode.events} time(s)")
         what += f", then {format_size(episode.moved_bytes)} granted)" if episode.outcome == "granted" else \
             ", then no refusal for the want's lifetime: the demand went away)"
-    else:
+    elif episode.outcome == "released":
         what = (f"gave back {format_size(episode.moved_bytes)} in {episode.seconds:.3f} s for others' wants"
-                f" ({format_size(episode.asked_bytes)} asked: {episode.outcome})")
+                f" ({format_size(episode.asked_bytes)} asked: released)")
+    else:
+        what = f"was asked for {format_size(episode.asked_bytes)} but the want went away first: unserved"
     fields = " ".join(f"{key}={_field(value)}" for key, value in asdict(episode).items())
     return f"kvelastic: {episode.instance} {what} {MARK} {fields}"
 
