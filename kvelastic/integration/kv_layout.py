@@ -30,11 +30,18 @@ class BlockRuns:
 
 
 def runs_of_view(shape: Sequence[int], stride: Sequence[int], element_size: int,
-                 byte_offset: int, num_blocks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries."""
+                 byte_offset: int, num_blocks: int,
+                 block_dim: int | None = None) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries.
+
+    ``block_dim`` names that dimension where the caller knows it (vLLM 0.29+ views
+    are ``[B, H, N, C]``); otherwise it is the one dimension whose length fits.
+    """
     candidates = [d for d, n in enumerate(shape) if n >= num_blocks and n % num_blocks == 0]
     exact = [d for d in candidates if shape[d] == num_blocks]
-    if len(exact) == 1:
+    if block_dim is not None:
+        candidates = [block_dim] if block_dim in candidates else []
+    elif len(exact) == 1:
         candidates = exact  # a kernel block split only applies when no dimension matches exactly
     if len(candidates) != 1:
         raise LayoutError(f"cannot tell the block dimension of a KV view of shape {tuple(shape)} "
