@@ -62,8 +62,11 @@ def preferred_layouts(worker: Any, reported: list[str]) -> list[str]:
     from vllm.v1.worker import utils as worker_utils
     from vllm.v1.worker import worker_base
 
+    try:
+        specs = worker.get_kv_cache_spec().values()
+    except NotImplementedError:  # a worker class without KV specs: nothing to judge by
+        return reported
     backends = worker_base.get_current_attn_backends(worker.vllm_config)
-    specs = worker.get_kv_cache_spec().values()
     if not whole_blocks_everywhere(specs, backends, worker_utils.select_common_block_size, AttentionSpec):
         return reported
     return block_outermost_first(reported, lambda name: KVCacheLayout[name].is_block_outermost)

@@ -98,8 +98,7 @@ def allocate_in_pool(runtime: Runtime, allocate: Callable[..., Any], kv_cache_co
 
 def refuse_raw_layers(views: dict[str, Any], backing: Any) -> None:
     """Layers handed the backing itself lay their blocks out on their own: kvelastic cannot map them."""
-    raw = sorted(name for name, view in views.items()
-                 if view.data_ptr() == backing.data_ptr() and view.dim() == 1 and view.numel() == backing.numel())
+    raw = sorted(name for name, view in views.items() if view is backing)
     if raw:
         raise LayoutError(f"KV layers {raw[:3]}{'...' if len(raw) > 3 else ''} take vLLM's raw KV backing "
                           "(a spec without per-layer views, such as HiSparse's): kvelastic cannot tell "

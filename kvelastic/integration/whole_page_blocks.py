@@ -31,7 +31,12 @@ def plan_whole_pages(runtime: Runtime, plan: Callable[[], list[Any]], vllm_confi
     if not configs or cache_config.num_gpu_blocks_override is not None:
         return configs
     page_bytes = runtime.settings.chunk_bytes
-    multiple = layer_outermost_multiple(configs[0], page_bytes)
+    try:
+        multiple = layer_outermost_multiple(configs[0], page_bytes)
+    except ValueError as exc:  # a placement this rounding does not understand: it is an optimisation only
+        log.warning("kvelastic: KV layers are left where vLLM put them, so page groups share boundary "
+                    "pages (%s)", exc)
+        return configs
     planned = configs[0].num_blocks
     if multiple is None or aligned_num_blocks(planned, multiple) == planned:
         return configs
