@@ -5,6 +5,7 @@ their block layout is read off them and published to the scheduler, as in the
 older bands; the group size is chosen so a group covers whole pool pages where
 that stays small (``kvelastic/integration/page_alignment.py``). From 0.29 both
 runners take ``is_profiling`` and the sleep-mode ``kv_cache_allocation_context``.
+Sleep mode itself is refused here (``kvelastic/integration/sleep_mode.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from kvelastic.integration.allocation import publish_after_initialize
 from kvelastic.integration.page_alignment import group_blocks_of_config
 from kvelastic.integration.single_backing import VIEW_BLOCK_DIM
+from kvelastic.integration.sleep_mode import refuse_sleep_mode
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._band_c import BAND_C
 
@@ -34,11 +36,15 @@ V2_TARGET = Target(
 )
 
 
+def _initialize(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    refuse_sleep_mode(instance.vllm_config)
+    return publish_after_initialize(runtime, wrapped, instance, args, kwargs, group_blocks=group_blocks_of_config,
+                                    block_dim=VIEW_BLOCK_DIM)
+
+
 def apply(patcher: Any, runtime: Any) -> None:
-    publish = functools.partial(publish_after_initialize, runtime, group_blocks=group_blocks_of_config,
-                                block_dim=VIEW_BLOCK_DIM)
     for target in (V1_TARGET, V2_TARGET):
-        patcher.wrap(target, publish)
+        patcher.wrap(target, functools.partial(_initialize, runtime))
 
 
 PATCH = Patch("single_backing_publish", "Both runners: publish the one backing's block layout in whole-page "

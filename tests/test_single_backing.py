@@ -274,3 +274,51 @@ def test_a_second_backing_or_another_dtype_is_refused():
     with pytest.raises(LayoutError, match="second"):
         zeros.zeros(4096, dtype=torch.int8, device=CPU)
     assert zeros.int8 is torch.int8 and zeros.as_strided is torch.as_strided  # the rest is torch's own
+
+
+def _runner(layout: KVCacheLayout, env: BandC, sleep_mode: bool = False):
+    """What ``single_backing_publish`` reads of a model runner; its ``initialize_kv_cache`` allocates through
+    the patched name and keeps the views, as both runners do (a real runner needs a GPU model)."""
+    import copy
+    import types
+
+    from tests.scheduler_harness import vllm_config
+
+    config = copy.deepcopy(vllm_config(64))
+    config.model_config.enable_sleep_mode = sleep_mode
+    runner = types.SimpleNamespace(vllm_config=config, scheduler_config=config.scheduler_config, kv_caches=[])
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None):
+        self.kv_caches = list(env.allocate(kv_cache_config, layout, None).values())
+
+    return runner, types.MethodType(initialize_kv_cache, runner)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.BLNHC, KVCacheLayout.LBNHC], ids=lambda layout: layout.name)
+def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layout):
+    from kvelastic.patches import single_backing_publish
+
+    env = band_c(64 * KIB)
+    spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
+    config = plan(layout, spec_groups, 256)
+    runner, initialize = _runner(layout, env)
+    single_backing_publish._initialize(env.runtime, initialize, runner, (config,), {})
+    cache = env.runtime.cache
+    assert cache is not None and env.runtime.allocation_pool() is None
+    assert cache.blocks_per_group == group_blocks_of_config(config, 64 * KIB)
+    (region,) = cache.layout.regions
+    assert region.block_stride == config.kv_cache_tensors[0].block_stride
+    assert len(region.runs) == (1 if layout.is_block_outermost else 3)  # one range, or one per layer
+    assert cache.pool.is_mapped(0)  # the null block's group, and start-up warm-up's
+
+
+def test_sleep_mode_is_refused_before_anything_is_allocated(band_c):
+    from kvelastic.errors import PatchError
+    from kvelastic.patches import single_backing_publish
+
+    env = band_c()
+    config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
+    runner, initialize = _runner(KVCacheLayout.BLNHC, env, sleep_mode=True)
+    with pytest.raises(PatchError, match="sleep mode"):
+        single_backing_publish._initialize(env.runtime, initialize, runner, (config,), {})
+    assert env.runtime.allocation_pool() is None and env.runtime.cache is None
