@@ -6,6 +6,7 @@ post-import hook on vLLM. setuptools has no declarative way to place a file at
 the root of site-packages, hence these two small command overrides.
 """
 
+import importlib.util
 from pathlib import Path
 
 from setuptools import setup
@@ -13,11 +14,18 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "kvelastic-autopatch.pth"
+
+
+def _pth_line() -> str:
+    """The line ``kvelastic/switch.py`` writes, read by path: a build may not import the package."""
+    spec = importlib.util.spec_from_file_location("_kvelastic_switch", Path(__file__).parent / "kvelastic" / "switch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.pth_line()
+
+
 # One line, run by `site` at every interpreter start: imports nothing unless KVELASTIC is on.
-PTH_LINE = (
-    'import os; os.environ.get("KVELASTIC", "").strip().lower() not in ("", "0", "false", "no", "off") '
-    'and __import__("kvelastic._autopatch")._autopatch.install_if_enabled()\n'
-)
+PTH_LINE = _pth_line()
 
 
 class BuildPyWithPth(build_py):

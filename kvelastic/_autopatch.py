@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Mapping
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
+from kvelastic import switch
 
 
-def enabled(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
+def enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``KVELASTIC`` asks for the patches; garbage is an error, not a guess."""
-    value = environ.get("KVELASTIC", "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    from kvelastic.errors import ConfigError
-
-    raise ConfigError(f"KVELASTIC={environ.get('KVELASTIC')!r} is not a switch: use 1 or 0")
+    return switch.enabled(environ)
 
 
 def install_if_enabled() -> None:

@@ -12,8 +12,23 @@ started with (vLLM's profiled KV size, or ``KVELASTIC_LIMIT``), which every
 member keeps in its record: an engine is sized around that cap at start-up, so
 a reset must never let it grow over the whole GPU.
 
+``kvelastic reset GPU`` removes a corrupt account (``--force``: any); running
+engines rejoin a fresh one. Only this user's (or group's) folder is read, and
+names from it are shown without control characters (``docs/security.md``).
+
+``kvelastic launch`` starts kvelastic-enabled vLLM servers on one GPU (see
+:mod:`kvelastic.launch`, which has its own options and exit codes);
+``kvelastic top`` is a live view of the instances' memory (:mod:`kvelastic.top`).
+
+``--gpu`` takes the id ``kvelastic status`` shows, the GPU's UUID as
+``nvidia-smi -L`` prints it, or its index as nvidia-smi numbers them
+(:mod:`kvelastic.gpu_ids`).
+
 Exit codes: 0 ok; 2 bad usage or a bad size; 3 unknown instance name; 4 no
-account or no live instance.
+account or no live instance (``status --json`` still prints an empty list);
+5 not allowed (read-only account, unsafe folder, another user's file); 6
+``status`` found an account it cannot read; 141 the reader of the output went
+away (``kvelastic status | head``), as for any tool stopped by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -21,21 +36,37 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
+from kvelastic import __version__, top
 from kvelastic.cluster import (AccountNotFound, BadLimits, ClusterError, MemberInfo, SharedAccount,
                                account_path, find_account_paths, shared_dir)
+from kvelastic.cluster.errors import AccountBusy, AccountInUse, AccountNotOwned, AccountNotWritable
+from kvelastic.cluster.reset import reset_account
+from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.errors import ConfigError
+from kvelastic.gpu_ids import UnknownGpu, account_gpu_id
 from kvelastic.integration.metrics import find_snapshot
+from kvelastic.settings import CHUNK_GRANULE
+from kvelastic.shared.errors import SharedFileError
+from kvelastic.shared.names import gpu_of_account
+from kvelastic.shared.sweep import sweep_scope
+from kvelastic.shared.text import printable
 from kvelastic.units import SIZE_FORM, format_size, parse_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
 EXIT_NONE = 4
+EXIT_DENIED = 5
+EXIT_CORRUPT = 6
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for a tool the signal stopped
+_EXIT_CODES = ((ConfigError, EXIT_USAGE), (AccountInUse, EXIT_USAGE),
+               ((AccountNotWritable, AccountNotOwned, SharedFileError), EXIT_DENIED), (ClusterError, EXIT_NONE))
 _CLEAR_WORDS = {"none", "off", "unlimited"}  # a min of 0
 _RESTORE_WORDS = {"none", "reset", "default"}  # a max: the start-up cap
 _UNCAPPED_WORDS = {"off", "unlimited"}  # a max: refused, an engine never runs without its cap
@@ -56,13 +87,18 @@ class CliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvelastic", description="Inspect and steer kvelastic instances "
                                      "sharing GPUs (accounts in $KVELASTIC_SHARED_DIR or /dev/shm).")
+    parser.add_argument("--version", action="version", version=f"kvelastic {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    sub.add_parser("launch", add_help=False, help="start kvelastic-enabled vLLM servers on one GPU "
+                   "(kvelastic launch --help)")
     status = sub.add_parser("status", help="list live instances and their KV memory")
-    status.add_argument("--gpu", metavar="ID", help="only this GPU's account (default: every account found)")
+    status.add_argument("--gpu", metavar="ID", help="only this GPU's account: its id, UUID or nvidia-smi "
+                        "index (default: every account found)")
     status.add_argument("--json", action="store_true", help="machine-readable output (bytes as integers)")
     status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
+    top.add_parser(sub)
     limit = sub.add_parser("limit", help="change an instance's cap (max) and/or reservation (min)",
                            description="Sizes: " + SIZE_FORM + ". A max of 'none' (or --reset) puts back "
                            "the cap the instance started with (vLLM's profiled KV size, or KVELASTIC_LIMIT); "
@@ -79,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("size", nargs="?", metavar="SIZE", help="new budget (omit to show)")
     budget.add_argument("--gpu", metavar="ID", help="the GPU's account (needed to change it when "
                         "there are several)")
+    reset = sub.add_parser("reset", help="remove a GPU's account (corrupt, or with --force any); running "
+                           "instances create and join a fresh one")
+    reset.add_argument("gpu", metavar="GPU", help="the GPU id, as `kvelastic status` shows it")
+    reset.add_argument("--force", action="store_true", help="reset an account that is readable and has "
+                       "live instances too (their limits set with `kvelastic limit` are lost)")
     return parser
 
 
@@ -106,7 +147,15 @@ def parse_max(text: str | None, argument: str) -> int | None:
     if not nbytes:  # 0 is how the account spells "no cap of its own"
         raise CliError(f"kvelastic limit: {argument}={text!r}: an instance cannot run without a cap; "
                        f"'none' restores the cap it started with, a size sets a new one", EXIT_USAGE)
+    check_one_chunk(nbytes, f"kvelastic limit: {argument}={text!r}")
     return nbytes
+
+
+def check_one_chunk(nbytes: int, what: str) -> None:
+    """CliError(2) for a size below the smallest chunk any instance maps: it could not hold one page."""
+    if nbytes < CHUNK_GRANULE:
+        raise CliError(f"{what} is smaller than one chunk (at least {format_size(CHUNK_GRANULE)}, "
+                       f"KVELASTIC_CHUNK_SIZE, 8.00 MiB by default): not even one page would fit", EXIT_USAGE)
 
 
 def _size(text: str, argument: str) -> int:
@@ -117,9 +166,14 @@ def _size(text: str, argument: str) -> int:
 
 
 # ------------------------------------------------------------------ accounts
-def open_accounts(gpu: str | None) -> list[SharedAccount]:
-    """The account of ``gpu``, or every account in the shared directory; CliError(4) if none."""
+def open_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[SharedAccount]:
+    """The account of ``gpu``, or every account in the shared directory; CliError(4) if none.
+
+    Accounts that cannot be read are added to ``broken`` (for ``status`` to
+    show) or, without it, named on stderr and skipped.
+    """
     where = shared_dir()
+    gpu = resolve_gpu(gpu) if gpu else None
     paths = [account_path(gpu)] if gpu else find_account_paths()
     accounts = []
     for path in paths:
@@ -127,13 +181,29 @@ def open_accounts(gpu: str | None) -> list[SharedAccount]:
             accounts.append(SharedAccount.attach(path))
         except AccountNotFound:
             continue
-        except ClusterError as error:
-            print(f"kvelastic: skipping {path}: {error}", file=sys.stderr)
-    if not accounts:
+        except (ClusterError, SharedFileError, OSError) as error:
+            problem = printable(str(error))
+            if broken is None:
+                print(f"kvelastic: skipping {printable(str(path))}: {problem}", file=sys.stderr)
+            else:
+                broken.append({"gpu": printable(gpu_of_account(path.name)), "path": printable(str(path)),
+                               "error": problem, "busy": isinstance(error, AccountBusy)})
+    if not accounts and not broken:
         what = f"for GPU {gpu!r}" if gpu else "of any GPU"
-        raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running? "
-                       f"KVELASTIC_SHARED_DIR sets the directory)", EXIT_NONE)
+        raise CliError(f"kvelastic: no account {what} in {where} (is a kvelastic instance running as this "
+                       f"user? Accounts are per user, or per KVELASTIC_SHARED_GROUP; KVELASTIC_SHARED_DIR "
+                       f"sets the directory)", EXIT_NONE)
     return accounts
+
+
+def resolve_gpu(text: str) -> str:
+    """The account id of ``--gpu``: as ``status`` shows it, an nvidia-smi UUID, or an index (CliError(2))."""
+    if account_path(text).exists():
+        return text
+    try:
+        return account_gpu_id(text)
+    except UnknownGpu as error:
+        raise CliError(f"kvelastic: --gpu {text}: {error}", EXIT_USAGE) from None
 
 
 def snapshot(accounts: list[SharedAccount]) -> list[dict]:
@@ -158,13 +228,14 @@ def engine_numbers(directory: Path, member: MemberInfo) -> dict[str, int]:
     It must carry the engine's pid and the member's name, so a stale file of an
     earlier process is never shown.
     """
-    record = find_snapshot(directory, member.pid, member.name)
+    try:
+        record = find_snapshot(directory, member.pid, member.name, member.pid_ns)
+    except (SharedFileError, OSError):
+        return {}
     if record is None:
         return {}
-    values = record.get("values")
-    if not isinstance(values, dict):
-        return {}
-    return {k: int(values[k]) for k in ENGINE_KEYS if isinstance(values.get(k), (int, float))}
+    values = record["values"]  # checked: finite numbers only
+    return {k: int(values[k]) for k in ENGINE_KEYS if k in values}
 
 
 # -------------------------------------------------------------------- status
@@ -177,7 +248,8 @@ def _short(text: str, width: int = 32) -> str:
 
 def _row(m: MemberInfo, now: float) -> tuple[str, ...]:
     size = format_size
-    return (m.name, str(m.pid), _short(m.model) or "-", str(m.port) if m.port else "-",
+    pid = f"{m.pid}*" if m.pid_ns != own_pid_namespace() else str(m.pid)
+    return (printable(m.name), pid, printable(_short(m.model)) or "-", str(m.port) if m.port else "-",
             size(m.mapped_bytes), size(m.cached_bytes), size(m.host_bytes),
             size(m.min_bytes) if m.min_bytes else "-", size(m.max_bytes) if m.max_bytes else "none",
             size(m.wanted_bytes) if m.wanted_bytes else "-", f"{max(0.0, now - m.heartbeat):.0f}s ago")
@@ -192,29 +264,48 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
     """The human status text: a heading per GPU, then an aligned row per instance."""
     now = time.time() if now is None else now
     lines = []
+    elsewhere = False
     for acct in accounts:
+        if "error" in acct:
+            fix = "try again (a stopped instance holds it?)" if acct["busy"] else f"`kvelastic reset {acct['gpu']}`"
+            lines.append(f"GPU {acct['gpu']}: cannot read its account {acct['path']}: {acct['error']}; {fix}")
+            continue
         budget, charged = acct["budget_bytes"], acct["charged_bytes"]
         share = 100.0 * charged / budget if budget else 0.0
-        lines.append(f"GPU {acct['gpu']}: budget {format_size(budget)}, in use or reserved "
+        lines.append(f"GPU {printable(acct['gpu'])}: budget {format_size(budget)}, in use or reserved "
                      f"{format_size(charged)} ({share:.0f}%), free {format_size(max(0, budget - charged))}")
         rows = [_row(_member(m), now) for m in acct["members"]]
         if not rows:
             lines.append("  (no live instances)")
             continue
+        elsewhere |= any(row[1].endswith("*") for row in rows)
         widths = [max(len(r[i]) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
         for row in [_COLUMNS, *rows]:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if elsewhere:
+        lines.append("* in another pid namespace: never pruned from here; `kvelastic reset GPU --force` clears it")
     return "\n".join(lines)
 
 
 def status_once(gpu: str | None, as_json: bool) -> int:
-    accounts = open_accounts(gpu)
+    sweep_scope()
+    broken: list[dict] = []
+    try:
+        accounts = open_accounts(gpu, broken)
+    except CliError as error:
+        if as_json and error.code == EXIT_NONE:  # a script still gets JSON it can parse
+            print(json.dumps({"accounts": []}, indent=2))
+        raise
     try:
         data = snapshot(accounts)
     finally:
         for account in accounts:
             account.close()
+    data += broken
     print(json.dumps({"accounts": data}, indent=2) if as_json else render_table(data))
+    if broken:
+        print(f"kvelastic: {len(broken)} account(s) cannot be read (see above)", file=sys.stderr)
+        return EXIT_CORRUPT
     if not any(acct["members"] for acct in data):
         print("kvelastic: no live kvelastic instances", file=sys.stderr)
         return EXIT_NONE
@@ -294,6 +385,7 @@ def budget(size: str | None, gpu: str | None) -> int:
             raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
         if new <= 0:
             raise CliError(f"kvelastic budget: SIZE={size!r} must be larger than zero", EXIT_USAGE)
+        check_one_chunk(new, f"kvelastic budget: SIZE={size!r}")
     accounts = open_accounts(gpu)
     try:
         if new is not None and len(accounts) > 1:
@@ -305,10 +397,20 @@ def budget(size: str | None, gpu: str | None) -> int:
                     account.set_budget(new)
                 except BadLimits as error:
                     raise CliError(f"kvelastic budget: {error}", EXIT_USAGE) from None
-            print(f"GPU {account.gpu_id}: budget {format_size(account.budget)}")
+            print(f"GPU {printable(account.gpu_id)}: budget {format_size(account.budget)}")
     finally:
         for account in accounts:
             account.close()
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------- reset
+def reset(gpu: str, force: bool) -> int:
+    path, problem = reset_account(gpu, force=force)
+    if problem is not None:
+        print(f"kvelastic reset: it could not be read: {printable(problem)}", file=sys.stderr)
+    print(f"GPU {printable(gpu)}: account {path} removed; running instances create and join a fresh one "
+          f"within a second")
     return EXIT_OK
 
 
@@ -320,6 +422,10 @@ def run(args: argparse.Namespace) -> int:
         return status_once(args.gpu, args.json)
     if args.command == "budget":
         return budget(args.size, args.gpu)
+    if args.command == "reset":
+        return reset(args.gpu, args.force)
+    if args.command == "top":
+        return top.main(args)
     given = [flag for flag, value in (("MAX", args.size), ("--max", args.max), ("--reset", args.reset or None))
              if value is not None]
     if len(given) > 1:
@@ -335,15 +441,31 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvelastic`` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, so a reader that went away is noticed before the interpreter exits
+        return code
+    except BrokenPipeError:
+        # The reader (head, a pager) stopped reading: end quietly, and keep the exit flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["launch"]:  # its own parser: option groups separated by --and, vllm arguments after --
+        from kvelastic.launch import main as launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except CliError as error:
         print(str(error), file=sys.stderr)
         return error.code
-    except ClusterError as error:
-        print(f"kvelastic: {error}", file=sys.stderr)
-        return EXIT_NONE
+    except (ConfigError, ClusterError, SharedFileError) as error:
+        print(f"kvelastic {args.command}: {printable(str(error))}", file=sys.stderr)
+        return next(code for kinds, code in _EXIT_CODES if isinstance(error, kinds))
 
 
 if __name__ == "__main__":

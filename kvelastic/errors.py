@@ -64,6 +64,3 @@ class LayoutError(KvelasticError):
 class PatchError(KvelasticError):
     """vLLM cannot be patched: unsupported version or a target that moved."""
 
-
-class SourceFetchError(KvelasticError):
-    """A vLLM release's source could not be fetched for the static version matrix."""

@@ -1,16 +1,25 @@
-"""Start several kvelastic-enabled vLLM servers on one GPU: ``python -m kvelastic.launch``.
+"""Start several kvelastic-enabled vLLM servers on one GPU: ``kvelastic launch``.
 
 Instances come from the command line, one group of options per instance,
 groups separated by ``--and``; arguments after ``--`` in a group go to that
 instance's ``vllm serve``::
 
-    python -m kvelastic.launch --model m1 --port 8001 --limit 8GiB -- --max-model-len 4096 \\
-                               --and --model m2 --port 8002 --min 2GiB
+    kvelastic launch --model m1 --port 8001 --limit 8GiB -- --max-model-len 4096 \\
+                     --and --model m2 --port 8002 --min 2GiB
 
 or from a YAML file (``--config fleet.yaml``, format in
 :mod:`kvelastic.cluster.plan_file`). With neither, it starts two instances of
-the shipped dummy-weight model ``scripts/models/llama-1b`` on ports 8001 and
-8002. Launcher options (``--dry-run``, ``--budget``, ...) go in the first group.
+the dummy-weight model shipped inside the package (``kvelastic/models/llama-1b``:
+a Llama-3.2-1B config and a small tokenizer) on ports 8001 and 8002. Launcher
+options (``--dry-run``, ``--budget``, ...) go in the first group. Relative
+paths (``--config``, ``--model``, ``--log-dir``, ``--python``) are the
+caller's: they are resolved against the current directory.
+
+Every instance's environment (the caller's, plus what the launcher and
+``--env`` add) is read with kvelastic's own settings parser before anything
+starts, ``--dry-run`` included: a value a server would refuse (``--limit 0``,
+``--env KVELASTIC_CACHE_TTL=soon``) is refused here, and a ``KVELASTIC_*``
+name nothing reads is named with the nearest real one.
 
 Each server gets ``--gpu-memory-utilization 0.25`` unless told otherwise. With
 kvelastic the KV cache is virtual and maps memory only as it is used, so this
@@ -53,8 +62,11 @@ from kvelastic.cluster.errors import LaunchConfigError
 from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
                                     make_instance)
 from kvelastic.cluster.supervisor import NO_GPU_ENV, STOP_SIGNALS, Supervisor, gpu_problem, port_in_use
+from kvelastic.errors import ConfigError
+from kvelastic.settings import Settings, unknown_variables
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_NO_KVELASTIC = 0, 1, 2, 3, 4
+PROG = "kvelastic launch"
 SEPARATOR = "--and"
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "kvelastic"
 # Run by the Python that will run vLLM, with the servers' environment (KVELASTIC=1, so the .pth
@@ -89,7 +101,7 @@ def _instance_options(parser: argparse.ArgumentParser) -> None:
 def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """(parser of the first group: launcher + instance options, parser of later groups)."""
     first = argparse.ArgumentParser(
-        prog="kvelastic-launch", description=__doc__.split("\n\n")[0],
+        prog=PROG, description=__doc__.split("\n\n")[0],
         epilog=f"Groups are separated by {SEPARATOR}; after -- come vllm serve arguments. "
                f"{NO_GPU_ENV}=1 makes the GPU check fail (tests).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +120,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     first.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
                        help="seconds between SIGTERM and SIGKILL when stopping (default 30)")
     _instance_options(first)
-    later = argparse.ArgumentParser(prog=f"kvelastic-launch ... {SEPARATOR}", add_help=False)
+    later = argparse.ArgumentParser(prog=f"{PROG} ... {SEPARATOR}", add_help=False)
     _instance_options(later)
     return first, later
 
@@ -147,8 +159,19 @@ def _group_instance(ns: argparse.Namespace, vllm_args: list[str], index: int) ->
         raise LaunchConfigError(f"{where}: needs --model (and --port)")
     if ns.port is None:
         raise LaunchConfigError(f"{where}: needs --port")
-    return make_instance(model=ns.model, port=ns.port, name=ns.name, limit=ns.limit, min=ns.min,
+    return make_instance(model=caller_path(ns.model), port=ns.port, name=ns.name, limit=ns.limit, min=ns.min,
                          vllm_args=vllm_args, env=_env_pairs(ns.env, where), where=where)
+
+
+def caller_path(text: str | None) -> str | None:
+    """``text`` as an absolute path when it names something in the caller's directory; else unchanged.
+
+    A model that is not a local path is a Hugging Face id and stays as written.
+    Symbolic links are kept: a venv's ``bin/python`` only works under its own name.
+    """
+    if text is None or not Path(text).exists():
+        return text
+    return os.path.abspath(text)
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
@@ -161,7 +184,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
     util = None if options.gpu_util is None else check_util(options.gpu_util, "--gpu-util")
     settings: dict[str, Any] = {
         "budget": check_size(options.budget, "--budget") if options.budget else None,
-        "device": options.device, "parallel": options.parallel, "python": options.python,
+        "device": options.device, "parallel": options.parallel, "python": caller_path(options.python),
         "gpu_memory_utilization": util}
     settings = {k: v for k, v in settings.items() if v is not None}
     explicit = [i for i in instances if i is not None]
@@ -179,9 +202,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
 def describe(plan: LaunchPlan, as_json: bool) -> str:
     """What ``--dry-run`` prints: per instance, its URL, added environment and command."""
     if as_json:
-        return json.dumps({"instances": [
-            {"name": i.name, "model": i.model, "port": i.port, "url": i.url, "env": plan.env(i),
-             "command": plan.command(i)} for i in plan.instances]}, indent=2)
+        instances = [{"name": i.name, "model": i.model, "port": i.port, "url": i.url, "env": plan.env(i),
+                      "command": plan.command(i)} for i in plan.instances]
+        return json.dumps({"parallel": plan.parallel, "budget": plan.budget, "device": plan.device,
+                           "instances": instances}, indent=2)
     lines = []
     for instance in plan.instances:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env(instance).items())
@@ -190,6 +214,23 @@ def describe(plan: LaunchPlan, as_json: bool) -> str:
 
 
 # ------------------------------------------------------------ pre-flight
+def check_environments(plan: LaunchPlan, base_env: Mapping[str, str]) -> list[str]:
+    """Warnings about ``KVELASTIC_*`` names nothing reads; LaunchConfigError for a value a server would refuse.
+
+    Each instance's environment is parsed as its vLLM processes will parse it.
+    Names from the caller's environment are reported once, names an instance
+    adds (``--env``, YAML ``env``) once per instance.
+    """
+    warnings = [f"your environment: {w}" for w in unknown_variables(base_env)]
+    for instance in plan.instances:
+        try:
+            Settings.from_env({**base_env, **plan.env(instance)})
+        except ConfigError as error:
+            raise LaunchConfigError(f"{instance.name}: {error}") from None
+        warnings += [f"{instance.name}: {w}" for w in unknown_variables(dict(instance.env))]
+    return warnings
+
+
 def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
     """Why vLLM run by ``python`` with ``env`` would not load kvelastic, or None when it would.
 
@@ -208,7 +249,7 @@ def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
     except (ValueError, IndexError):
         detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return f"{python} -c <probe> failed (exit {probe.returncode}): {detail}"
-    install = f"install it there (e.g. {python} -m pip install -e <kvelastic checkout>) or pass --python"
+    install = f"install it there ({python} -m pip install kvelastic, or -e <checkout>) or pass --python"
     if "error" in found:
         return f"kvelastic cannot be imported by {python} ({found['error']}); {install}"
     missing = _missing_hook(found, env.get("VLLM_PLUGINS"), install)
@@ -323,8 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str]) -> int:
     try:
         options, plan = parse(argv)
+        for warning in check_environments(plan, os.environ):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr)
     except LaunchConfigError as error:
-        print(f"kvelastic-launch: {error}", file=sys.stderr)
+        print(f"{PROG}: {error}", file=sys.stderr)
         return EXIT_USAGE
     if options.dry_run:
         print(describe(plan, options.json))
@@ -332,13 +375,14 @@ def _main(argv: Sequence[str]) -> int:
     try:
         refused = preflight(plan, os.environ)
         if refused:
-            print(f"kvelastic-launch: {refused[1]}", file=sys.stderr)
+            print(f"{PROG}: {refused[1]}", file=sys.stderr)
             return refused[0]
-        log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix=time.strftime("kvelastic-%Y%m%d-%H%M%S-")))
+        log_dir = Path(os.path.abspath(options.log_dir) if options.log_dir
+                       else tempfile.mkdtemp(prefix=time.strftime("kvelastic-%Y%m%d-%H%M%S-")))
         supervisor = Supervisor(plan, log_dir, startup_timeout_s=options.startup_timeout,
                                 stop_timeout_s=options.stop_timeout)
     except KeyboardInterrupt:  # the probes' children are killed by subprocess.run on the way out
-        print("kvelastic-launch: stopped before anything started", file=sys.stderr)
+        print(f"{PROG}: stopped before anything started", file=sys.stderr)
         return EXIT_OK
     return supervise(supervisor)
 

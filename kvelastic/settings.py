@@ -2,29 +2,33 @@
 
 Every variable is validated here, and a bad value stops start-up with a
 message that names the variable and the accepted form, before vLLM is touched.
+A ``KVELASTIC_*`` name that no part of kvelastic reads is most likely a typo
+(``KVELASTIC_LIMT``) that would silently mean "default", so
+:func:`unknown_variables` names it with the nearest real name.
 """
 
 from __future__ import annotations
 
+import difflib
+import grp
 import os
+import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Callable, Mapping
 
+from kvelastic import switch
 from kvelastic.errors import ConfigError
-from kvelastic.units import parse_size
+from kvelastic.units import format_size, parse_size
 
 MIB = 1024 * 1024
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _switch(name: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}={text!r} is not a switch: use 1 or 0 (also true/false, yes/no, on/off)")
+CHUNK_GRANULE = 2 * MIB  # the CUDA allocation granularity: every chunk is a multiple of it
+PREFIX = "KVELASTIC_"
+#: ``KVELASTIC_*`` variables read outside :class:`Settings` (launcher, tests, CI).
+OTHER_VARIABLES = ("KVELASTIC_LAUNCH_NO_GPU", "KVELASTIC_VLLM_SRC_CACHE",
+                   "KVELASTIC_REQUIRE_VLLM", "KVELASTIC_DROP_VENVS", "KVELASTIC_BAND_A", "KVELASTIC_VENV",
+                   "KVELASTIC_VENV_BAND_A")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 
 
 def _seconds(name: str, text: str) -> float:
@@ -52,9 +56,11 @@ def _size(name: str, text: str) -> int:
 
 
 def _port(name: str, text: str) -> int:
-    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+    # Not str.isdigit(): it accepts '²' and other digits int() refuses or reads differently.
+    value = text.strip()
+    if not _ASCII_DIGITS.fullmatch(value) or not 0 < int(value) < 65536:
         raise ConfigError(f"{name}={text!r} is not a TCP port: expected a number from 1 to 65535")
-    return int(text)
+    return int(value)
 
 
 def _choice(*options: str) -> Callable[[str, str], str]:
@@ -65,6 +71,31 @@ def _choice(*options: str) -> Callable[[str, str], str]:
         return value
 
     return parse
+
+
+def _shared_dir(name: str, text: str) -> str:
+    """An existing directory named by an absolute path: a relative one would resolve per working directory."""
+    value = text.strip()
+    if not os.path.isabs(value):
+        raise ConfigError(f"{name}={text!r} must be an absolute path (for example /dev/shm): a relative "
+                          f"one would mean another directory for every working directory")
+    if not os.path.isdir(value):
+        raise ConfigError(f"{name}={text!r} is not an existing directory; kvelastic creates only its own "
+                          f"folder inside it (for example /dev/shm)")
+    return os.path.normpath(value)
+
+
+def _group(name: str, text: str) -> int:
+    """A group this process belongs to, by name or number: its members share one account per GPU."""
+    value = text.strip()
+    try:
+        gid = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ConfigError(f"{name}={text!r} is not a group on this machine") from None
+    if gid not in os.getgroups() and gid != os.getegid():
+        raise ConfigError(f"{name}={text!r}: this process (uid {os.geteuid()}) is not a member of group {gid}; "
+                          f"only members may share its accounts")
+    return gid
 
 
 def _name(name: str, text: str) -> str:
@@ -93,6 +124,8 @@ class Settings:
     min_bytes: int = 0
     port: int = 0
     shared_budget_bytes: int | None = None
+    shared_dir: str = "/dev/shm"
+    shared_group: int | None = None  # gid whose members share accounts (unset: only this uid)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -103,7 +136,9 @@ class Settings:
             text = env.get(variable)
             if text is not None and text.strip() != "":
                 values[field.name] = parse(variable, text)
-        return cls(**values)  # type: ignore[arg-type]
+        settings = cls(**values)  # type: ignore[arg-type]
+        _check_together(settings, env)
+        return settings
 
     @staticmethod
     def variables() -> dict[str, str]:
@@ -111,9 +146,68 @@ class Settings:
         return {variable: field for field, (variable, _) in _VARIABLES.items()}
 
 
+def _check_together(settings: Settings, env: Mapping[str, str]) -> None:
+    """Refuse sizes that are valid alone but cannot work with the chunk size (or each other)."""
+    chunk = settings.chunk_bytes
+    for field_name in ("limit_bytes", "virtual_bytes", "shared_budget_bytes"):
+        value = getattr(settings, field_name)
+        if value is not None and value < chunk:
+            variable = _VARIABLES[field_name][0]
+            raise ConfigError(f"{variable}={env.get(variable)!r} is smaller than one chunk "
+                              f"({_chunk_text(chunk)}, KVELASTIC_CHUNK_SIZE): not even one page could be "
+                              f"mapped; use at least {_chunk_text(chunk)}")
+    if settings.limit_bytes is not None and settings.min_bytes > settings.limit_bytes:
+        raise ConfigError(f"KVELASTIC_MIN={env.get('KVELASTIC_MIN')!r} is larger than "
+                          f"KVELASTIC_LIMIT={env.get('KVELASTIC_LIMIT')!r}: a reservation must fit under the cap")
+
+
+def _chunk_text(nbytes: int) -> str:
+    return f"{nbytes // MIB}MiB"
+
+
+def known_variables() -> tuple[str, ...]:
+    """Every ``KVELASTIC*`` variable some part of kvelastic reads."""
+    return tuple(variable for variable, _ in _VARIABLES.values()) + OTHER_VARIABLES
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per ``KVELASTIC_*`` variable that nothing reads, naming the nearest real one."""
+    env = os.environ if environ is None else environ
+    known = known_variables()
+    suffixes = {v[len(PREFIX):]: v for v in known if v.startswith(PREFIX)}
+    warnings = []
+    for variable in sorted(v for v in env if v.startswith(PREFIX) and v not in known):
+        nearest = difflib.get_close_matches(variable[len(PREFIX):], suffixes, n=1, cutoff=0.6)
+        hint = f"did you mean {suffixes[nearest[0]]}?" if nearest else "settings: " + ", ".join(Settings.variables())
+        warnings.append(f"{variable} is not a kvelastic setting and is ignored; {hint}")
+    return warnings
+
+
+def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """The settings in effect on one line, ``VARIABLE=value``; ``*`` marks those set in the environment."""
+    env = os.environ if environ is None else environ
+    parts = []
+    for field in fields(Settings):
+        variable, _ = _VARIABLES[field.name]
+        if variable == "KVELASTIC":
+            continue
+        value = getattr(settings, field.name)
+        if value is None or (field.name == "port" and not value):  # port 0: none given
+            shown = "none"
+        elif isinstance(value, bool):
+            shown = "1" if value else "0"
+        elif field.name.endswith("_bytes"):
+            shown = format_size(value).replace(" ", "")
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+        mark = "*" if (env.get(variable) or "").strip() else ""
+        parts.append(f"{variable}={shown}{mark}")
+    return " ".join(parts)
+
+
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "enabled": ("KVELASTIC", _switch),
-    "strict": ("KVELASTIC_STRICT", _switch),
+    "enabled": (switch.VARIABLE, switch.parse),
+    "strict": ("KVELASTIC_STRICT", switch.parse),
     "chunk_bytes": ("KVELASTIC_CHUNK_SIZE", _chunk),
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),
@@ -127,4 +221,21 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),
     "shared_budget_bytes": ("KVELASTIC_SHARED_BUDGET", _size),
+    "shared_dir": ("KVELASTIC_SHARED_DIR", _shared_dir),
+    "shared_group": ("KVELASTIC_SHARED_GROUP", _group),
 }
+
+
+def shared_location(environ: Mapping[str, str] | None = None) -> tuple[Path, int | None]:
+    """``(KVELASTIC_SHARED_DIR, KVELASTIC_SHARED_GROUP)``, validated, without reading any other variable.
+
+    The CLI and the shared-file code need only these two; a bad value of an
+    unrelated variable must not stop ``kvelastic status``.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for field in ("shared_dir", "shared_group"):
+        variable, parse = _VARIABLES[field]
+        text = env.get(variable)
+        values[field] = parse(variable, text) if text is not None and text.strip() else None
+    return Path(str(values["shared_dir"] or Settings.shared_dir)), values["shared_group"]  # type: ignore[return-value]

@@ -1,8 +1,16 @@
 """The version-gated vLLM patches, one module per patch point.
 
-Each module defines ``PATCH`` (a :class:`kvelastic.patching.spec.Patch`): the
-releases it claims, the targets it expects, and how it applies itself. Nothing
-here imports vLLM; the gate does that when it checks the targets.
+Each patch module defines ``PATCH`` (a :class:`kvelastic.patching.spec.Patch`):
+the releases it claims, every vLLM contact it has (its targets) and how it
+applies itself. Contacts of the scheduler side that are wrapped or read on
+live objects are declared in modules of their own (``block_pool_queue``,
+``host_tier_lookup``, ``engine_config``) and listed among the targets of the
+patch that attaches them (``scheduler_block_pool``). A version difference is
+handled in the module that declares its contact, and nowhere else.
+
+Importing this package imports no vLLM and none of kvelastic's integration:
+patch modules pull in what they hook only when applied, so the integration
+may import these declarations without an import cycle.
 """
 
 from __future__ import annotations

@@ -1,15 +1,22 @@
-"""Version ranges and small helpers shared by the patch modules."""
+"""Version ranges and small helpers shared by the patch modules.
+
+Ranges that reach the newest supported release are written ``since("0.22")``
+and those that start at the oldest ``before("0.20")``, so the supported bounds
+stay written once (``kvelastic/patching/versions.py``).
+"""
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
 
-from kvelastic.patching.versions import BANDS, SUPPORTED
+from kvelastic.patching.versions import BANDS, SUPPORTED, before, since
 
 BAND_A = BANDS[0].versions
 BAND_B = BANDS[1].versions
 ALL = SUPPORTED
+
+__all__ = ["ALL", "BAND_A", "BAND_B", "argument", "before", "since"]
 
 
 def argument(wrapped: Any, args: tuple, kwargs: dict, name: str) -> Any:

@@ -1,34 +1,72 @@
-"""KVCacheManager: vLLM 0.19.0-0.20.1's whole-sequence admission check maps nothing.
+"""vLLM's block estimate, and how to tell an admission check from an allocation's estimate.
 
-The commit guard (``kvelastic/integration/commit_guard.py``) maps, on vLLM's
-block estimate, what the allocation that follows will take. From 0.20.2 on,
-estimates that only admit a request carry ``apply_admission_cap=True``; in
-0.19.0-0.20.1 ``can_fit_full_sequence`` asks for the whole sequence without
-that flag, and nothing is allocated after it. Mapping for it would map a long
-prompt's every group up front and then release the surplus. Within this call
-the guard therefore maps nothing; the allocation's own estimate comes next.
+The commit guard (``kvelastic/integration/commit_guard.py``) wraps
+``KVCacheCoordinator.get_num_blocks_to_allocate`` on the scheduler's
+coordinator and maps, on vLLM's estimate, what the allocation that follows
+will take. Admission checks ask about a whole sequence and allocate nothing;
+mapping for one would map a long prompt's every group up front and then
+release the surplus, so the guard must recognise them. Every release's way of
+saying "admission check" is handled in this module:
+
+- 0.20.2 and later pass ``apply_admission_cap=True`` to the estimate
+  (:func:`is_admission_check` reads it, positionally or by keyword, at the
+  position the estimate's declared parameters give);
+- 0.19.0-0.20.1's ``KVCacheManager.can_fit_full_sequence`` asks without that
+  flag; the ``admission_check`` patch wraps it there so the guard maps nothing
+  within the call (the allocation's own estimate comes next);
+- before 0.19 there are no admission checks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvelastic.integration.commit_guard import guard_of
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
+from kvelastic.patches._common import before, since
 
+FLAG = "apply_admission_cap"
 UNFLAGGED = VersionRange.of("0.19", "0.20.2")
 
-TARGET = Target(
+_ESTIMATE = ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens")
+ESTIMATE = Target(  # wrapped on the scheduler's coordinator instance; the class keeps vLLM's function
+    module="vllm.v1.core.kv_cache_coordinator",
+    qualname="KVCacheCoordinator.get_num_blocks_to_allocate",
+    kind="method",
+    use="instance",
+    shapes=(Signature(before("0.14"), _ESTIMATE),
+            Signature(VersionRange.of("0.14", "0.15"), (*_ESTIMATE, "total_computed_tokens")),
+            Signature(VersionRange.of("0.15", "0.20.2"), (*_ESTIMATE, "total_computed_tokens",
+                                                           "num_tokens_main_model")),
+            Signature(VersionRange.of("0.20.2", "0.26"), (*_ESTIMATE, "total_computed_tokens",
+                                                          "num_tokens_main_model", FLAG)),
+            Signature(since("0.26"), (*_ESTIMATE, "total_computed_tokens", "num_local_computed_tokens",
+                                      "num_tokens_main_model", FLAG))),
+)
+CAN_FIT = Target(
     module="vllm.v1.core.kv_cache_manager",
     qualname="KVCacheManager.can_fit_full_sequence",
     kind="method",
-    signatures=(Signature(UNFLAGGED, ("self", "request", "num_new_computed_tokens", "new_computed_blocks",
-                                      "num_external_computed_tokens", "num_encoder_tokens")),),
+    shapes=(Signature(UNFLAGGED, ("self", "request", "num_new_computed_tokens", "new_computed_blocks",
+                                  "num_external_computed_tokens", "num_encoder_tokens")),),
 )
 
 
+def is_admission_check(estimate_params: tuple[str, ...], args: tuple, kwargs: dict) -> bool:
+    """Whether an estimate called with ``args``/``kwargs`` (``self`` bound) passed the admission flag.
+
+    ``estimate_params`` are the estimate's declared parameters in the running
+    release; where they have no flag, no estimate call is an admission check.
+    """
+    if FLAG not in estimate_params:
+        return False
+    index = estimate_params.index(FLAG) - 1  # a bound method's arguments start after self
+    return bool(args[index] if len(args) > index else kwargs.get(FLAG))
+
+
 def _can_fit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:
+    from kvelastic.integration.commit_guard import guard_of
+
     guard = guard_of(instance)
     if guard is None:  # not the scheduler's GPU manager (or kvelastic did not attach): vLLM as is
         return wrapped(*args, **kwargs)
@@ -37,8 +75,8 @@ def _can_fit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def apply(patcher: Any, runtime: Any) -> None:
-    patcher.wrap(TARGET, _can_fit)
+    patcher.wrap(CAN_FIT, _can_fit)
 
 
 PATCH = Patch("admission_check", "KVCacheManager: the admission check maps nothing (0.19.0-0.20.1)",
-              UNFLAGGED, (TARGET,), apply)
+              UNFLAGGED, (CAN_FIT,), apply)

@@ -1,62 +1,102 @@
-"""Scheduler: make the GPU block pool page-aware and start the reclaimer."""
+"""Scheduler: make the GPU block pool page-aware, lock the entry points, start the reclaimer.
+
+The patch wraps ``Scheduler.__init__`` on the class; everything else happens
+on the new scheduler's own objects in ``attach_scheduler``
+(``kvelastic/integration/scheduler.py``), through the same Patcher, so it is
+undone with the rest and all of it is undone if attaching fails. The patch's
+targets are every vLLM contact of that scheduler side, declared here and in
+the modules named below, and checked by the gate before anything changes:
+
+- ``block_pool_queue``: the block pool, its free queue, the blocks;
+- ``admission_check``: the block estimate the commit guard wraps;
+- ``host_tier_lookup``: the prefix-cache map the host tier answers from;
+- ``engine_config``: the configuration read;
+- here: the scheduler itself, its entry points, and the requests it queues.
+
+Version differences handled here: ``Scheduler.__init__`` takes ``hash_block_size``
+from 0.20; ``schedule`` takes ``throttle_prefills`` from 0.24 and
+``reset_prefix_cache`` takes ``reset_connector`` from 0.13 (the lock wrappers pass
+every argument through; the declarations make the gate notice a new one).
+"""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from kvelastic.integration.scheduler import attach_scheduler
-from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import ALL
+from kvelastic.patching.spec import Attributes, Patch, Signature, Target
+from kvelastic.patches import admission_check, block_pool_queue, engine_config, host_tier_lookup
+from kvelastic.patches._common import ALL, before, since
 
-BEFORE_HASH_BLOCK_SIZE = VersionRange.of("0.12", "0.20")
-WITH_HASH_BLOCK_SIZE = VersionRange.of("0.20", "0.29")
-
+_SCHEDULER = "vllm.v1.core.sched.scheduler"
+_INIT = ("self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size")
 SCHEDULER_INIT = Target(
-    module="vllm.v1.core.sched.scheduler",
+    module=_SCHEDULER,
     qualname="Scheduler.__init__",
     kind="method",
-    signatures=(Signature(BEFORE_HASH_BLOCK_SIZE, ("self", "vllm_config", "kv_cache_config",
-                                                   "structured_output_manager", "block_size", "mm_registry",
-                                                   "include_finished_set", "log_stats")),
-                Signature(WITH_HASH_BLOCK_SIZE, ("self", "vllm_config", "kv_cache_config",
-                                                 "structured_output_manager", "block_size", "hash_block_size",
-                                                 "mm_registry", "include_finished_set", "log_stats"))),
+    shapes=(Signature(before("0.20"), (*_INIT, "mm_registry", "include_finished_set", "log_stats")),
+            Signature(since("0.20"), (*_INIT, "hash_block_size", "mm_registry", "include_finished_set",
+                                      "log_stats"))),
 )
-_ESTIMATE = ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens")
-BLOCKS_TO_ALLOCATE = Target(  # wrapped on the scheduler's coordinator instance (integration/commit_guard.py)
-    module="vllm.v1.core.kv_cache_coordinator",
-    qualname="KVCacheCoordinator.get_num_blocks_to_allocate",
-    kind="method",
-    wrapped=False,
-    signatures=(Signature(VersionRange.of("0.12", "0.14"), _ESTIMATE),
-                Signature(VersionRange.of("0.14", "0.15"), (*_ESTIMATE, "total_computed_tokens")),
-                Signature(VersionRange.of("0.15", "0.20.2"), (*_ESTIMATE, "total_computed_tokens",
-                                                               "num_tokens_main_model")),
-                Signature(VersionRange.of("0.20.2", "0.26"), (*_ESTIMATE, "total_computed_tokens",
-                                                              "num_tokens_main_model", "apply_admission_cap")),
-                Signature(VersionRange.of("0.26", "0.29"), (*_ESTIMATE, "total_computed_tokens",
-                                                            "num_local_computed_tokens", "num_tokens_main_model",
-                                                            "apply_admission_cap"))),
+SCHEDULER = Target(  # read: what the attachment and the tensor-parallel step hook use
+    module=_SCHEDULER,
+    qualname="Scheduler",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("kv_cache_manager", "vllm_config", "cache_config", "running", "waiting")),),
 )
-EVICT_CACHED = Target(  # read, not wrapped: the page-aware queue evicts cached blocks through it
-    module="vllm.v1.core.block_pool",
-    qualname="BlockPool._maybe_evict_cached_block",
+SCHEDULE = Target(  # the entry points below take the lock shared with the reclaimer thread
+    module=_SCHEDULER,
+    qualname="Scheduler.schedule",
     kind="method",
-    wrapped=False,
-    signatures=(Signature(ALL, ("self", "block")),),
+    use="instance",
+    shapes=(Signature(before("0.24"), ("self",)), Signature(since("0.24"), ("self", "throttle_prefills"))),
+)
+UPDATE_FROM_OUTPUT = Target(
+    module=_SCHEDULER,
+    qualname="Scheduler.update_from_output",
+    kind="method",
+    use="instance",
+    shapes=(Signature(ALL, ("self", "scheduler_output", "model_runner_output")),),
+)
+FINISH_REQUESTS = Target(
+    module=_SCHEDULER,
+    qualname="Scheduler.finish_requests",
+    kind="method",
+    use="instance",
+    shapes=(Signature(ALL, ("self", "request_ids", "finished_status")),),
+)
+RESET_PREFIX_CACHE = Target(
+    module=_SCHEDULER,
+    qualname="Scheduler.reset_prefix_cache",
+    kind="method",
+    use="instance",
+    shapes=(Signature(before("0.13"), ("self", "reset_running_requests")),
+            Signature(since("0.13"), ("self", "reset_running_requests", "reset_connector"))),
+)
+REQUEST = Target(  # read: under tensor parallelism, what the queued requests still need to compute
+    module="vllm.v1.request",
+    qualname="Request",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("num_tokens", "num_computed_tokens")),),
 )
 
+#: The scheduler's methods that read or change the GPU block pool, called by the engine thread.
+LOCKED = (SCHEDULE, UPDATE_FROM_OUTPUT, FINISH_REQUESTS, RESET_PREFIX_CACHE)
+TARGETS = (SCHEDULER_INIT, SCHEDULER, *LOCKED, REQUEST, *block_pool_queue.TARGETS, admission_check.ESTIMATE,
+           *host_tier_lookup.TARGETS, *engine_config.TARGETS)
 
-def _init(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+
+def _init(runtime: Any, patcher: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    from kvelastic.integration.scheduler import attach_scheduler
+
     wrapped(*args, **kwargs)
-    attach_scheduler(instance, runtime)
+    attach_scheduler(instance, runtime, patcher)
 
 
 def apply(patcher: Any, runtime: Any) -> None:
-    patcher.wrap(SCHEDULER_INIT, functools.partial(_init, runtime))
+    patcher.wrap(SCHEDULER_INIT, functools.partial(_init, runtime, patcher))
 
 
-PATCH = Patch("scheduler_block_pool", "Scheduler: page-aware GPU block pool, reclaimer thread",
-              ALL, (SCHEDULER_INIT, BLOCKS_TO_ALLOCATE, EVICT_CACHED), apply)
+PATCH = Patch("scheduler_block_pool", "Scheduler: page-aware GPU block pool, reclaimer thread", ALL, TARGETS, apply)

@@ -17,7 +17,7 @@ TARGET = Target(
     module="vllm.v1.worker.kv_connector_model_runner_mixin",
     qualname="KVConnectorModelRunnerMixin.use_uniform_kv_cache",
     kind="staticmethod",
-    signatures=(Signature(BAND_A, ("attn_groups", "cache_dtype")), Signature(BAND_B, ("attn_groups",))),
+    shapes=(Signature(BAND_A, ("attn_groups", "cache_dtype")), Signature(BAND_B, ("attn_groups",))),
 )
 
 

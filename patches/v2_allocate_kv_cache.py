@@ -5,29 +5,31 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.integration.allocation import allocate_kv_tensors
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import ALL, argument
+from kvelastic.patches._common import ALL, argument, before, since
+from kvelastic.patches.kv_cache_objects import ALLOCATION, packs_tensors
 
-BEFORE_SHARED_LAYERS = VersionRange.of("0.12", "0.22")
-WITH_SHARED_LAYERS = VersionRange.of("0.22", "0.29")
+BEFORE_SHARED_LAYERS = before("0.22")
+WITH_SHARED_LAYERS = since("0.22")
 
 TARGET = Target(
     module="vllm.v1.worker.gpu.attn_utils",
     qualname="_allocate_kv_cache",
     kind="function",
-    signatures=(Signature(BEFORE_SHARED_LAYERS, ("kv_cache_config", "device")),
+    shapes=(Signature(BEFORE_SHARED_LAYERS, ("kv_cache_config", "device")),
                 Signature(WITH_SHARED_LAYERS, ("kv_cache_config", "shared_layers", "device"))),
 )
 
 
-def _allocate(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    return allocate_kv_tensors(runtime, argument(wrapped, args, kwargs, "kv_cache_config"))
+def _allocate(runtime: Any, packed: bool, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    from kvelastic.integration.allocation import allocate_kv_tensors
+
+    return allocate_kv_tensors(runtime, argument(wrapped, args, kwargs, "kv_cache_config"), packed=packed)
 
 
 def apply(patcher: Any, runtime: Any) -> None:
-    patcher.wrap(TARGET, functools.partial(_allocate, runtime))
+    patcher.wrap(TARGET, functools.partial(_allocate, runtime, packs_tensors(patcher)))
 
 
-PATCH = Patch("v2_allocate_kv_cache", "V2 runner: KV tensors over CUDA virtual memory", ALL, (TARGET,), apply)
+PATCH = Patch("v2_allocate_kv_cache", "V2 runner: KV tensors over CUDA virtual memory", ALL,
+              (TARGET, *ALLOCATION), apply)

@@ -12,7 +12,7 @@ TARGET = Target(
     module="vllm.v1.worker.gpu_worker",
     qualname="Worker.determine_available_memory",
     kind="method",
-    signatures=(Signature(ALL, ("self",)),),
+    shapes=(Signature(ALL, ("self",)),),
 )
 
 

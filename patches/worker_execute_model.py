@@ -16,7 +16,7 @@ TARGET = Target(
     module="vllm.v1.worker.gpu_worker",
     qualname="Worker.execute_model",
     kind="method",
-    signatures=(Signature(ALL, ("self", "scheduler_output")),),
+    shapes=(Signature(ALL, ("self", "scheduler_output")),),
 )
 
 

@@ -68,7 +68,7 @@ def main() -> None:
     for shape in args.shapes:
         layers, run_kib = SHAPES[shape]
         run = run_kib * 1024
-        pool = PagePool(CudaBackend(), page_bytes=8 * MIB, zero_on_map="fresh")
+        pool = PagePool.standard(CudaBackend(), page_bytes=8 * MIB, zero_on_map="fresh")
         raws = [pool.add_tensor(args.blocks * 2 * run) for _ in range(layers)]
         pool.map_groups(range(args.blocks * 2 * run // (8 * MIB)))
         views = [torch.as_strided(r, (args.blocks, run), (run, 1), half * args.blocks * run)

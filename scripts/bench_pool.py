@@ -33,7 +33,7 @@ def _timed(call) -> float:
 
 def per_page_costs(page: int, groups: int, rounds: int) -> dict[str, float]:
     """One tensor, ``groups`` groups of one page: map/unmap each group alone."""
-    pool = PagePool(CudaBackend(), page_bytes=page)
+    pool = PagePool.standard(CudaBackend(), page_bytes=page)
     tensor = pool.add_tensor(groups * page)
     results: dict[str, list[float]] = {"map_cold_us": [], "map_warm_us": [], "unmap_us": []}
     for _ in range(rounds):
@@ -52,7 +52,7 @@ def per_page_costs(page: int, groups: int, rounds: int) -> dict[str, float]:
 
 def grow_shrink(page: int, tensors: int, grow_bytes: int, warm: bool, rounds: int) -> dict[str, float]:
     """Grow a pool of ``tensors`` tensors by ``grow_bytes`` in one call, then shrink it back."""
-    pool = PagePool(CudaBackend(), page_bytes=page)
+    pool = PagePool.standard(CudaBackend(), page_bytes=page)
     views = [pool.add_tensor(4 * GIB) for _ in range(tensors)]
     groups = grow_bytes // (page * tensors)
     grow, shrink = [], []

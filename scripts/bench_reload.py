@@ -8,9 +8,9 @@ imported) and writes ``<outdir>/<config>.json``; this process prints a table and
   The engine idles ``--wait`` seconds after the prefix was used: the reclaimer (a tick every
   0.25 s) spills the groups holding only the idle cached prefix to the host tier and unmaps
   them, so the next request with that prefix is served from the host tier. kvelastic's stats
-  snapshot (``/dev/shm/kvelastic-stats-<pid>-<n>.json``) is read around each reload: a reload is
-  "verified" when vLLM counted the prefix as cached and the host tier had a hit for every
-  prefix block (a quiet recompute or a GPU hit would fail this).
+  snapshot (``stats-<pid ns>-<pid>-<start>-<n>.json`` in this user's folder under ``/dev/shm``)
+  is read around each reload: a reload is "verified" when vLLM counted the prefix as cached
+  and the host tier had a hit for every prefix block (a quiet recompute or a GPU hit would fail this).
 * ``offload-arc``: vLLM's OffloadingConnector (ARC, block size 16 as in bench_multiturn.py,
   ``cpu_bytes_to_use=--cpu-bytes``). After ``--settle`` seconds (its asynchronous stores finish;
   the engine keeps stepping while they are pending) ``LLM.reset_prefix_cache()`` drops the GPU

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -28,8 +29,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from demo_support import complete, healthy, http, parse_metrics, prompt, run_all
 
-WATCHED = ("kvelastic_mapped_bytes", "kvelastic_host_bytes_used", "kvelastic_spilled_bytes_total",
-           "kvelastic_reloaded_bytes_total", "kvelastic_host_hits_total", "kvelastic_arc_p")
+WATCHED = ("kvelastic_mapped_bytes", "kvelastic_host_used_bytes", "kvelastic_spilled_bytes_total",
+           "kvelastic_reloaded_bytes_total", "kvelastic_host_hits_total", "kvelastic_host_arc_target_blocks")
+MODEL_NAME = re.compile(r'^kvelastic_\w+\{[^}]*model_name="([^"]*)"')
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,8 +73,10 @@ def send_round(url: str, count: int) -> list[dict[str, Any]]:
 
 def scrape(url: str) -> dict[str, Any]:
     text = http(url + "/metrics", timeout=10).decode()
+    samples = [line for line in text.splitlines() if line.startswith("kvelastic_")]
     return {"vllm_lines": sum(line.startswith("vllm:") for line in text.splitlines()),
-            "kvelastic": {name: values for name, values in parse_metrics(text).items() if name in WATCHED}}
+            "kvelastic": {name: values for name, values in parse_metrics(text).items() if name in WATCHED},
+            "model_names": sorted({m.group(1) if (m := MODEL_NAME.match(line)) else "" for line in samples})}
 
 
 def _largest(scrape: dict[str, Any], name: str) -> float:
@@ -99,6 +103,7 @@ def run_checks(ns: argparse.Namespace, url: str, data: dict[str, Any]) -> list[t
         ("every scrape has the host-tier counters", all("kvelastic_host_hits_total" in s["kvelastic"]
                                                          for s in scrapes)),
         ("spills counted (limit + idle TTL forced them)", max(spilled) > 0),
+        ("every kvelastic_ sample carries vLLM's model_name", all(s["model_names"] == ["m"] for s in scrapes)),
     ]
 
 

@@ -70,12 +70,12 @@ def complete(url: str, model: str, text: str, max_tokens: int) -> dict[str, Any]
 
 
 def parse_metrics(text: str) -> dict[str, dict[str, float]]:
-    """``kvelastic_*`` samples of a Prometheus text page: name -> engine label -> value."""
+    """``kvelastic_*`` samples of a Prometheus text page: name -> instance_name label -> value."""
     found: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         if match := METRIC.match(line):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-            found.setdefault(match.group(1), {})[labels.get("engine", "")] = float(match.group(3))
+            found.setdefault(match.group(1), {})[labels.get("instance_name", "")] = float(match.group(3))
     return found
 
 

@@ -13,7 +13,7 @@ SMALL_PAGE = 64 * 1024
 
 @pytest.fixture
 def host_pool():
-    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE)
+    pool = PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE)
     yield pool
     pool.close()
     assert pool.leak_report() == []
@@ -30,9 +30,9 @@ def pytest_configure(config):
 
 @pytest.fixture
 def kv_log(caplog):
-    """Records of the 'kvelastic' logger, which activation may detach from the root logger."""
-    logger = logging.getLogger("kvelastic")
-    caplog.set_level(logging.INFO, logger="kvelastic")
+    """Records of kvelastic's logger, 'vllm.kvelastic': vLLM's 'vllm' logger does not pass them on to the root."""
+    logger = logging.getLogger("vllm.kvelastic")
+    caplog.set_level(logging.INFO, logger="vllm.kvelastic")
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)

@@ -11,6 +11,8 @@ import torch
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.pool import HostBackend, PagePool
+from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
+from kvelastic.pool.stats import StatisticsSource
 
 N, BS, H, D, LAYERS = 256, 16, 2, 32, 3
 HALF = BS * H * D * 2              # bytes of a block's K (or V) half in one layer
@@ -27,9 +29,17 @@ class StandInRequest:
         self.block_hashes = hashes
 
 
-def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None):
-    """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it)."""
-    pool = PagePool(backend or HostBackend(), page_bytes=PAGE)
+def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None):
+    """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it).
+
+    ``wrap_device(source)`` inserts a layer above the device in the usual stack (the shared account's gate).
+    """
+    if wrap_device is None:
+        pool = PagePool.standard(backend or HostBackend(), page_bytes=PAGE)
+    else:
+        backend = backend or HostBackend()
+        device = wrap_device(StatisticsSource(DeviceSource(backend, PAGE)))
+        pool = PagePool(backend, ReserveSource(LimitedSource(device)))
     raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
     views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
     per_view = []

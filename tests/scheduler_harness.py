@@ -187,34 +187,65 @@ def wait_unmapped(pool, at_most: int) -> int:
     return pool.stats().mapped_bytes
 
 
+@functools.lru_cache(maxsize=None)
+def _scheduler_gate():
+    from kvelastic.patches import scheduler_block_pool
+    from kvelastic.patching import gate
+    from kvelastic.patching.versions import installed_vllm_version
+
+    return gate.check([scheduler_block_pool.PATCH], installed_vllm_version())
+
+
+def scheduler_patcher():
+    """A fresh Patcher that the gate cleared for the scheduler patch's contacts on the installed vLLM."""
+    from kvelastic.patching.apply import Patcher
+
+    return Patcher.for_gate(_scheduler_gate())
+
+
+def build_patched(runtime, build):
+    """``build()``'s scheduler, made with ``scheduler_block_pool`` applied for ``runtime``; and its Patcher.
+
+    The class wrap is undone once the scheduler exists, so the Patcher keeps
+    only the changes made to that scheduler's objects (``revert`` undoes them).
+    """
+    from kvelastic.patches import scheduler_block_pool
+
+    patcher = scheduler_patcher()
+    scheduler_block_pool.PATCH.apply(patcher, runtime)
+    try:
+        return build(), patcher
+    finally:
+        for change in patcher.changes:
+            if change.on_class:
+                patcher.undo(change)
+
+
 class PatchedSchedulers:
     """Schedulers patched by ``scheduler_block_pool`` over given host-backed caches, torn down together.
 
-    One patch is applied at a time, pointing at the runtime of the scheduler
-    being built; :meth:`close` reverts it and stops every scheduler's threads.
+    Each scheduler is built by :func:`build_patched` with a Patcher of its own,
+    pointing at that scheduler's runtime. :meth:`close` stops every
+    scheduler's threads and reverts the changes made to its objects.
     """
 
     def __init__(self) -> None:
-        from kvelastic.patching.apply import Patcher
-
-        self.patcher = Patcher()
         self.made: list = []
 
-    def make(self, pool, views, cache, settings, asynchronous: bool = False):
+    def make(self, pool, views, cache, settings, asynchronous: bool = False, budget_source=None):
+        """``budget_source``: the pool's shared-account gate, so the scheduler joins the GPU's account."""
         from kvelastic.integration.runtime import Runtime
-        from kvelastic.patches import scheduler_block_pool
 
         runtime = Runtime(settings)
         runtime.cache = cache
-        self.patcher.revert()
-        scheduler_block_pool.PATCH.apply(self.patcher, runtime)
-        scheduler = make_scheduler(asynchronous=asynchronous)
-        self.made.append((scheduler, pool, views))  # the views keep the KV tensors' memory alive
+        runtime.budget = budget_source
+        scheduler, patcher = build_patched(runtime, lambda: make_scheduler(asynchronous=asynchronous))
+        self.made.append((scheduler, pool, views, patcher))  # the views keep the KV tensors' memory alive
         return scheduler
 
     def close(self) -> None:
-        self.patcher.revert()
-        for scheduler, pool, _ in self.made:
+        for scheduler, pool, _, patcher in self.made:
             scheduler.kvelastic_reclaimer.stop()
             scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.stop()
+            patcher.revert()
             pool.close()

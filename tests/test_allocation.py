@@ -62,7 +62,7 @@ def runtime():
     active = activation.activate(Settings(enabled=True, chunk_bytes=CHUNK), backend_factory=HostBackend)
     assert active is not None
     yield active.runtime
-    pools = list(getattr(active.runtime, "_pools", []))
+    pools = [engine_pool.pool for engine_pool in active.runtime._pools]
     activation.deactivate()
     active.runtime.cache = None
     for pool in pools:
@@ -160,8 +160,6 @@ def test_v1_runner_method_checks_every_layer_was_allocated(runtime):
     cfg = config(layers=("l0", "l1", "l2", "drafter"))
     with pytest.raises(AssertionError, match="not allocated"):
         v1_allocate(types.SimpleNamespace(runner_only_attn_layers=set()), cfg)
-    with pytest.raises(AssertionError, match="not allocated"):
-        v1_allocate(types.SimpleNamespace(), cfg)
     raw = v1_allocate(types.SimpleNamespace(runner_only_attn_layers={"drafter"}), cfg)
     assert set(raw) == {"l0", "l1", "l2"}
 
@@ -225,7 +223,6 @@ def test_startup_blocks_cover_one_batch_of_warm_up(runtime):
     cfg = config()
     runner = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=2048))
     assert startup_blocks(runner, cfg) == 2 * (2048 // BS) + 2
-    assert startup_blocks(types.SimpleNamespace(), cfg) == 2 * (8192 // BS) + 2
     runner.scheduler_config.max_num_batched_tokens = 2049
     assert startup_blocks(runner, cfg) == 2 * (2048 // BS + 1) + 2
 
@@ -244,6 +241,21 @@ def test_a_replaced_pool_is_closed_once_its_tensors_are_gone(runtime):
         profiling.add_tensor(CHUNK)
     assert real.regions_alive() == 2
     real.add_tensor(CHUNK)  # the live cache's pool stays open
+
+
+def test_the_runtime_holds_the_shared_budget_layer_of_the_published_pool_only(runtime):
+    raw, views = allocate_and_view(runtime)       # vLLM's profiling run, still alive
+    profiling = runtime.finish_allocation()
+    kept_raw, kept_views = allocate_and_view(runtime)
+    real = runtime.finish_allocation()
+    assert runtime.budget is None  # nothing published yet
+    publish_views(runtime, real, kept_views, N, premap_blocks=2 * BLOCKS_PER_GROUP)
+    budget = runtime.budget
+    assert budget is not None and budget.member is None  # counting only, until the scheduler joins
+    assert budget.outstanding_bytes == real.stats().held_bytes > 0
+    profiling.map_groups([3])  # pages of another pool go through another stack
+    assert budget.outstanding_bytes == real.stats().held_bytes
+    assert len(raw) == len(kept_raw) == 3 and views and kept_views
 
 
 def test_a_replaced_pool_whose_tensors_live_is_kept(runtime):

@@ -75,7 +75,7 @@ def test_status_json_is_for_scripts(fleet, shared):
 def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, shared):
     from kvelastic.integration.metrics import StatsPublisher
 
-    publisher = StatsPublisher("small", shared)  # what the engine of "small" (this process) writes
+    publisher = StatsPublisher("small")  # what the engine of "small" (this process) writes
     publisher.publish({"mapped_bytes": 2 * GIB, "limit_bytes": 8 * GIB, "spilled_bytes": 7 * GIB,
                        "reloaded_bytes": 3 * GIB, "host_bytes_used": 5 * GIB, "host_hits": 4})
     (account,) = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"]
@@ -84,7 +84,7 @@ def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, share
     assert (small["host_bytes_used"], small["limit_bytes"]) == (5 * GIB, 8 * GIB)
     assert "host_hits" not in small
     assert "spilled_bytes" not in big  # no snapshot with that name: absent, not 0
-    renamed = StatsPublisher("someone-else", shared)  # same pid, another name: not small's numbers
+    renamed = StatsPublisher("someone-else")  # same pid, another name: not small's numbers
     renamed.publish({"spilled_bytes": 9})
     members = json.loads(kvelastic(shared, "status", "--json").stdout)["accounts"][0]["members"]
     assert [m.get("spilled_bytes") for m in members if "spilled_bytes" in m] == [7 * GIB]
@@ -239,3 +239,128 @@ def test_budget_is_shown_and_changed(fleet, shared):
         assert several.returncode == 2 and "--gpu" in several.stderr
         assert kvelastic(shared, "budget", "2GiB", "--gpu", "GPU-bbbb").returncode == 0
     assert account.budget == 60 * GIB
+
+
+# -------------------------------------------------------------------- polish
+def test_version_matches_the_installed_distribution(shared):
+    from importlib.metadata import version
+
+    result = kvelastic(shared, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"kvelastic {version('kvelastic')}"
+
+
+def test_status_json_without_any_account_is_still_json(shared):
+    result = kvelastic(shared, "status", "--json")
+    assert result.returncode == 4 and json.loads(result.stdout) == {"accounts": []}
+    assert "no account" in result.stderr
+
+
+FAKE_SMI = """\
+import sys
+assert sys.argv[1:] == ["--query-gpu=index,uuid", "--format=csv,noheader"], sys.argv
+print("0, GPU-0000aaaa-1111\\n1, GPU-1234abcd-5678")
+"""
+
+
+def _with_fake_smi(tmp_path, shared):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    smi = tools / "nvidia-smi"
+    smi.write_text(f"#!{sys.executable}\n{FAKE_SMI}")
+    smi.chmod(0o755)
+    return {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_gpu_is_an_account_id_an_nvidia_smi_uuid_or_an_index(tmp_path, shared):
+    path_env = _with_fake_smi(tmp_path, shared)
+    env = {**os.environ, **path_env, "KVELASTIC_SHARED_DIR": str(shared)}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "kvelastic.cli", *args], env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=60)
+    with SharedAccount.open("gpu-1234abcd-5678", 8 * GIB) as account, SharedAccount.open("gpu-0000aaaa-1111", GIB):
+        member = account.join("solo", port=9000)
+        for spelling in ("gpu-1234abcd-5678", "GPU-1234abcd-5678", "1"):
+            result = run("status", "--gpu", spelling, "--json")
+            assert result.returncode == 0, (spelling, result.stderr)
+            assert [a["gpu"] for a in json.loads(result.stdout)["accounts"]] == ["gpu-1234abcd-5678"]
+        assert run("limit", "solo", "3GiB", "--gpu", "1").returncode == 0
+        assert member.limits() == (0, 3 * GIB)
+        missing = run("status", "--gpu", "7")
+        assert missing.returncode == 2
+        assert "--gpu 7: nvidia-smi lists no GPU with index 7 (indexes: 0, 1)" in missing.stderr
+        no_smi = subprocess.run([sys.executable, "-m", "kvelastic.cli", "status", "--gpu", "0"],
+                                env={**env, "PATH": str(tmp_path / "empty")}, capture_output=True, text=True,
+                                timeout=60)
+        assert no_smi.returncode == 2 and "nvidia-smi is not on PATH" in no_smi.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(fleet, shared):
+    """``kvelastic status | head -0``: every write meets a closed pipe; no traceback, exit 141 like SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "kvelastic.cli", "status"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=60,
+                                env={**os.environ, "KVELASTIC_SHARED_DIR": str(shared)})
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("args", [["limit", "small", "1KiB"], ["limit", "small", "--max", "1MiB"],
+                                  ["budget", "1MiB"]])
+def test_a_size_below_one_chunk_is_refused(fleet, shared, args):
+    result = kvelastic(shared, *args)
+    assert result.returncode == 2 and "is smaller than one chunk (at least 2.00 MiB" in result.stderr
+    assert fleet[1].limits() == (2 * GIB, 0) and fleet[0].budget == 40 * GIB
+
+
+def test_launch_is_a_subcommand(shared):
+    result = kvelastic(shared, "launch", "--dry-run", "--json", "--model", "org/m", "--port", "9001")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["instances"][0]["name"] == "m-9001"
+    assert "kvelastic launch" in kvelastic(shared, "launch", "--help").stdout
+    assert "launch" in kvelastic(shared, "--help").stdout
+
+
+# ----------------------------------------------------------------------- top
+def test_sparkline_draws_each_reading_as_its_share_of_the_scale():
+    from kvelastic.top import sparkline
+
+    assert sparkline([0, 1, 4 * GIB, 8 * GIB, 9 * GIB], 8 * GIB) == " ▁▄██"
+    assert sparkline([], GIB) == "" and sparkline([GIB], 0) == " "
+
+
+def test_top_shows_each_instance_with_the_history_of_what_it_mapped(fleet, shared):
+    from rich.console import Console
+
+    from kvelastic.cli import open_accounts, snapshot
+    from kvelastic.top import History, render
+
+    history = History(length=3)
+    account, small, big = fleet
+    for step in range(4):
+        small.acquire(4 * GIB)
+        accounts = open_accounts(None)
+        history.add(snapshot(accounts))
+        for opened in accounts:
+            opened.close()
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render(snapshot([account]), history))
+    text = console.export_text()
+    assert "GPU GPU-aaaa: budget 40.00 GiB" in text
+    small_line = next(line for line in text.splitlines() if "small" in line)
+    # 11, 15 and 19 GiB of a 40 GiB budget: 2.2, 3.0 and 3.8 eighths, rounded up
+    assert "19.00 GiB" in small_line and small_line.rstrip(" │").endswith("▃▃▄")
+    assert list(history.of("GPU-aaaa", "big")) == [12 * GIB] * 3
+    big.leave()
+    history.add(snapshot([account]))
+    assert list(history.of("GPU-aaaa", "big")) == []  # an instance that left is forgotten
+
+
+def test_top_refreshes_count_times_and_refuses_a_bad_interval(fleet, shared):
+    result = kvelastic(shared, "top", "--interval", "0.05", "--count", "2")
+    assert result.returncode == 0, result.stderr
+    assert "small" in result.stdout and "big" in result.stdout and "GPU GPU-aaaa" in result.stdout
+    bad = kvelastic(shared, "top", "--interval", "0")
+    assert bad.returncode == 2 and "--interval: '0' is not a positive float" in bad.stderr

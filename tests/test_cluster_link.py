@@ -13,30 +13,28 @@ from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.cluster_link import ClusterLink
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
-from kvelastic.integration.reclaimer import Reclaimer
-from kvelastic.pool import HostBackend, PagePool
+from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
+from kvelastic.pool import DeviceSource, HostBackend, LimitedSource, PagePool, ReserveSource
 from kvelastic.settings import Settings
+from tests.kv_fixtures import StandInRequest
+from tests.scheduler_harness import scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 N, ROW, PAGE = 256, 2048, 64 * 1024  # blocks, bytes per block per layer, page: 32 blocks
 
 
 def engine(name: str, budget: int, limit: int | None):
-    sources: list[SharedBudgetSource] = []
-
-    def gate(device):
-        sources.append(SharedBudgetSource(device))
-        return sources[0]
-
-    pool = PagePool(HostBackend(), page_bytes=PAGE, zero_on_map=False, wrap_device=gate)
+    backend = HostBackend()
+    gate = SharedBudgetSource(DeviceSource(backend, PAGE))
+    pool = PagePool(backend, ReserveSource(LimitedSource(gate)), zero_on_map=False)
     raw = pool.add_tensor(N * ROW)
     region = pool.region_of(raw)
     view = raw.view(N, ROW)
     runs = runs_of_view(view.shape, view.stride(), 1, 0, N)
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    queue = make_page_aware(bp, cache)
-    link = ClusterLink(cache, sources[0], Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
+    queue = make_page_aware(bp, cache, patcher=scheduler_patcher())
+    link = ClusterLink(cache, gate, Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
     return pool, raw, cache, bp, queue, link
 
 
@@ -60,6 +58,29 @@ def test_engines_share_one_budget_and_a_refusal_is_a_scheduling_miss(tmp_path, m
         b[2]._device_free_cache = (0.0, None)  # both estimates are cached briefly; skip the wait
         b[4]._forget_mappable()
         assert b[3].get_num_free_blocks() >= 3 * 32  # a's memory flowed back to the account
+    finally:
+        for eng in (a, b):
+            eng[5].leave()
+            eng[0].close()
+
+
+def test_an_engine_gives_its_cached_memory_back_when_another_waits_on_the_account(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    a = engine("a", budget=8 * PAGE, limit=None)
+    b = engine("b", budget=8 * PAGE, limit=None)
+    upkeep = _linked_reclaimer(a[4], a[2], a[5])
+    try:
+        blocks = a[3].get_new_blocks(4 * 32)
+        a[3].cache_full_blocks(StandInRequest([b"a%d" % i for i in range(128)]), blocks, 0, 128, 16, 0)
+        a[3].free_blocks(blocks)  # groups 1-4 hold only cached prefix blocks now
+        upkeep.tick()  # nobody waits: a busy engine keeps its cache
+        assert a[0].mapped_groups() >= {1, 2, 3, 4}
+        assert a[5].member.info().mapped_bytes == 6 * PAGE and b[5].member.info().mapped_bytes == 2 * PAGE
+        assert b[0].grow_reserve(1) == 0  # the account is full: it refuses b and records what b wanted
+        upkeep.tick()  # pressure: a gives back its oldest cached group and the empty group mapped ahead
+        assert a[0].mapped_groups() == {0, 2, 3, 4}
+        assert a[5].member.info().mapped_bytes <= 5 * PAGE
+        assert b[0].grow_reserve(1) == 1
     finally:
         for eng in (a, b):
             eng[5].leave()
@@ -136,11 +157,9 @@ def test_showing_the_restored_cap_never_undoes_a_newer_limit(tmp_path, monkeypat
         pool.close()
 
 
-def _linked_reclaimer(queue, cache, link) -> Reclaimer:
+def _linked_reclaimer(queue, cache, link) -> UpkeepThread:
     """The engine's upkeep, joined to the shared account through ``link``; ticked by the test."""
-    reclaimer = Reclaimer(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0)
-    reclaimer.link = link
-    return reclaimer
+    return engine_upkeep(queue, cache, _NoLock(), cache_ttl_s=60.0, reserve_bytes=0, link=link)
 
 
 class _NoLock:

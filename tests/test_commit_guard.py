@@ -12,7 +12,8 @@ import pytest
 from kvelastic.integration import commit_guard
 from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.integration.mapper import GroupMapper
-from kvelastic.patches import admission_check, scheduler_block_pool
+from kvelastic.patches import admission_check
+from kvelastic.patching.apply import Patcher
 from kvelastic.patching.versions import Version
 from tests.kv_fixtures import BLOCKS_PER_GROUP, build_cache
 from tests.test_device_refusal import OutsiderBackend
@@ -59,8 +60,7 @@ def built():
 
 def _mapped_free(queue) -> int:
     """Free blocks in mapped groups: what can be taken without asking the device."""
-    queue._adopt_mapped()  # groups the mapper has mapped since
-    return queue._free_uncached_total + len(queue._cached)
+    return queue.mapped_free_blocks()  # groups the mapper has mapped since included
 
 
 def _coordinator(params: tuple[str, ...]):
@@ -72,8 +72,12 @@ def _coordinator(params: tuple[str, ...]):
 
 
 def _bands():
-    target = scheduler_block_pool.BLOCKS_TO_ALLOCATE
-    return [(str(signature.versions.low), signature.params) for signature in target.signatures]
+    return [(str(signature.versions.low), signature.params) for signature in admission_check.ESTIMATE.shapes]
+
+
+def _install(coordinator, queue, low: str):
+    """The guard on ``coordinator`` as attaching does it for release ``low`` (cleared for the estimate only)."""
+    return commit_guard.install(coordinator, queue, Patcher(Version.parse(low), [admission_check.ESTIMATE]))
 
 
 @pytest.mark.parametrize(("low", "params"), _bands(), ids=[low for low, _ in _bands()])
@@ -81,7 +85,7 @@ def test_every_bands_estimate_secures_unless_it_is_an_admission_check(built, low
     make, _, _ = built
     queue = make()
     coordinator = _coordinator(params)
-    commit_guard.install(coordinator, queue)
+    _install(coordinator, queue, low)
     assert coordinator.kvelastic_guard.queue is queue
     args = {name: 0 for name in params[1:]}
     args.update(request_id="r", num_tokens=100)
@@ -141,8 +145,8 @@ def test_where_mapping_is_asynchronous_the_guard_never_waits_but_still_holds(bui
 def test_the_admission_check_of_0_19_maps_nothing(built):
     make, _, _ = built
     queue = make()
-    coordinator = _coordinator(scheduler_block_pool.BLOCKS_TO_ALLOCATE.expected_params(Version(0, 19, 0)))
-    guard = commit_guard.install(coordinator, queue)
+    coordinator = _coordinator(admission_check.ESTIMATE.shape(Version(0, 19, 0)).params)
+    guard = _install(coordinator, queue, "0.19.0")
     manager = type("Manager", (), {})()
     manager.coordinator = coordinator
     seen = []
@@ -155,4 +159,5 @@ def test_the_admission_check_of_0_19_maps_nothing(built):
     assert seen == [1] and guard.admitting == 0
     assert queue.hold.secured == 0
     plain = type("Manager", (), {})()  # a manager kvelastic did not attach to: vLLM's call as is
+    plain.coordinator = _coordinator(admission_check.ESTIMATE.shape(Version(0, 19, 0)).params)
     assert admission_check._can_fit(lambda request: "as is", plain, ("request",), {}) == "as is"

@@ -16,7 +16,8 @@ from kvelastic.integration.runtime import Runtime  # noqa: E402
 from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, v1_allocate_kv_cache, v2_allocate_kv_cache  # noqa: E402
 from kvelastic.patches._common import ALL  # noqa: E402
 from kvelastic.patching import gate  # noqa: E402
-from kvelastic.patching.apply import apply_all  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.patching.on_import import ImportApplier  # noqa: E402
 from kvelastic.patching.spec import Patch, Signature, Target  # noqa: E402
 from kvelastic.patching.versions import SUPPORTED, Version, VersionRange, band_of, installed_vllm_version  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
@@ -36,7 +37,12 @@ def no_leaked_patches():
 
 
 def all_targets(patches=CLAIMED):
-    return [target for patch in patches for target in patch.targets]
+    return list(dict.fromkeys(target for patch in patches for target in patch.targets))
+
+
+def present_targets(patches=CLAIMED):
+    """The targets the installed release has (those declared absent in it cannot be resolved)."""
+    return [target for target in all_targets(patches) if target.exists_in(installed_vllm_version())]
 
 
 def raw(target: Target):
@@ -44,7 +50,7 @@ def raw(target: Target):
 
 
 def originals(patches=CLAIMED):
-    return {target.path: raw(target) for target in all_targets(patches)}
+    return {target.path: raw(target) for target in present_targets(patches)}
 
 
 def assert_untouched(before: dict) -> None:
@@ -52,7 +58,7 @@ def assert_untouched(before: dict) -> None:
         module, qualname = path.split(":")
         now = gate.resolve(Target(module, qualname, ()))[1]
         assert now is original, f"{path} was changed"
-        assert not isinstance(now, wrapt.ObjectProxy), f"{path} is still wrapped"
+        assert not isinstance(now, wrapt.FunctionWrapper), f"{path} is still wrapped"
 
 
 class Recorder:
@@ -98,22 +104,38 @@ def test_patch_names_are_unique():
     assert len(set(names)) == len(names) == 9
 
 
-@pytest.mark.parametrize("target", all_targets(), ids=lambda t: t.path)
-def test_every_target_resolves_to_a_real_function_with_the_expected_parameters(target):
+@pytest.mark.parametrize("target", present_targets(), ids=lambda t: t.path)
+def test_every_present_target_resolves_to_what_it_declares(target):
     owner, value = gate.resolve(target)
-    function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    version = installed_vllm_version()
+    assert gate.check_target(target, version) is None
+    if target.kind == "class":
+        assert inspect.isclass(value) and value.__name__ == target.qualname.split(".")[-1]
+        shape = target.shape(version)
+        assert set(shape.names) <= gate.class_attributes(value, shape.set_in)
+        return
+    if target.kind == "setter":
+        assert isinstance(value, property) and value.fset is not None
+        function = value.fset
+    else:
+        function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
     assert inspect.isfunction(function), f"{target.path} is a {type(value).__name__}"
     assert function.__name__ == target.qualname.split(".")[-1]
     if target.kind == "staticmethod":
         assert isinstance(value, staticmethod)
-    if target.kind in ("method", "staticmethod"):
+    if target.kind in ("method", "staticmethod", "setter"):
         assert inspect.isclass(owner)
         assert owner.__name__ == target.qualname.split(".")[0]
     else:
         assert inspect.ismodule(owner) and owner.__name__ == target.module
-    version = installed_vllm_version()
-    assert tuple(inspect.signature(function).parameters) == target.expected_params(version)
-    assert gate.check_target(target, version) is None
+    assert tuple(inspect.signature(function).parameters) == target.shape(version).params
+
+
+@pytest.mark.parametrize("target", [t for t in all_targets() if not t.exists_in(installed_vllm_version())],
+                         ids=lambda t: t.path)
+def test_targets_declared_absent_are_checked_absent(target):
+    assert gate.check_target(target, installed_vllm_version()) is None
+    assert not target.exists_in(installed_vllm_version())
 
 
 @pytest.mark.parametrize("text", ["0.11.0", "0.11.9", "0.1.0"])
@@ -167,8 +189,8 @@ def test_every_problem_is_reported_at_once():
     message = str(info.value)
     assert "GPUModelRunner._no_such_method does not exist" in message
     assert "vllm.v1.no_such_module cannot be imported" in message
-    assert f"declares no signature for vLLM {version}" in message
-    assert "expected a staticmethod, found function" in message
+    assert f"kvelastic declares nothing for vLLM {version}" in message
+    assert "expected a staticmethod, found a function" in message
     assert message.count("\n  - ") == 4
 
 
@@ -182,6 +204,13 @@ def test_patches_that_do_not_claim_the_version_are_neither_checked_nor_chosen():
 
 
 # ------------------------------------------------------------------ apply_all
+def apply_all(result, runtime) -> Patcher:
+    """Every cleared patch applied at once, as activation does when their modules are imported already."""
+    patcher = Patcher.for_gate(result)
+    ImportApplier(result, runtime, patcher).start()
+    return patcher
+
+
 def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
     runtime = Runtime(Settings(enabled=True))
     first = [uniform_kv_cache.PATCH, v1_allocate_kv_cache.PATCH, v2_allocate_kv_cache.PATCH]
@@ -189,18 +218,18 @@ def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
     seen_during_apply: dict = {}
 
     def explode(patcher, runtime_):
-        seen_during_apply.update({t.path: raw(t) for t in all_targets(first)})
+        seen_during_apply.update({t.path: raw(t) for t in all_targets(first) if t.use == "wrap"})
         raise RuntimeError("target moved")
 
     boom = Patch("boom", "fails while applying", ALL, (), explode)
     with pytest.raises(PatchError) as info:
-        apply_all([*first, boom], runtime)
+        apply_all(gate.check([*first, boom], installed_vllm_version()), runtime)
     message = str(info.value)
     assert "'boom'" in message and "target moved" in message and "undone" in message
     assert isinstance(info.value.__cause__, RuntimeError)
     # the earlier patches really were applied before the failure ...
     assert all(isinstance(value, wrapt.FunctionWrapper) for value in seen_during_apply.values())
-    assert set(seen_during_apply) == set(before)
+    assert set(seen_during_apply) == {t.path for t in all_targets(first) if t.use == "wrap"}
     # ... and afterwards every target is the very object it was before
     assert_untouched(before)
     static = raw(uniform_kv_cache.TARGET)
@@ -210,7 +239,8 @@ def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
 def test_apply_all_wraps_and_revert_restores_identity():
     runtime = Runtime(Settings(enabled=True))
     before = originals([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH])
-    patcher = apply_all([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH], runtime)
+    patcher = apply_all(gate.check([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH], installed_vllm_version()),
+                        runtime)
     assert patcher.wrapped == [uniform_kv_cache.TARGET.path, V2_ALLOCATE]
     from vllm.v1.worker.gpu import attn_utils
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -229,7 +259,7 @@ def test_activate_with_everything_real_wraps_every_target_and_deactivate_restore
     assert result is not None and activation.current() is result
     assert result.version == installed_vllm_version()
     assert result.band == band_of(result.version).name
-    wrapped = {t.path for p in CLAIMED for t in p.targets if t.wrapped}
+    wrapped = {t.path for p in CLAIMED for t in p.targets if t.use == "wrap"}
     assert set(result.patcher.wrapped) == wrapped
     for path in wrapped:
         module, qualname = path.split(":")
@@ -257,7 +287,7 @@ def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(
     assert activation.current() is None
     assert good.calls == 0
     assert_untouched(before)
-    warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "kvelastic"]
+    warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "vllm.kvelastic"]
     assert warnings, "no warning was logged"
     text = warnings[0].getMessage()
     assert V2_ALLOCATE in text and "KVELASTIC_STRICT=0" in text and "without kvelastic" in text

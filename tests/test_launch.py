@@ -3,6 +3,7 @@ supervisor's start/ready/stop cycle against fake servers (no vLLM, no GPU needed
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -28,10 +29,16 @@ def launch(*args, env=None, timeout=60, cwd=REPO):
                           env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
 
 
-def dry_run(*args):
+def dry_run(*args, whole=False):
     result = launch("--dry-run", "--json", *args)
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["instances"]
+    plan = json.loads(result.stdout)
+    return plan if whole else plan["instances"]
+
+
+def kvelastic_command() -> str:
+    """The installed console script of this Python's kvelastic."""
+    return str(Path(sys.executable).parent / "kvelastic")
 
 
 # ------------------------------------------------------------------- dry run
@@ -117,6 +124,16 @@ def test_instances_from_yaml(tmp_path):
     ("instances: 3\n", "expected a list of instances"),
     ("- {model: m, port: 1, gpu_memory_utilization: 2}\n", "fraction of GPU memory"),
     (": : :\n", "not valid YAML"),
+    ('parallel: "no"\ninstances: [{model: m, port: 1}]\n', "parallel='no' must be true or false"),
+    ("parallel: 1\ninstances: [{model: m, port: 1}]\n", "parallel=1 must be true or false"),
+    ("- {model: m, port: true}\n", "port=True must be a TCP port"),
+    ("- {model: m, port: 8001.5}\n", "port=8001.5 must be a TCP port"),
+    ("- {model: m, port: 1, gpu_memory_utilization: yes}\n", "fraction of GPU memory"),
+    ("- {model: m, port: 1, name: 12}\n", "name=12 must be"),
+    ("- {model: m, port: 1, env: {KVELASTIC_LIMIT: [1]}}\n", "must be a string, a number or true/false"),
+    ("device: [0, 1]\ninstances: [{model: m, port: 1}]\n", "must be GPU ids"),
+    ("- {model: m, port: 1, limit: 0}\n", "KVELASTIC_LIMIT='0' must be larger than zero"),
+    ("- {model: m, port: 1, env: {KVELASTIC_CACHE_TTL: soon}}\n", "KVELASTIC_CACHE_TTL='soon'"),
 ])
 def test_bad_yaml_exits_2_with_a_precise_message(tmp_path, yaml_text, message):
     config = tmp_path / "bad.yaml"
@@ -503,3 +520,78 @@ def test_a_stop_between_start_and_record_still_stops_that_server(tmp_path):
     assert int(result["sigblk"], 16) & (1 << (signal.SIGTERM - 1)) == 0, "the server inherited a held SIGTERM"
     assert result["exit"] == [-signal.SIGTERM]
     assert not is_alive(result["recorded"][0], 0)
+
+
+# ------------------------------------------- what the servers would refuse
+@pytest.mark.parametrize("args, message", [
+    (["--limit", "0"], "m-1: KVELASTIC_LIMIT='0' must be larger than zero"),
+    (["--limit", "1KiB"], "m-1: KVELASTIC_LIMIT='1KiB' is smaller than one chunk (8MiB"),
+    (["--min", "4GiB", "--limit", "2GiB"], "m-1: KVELASTIC_MIN='4GiB' is larger than KVELASTIC_LIMIT='2GiB'"),
+    (["--env", "KVELASTIC_CACHE_TTL=soon"], "m-1: KVELASTIC_CACHE_TTL='soon' is not a number of seconds"),
+    (["--env", "KVELASTIC_PORT=²"], "m-1: KVELASTIC_PORT='²' is not a TCP port"),
+    (["--env", "KVELASTIC_CHUNK_SIZE=3MiB"], "m-1: KVELASTIC_CHUNK_SIZE='3MiB' must be a positive multiple"),
+])
+def test_dry_run_refuses_what_a_server_would_refuse(args, message):
+    result = launch("--dry-run", "--model", "m", "--port", "1", *args)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"kvelastic launch: {message}"), result.stderr
+
+
+def test_a_bad_setting_in_the_callers_environment_is_refused_too():
+    result = launch("--dry-run", env={"KVELASTIC_CPU_POLICY": "fifo"})
+    assert result.returncode == 2
+    assert "llama-1b-8001: KVELASTIC_CPU_POLICY='fifo' is not one of: arc, lru" in result.stderr
+
+
+def test_misspelt_variables_are_warned_about_once_each_and_nothing_is_refused():
+    result = launch("--dry-run", "--model", "m", "--port", "1", "--env", "KVELASTIC_CPU_BYTE=64GiB",
+                    "--and", "--model", "n", "--port", "2", env={"KVELASTIC_LIMT": "8GiB"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "kvelastic launch: warning: your environment: KVELASTIC_LIMT is not a kvelastic setting and is "
+        "ignored; did you mean KVELASTIC_LIMIT?",
+        "kvelastic launch: warning: m-1: KVELASTIC_CPU_BYTE is not a kvelastic setting and is ignored; "
+        "did you mean KVELASTIC_CPU_BYTES?"]
+
+
+def test_yaml_booleans_are_strict_and_env_switches_become_1_or_0(tmp_path):
+    config = tmp_path / "fleet.yaml"
+    config.write_text("parallel: no\ninstances:\n  - {model: m, port: 1, env: {KVELASTIC_STRICT: no}}\n")
+    plan = dry_run("--config", str(config), whole=True)
+    assert plan["parallel"] is False and plan["instances"][0]["env"]["KVELASTIC_STRICT"] == "0"
+    config.write_text("parallel: true\ninstances:\n  - {model: m, port: 1}\n")
+    assert dry_run("--config", str(config), whole=True)["parallel"] is True
+
+
+# -------------------------------------------- installed command, caller's paths
+def test_kvelastic_launch_resolves_paths_from_the_callers_directory(tmp_path):
+    (tmp_path / "mymodel").mkdir()
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "fleet.yaml").write_text("- {model: org/hub-model, port: 9002}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVELASTIC")}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    by_args = run([kvelastic_command(), "launch", "--dry-run", "--json", "--model", "./mymodel", "--port", "9001",
+                   "--python", os.path.relpath(sys.executable, tmp_path)])
+    assert by_args.returncode == 0, by_args.stderr
+    (only,) = json.loads(by_args.stdout)["instances"]
+    assert only["model"] == str(tmp_path / "mymodel") and only["name"] == "mymodel-9001"
+    assert only["command"][0] == os.path.abspath(sys.executable)  # absolute, the venv's link kept
+    by_file = run([kvelastic_command(), "launch", "--dry-run", "--json", "--config", "conf/fleet.yaml"])
+    assert by_file.returncode == 0, by_file.stderr
+    assert json.loads(by_file.stdout)["instances"][0]["model"] == "org/hub-model"  # not a path here: a hub id
+    wrapper = run([str(REPO / "scripts" / "launch.sh"), "--dry-run", "--json", "--model", "mymodel", "--port", "1"],
+                  env={**env, "PYTHON": sys.executable})
+    assert wrapper.returncode == 0, wrapper.stderr
+    assert json.loads(wrapper.stdout)["instances"][0]["model"] == str(tmp_path / "mymodel")
+
+
+def test_the_default_model_ships_inside_the_package(tmp_path):
+    import kvelastic
+
+    assert DEFAULT_MODEL_DIR == Path(kvelastic.__file__).resolve().parent / "models" / "llama-1b"
+    assert sorted(p.name for p in DEFAULT_MODEL_DIR.iterdir()) == [
+        "config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    result = subprocess.run([sys.executable, "-m", "kvelastic", "launch", "--dry-run", "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert {i["model"] for i in json.loads(result.stdout)["instances"]} == {str(DEFAULT_MODEL_DIR)}

@@ -15,7 +15,8 @@ import pytest
 
 from kvelastic.errors import PatchError
 from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.reclaimer import Reclaimer
+from kvelastic.integration.reclaimer import WarmReserve
+from kvelastic.integration.upkeep import EachTick, UpkeepThread, engine_upkeep
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.scheduler import LOCKED_METHODS, attach_scheduler
 from kvelastic.pool import PagePool
@@ -23,6 +24,7 @@ from kvelastic.settings import Settings
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, HALF, LAYERS, PAGE, N,  # noqa: F401
                                 StandInRequest,
                                 build_cache)
+from tests.scheduler_harness import scheduler_patcher
 
 TTL = 100.0
 
@@ -188,7 +190,7 @@ def test_the_worker_survives_a_failed_command(cache_and_pool, monkeypatch, kv_lo
     assert any("group mapper failed" in r.getMessage() for r in kv_log.records)
 
 
-# -------------------------------------------------------------------- Reclaimer
+# ------------------------------------------------- upkeep: reclaiming memory, the warm reserve
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 
@@ -211,16 +213,16 @@ def engine():
 
     pool, views, cache = build_cache()
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-    queue = make_page_aware(bp, cache, GroupMapper(cache))
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
     engine = Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, clock=Clock())
     yield engine
     pool.close()
     assert pool.leak_report() == []
 
 
-def reclaimer_for(engine, *, ttl=TTL, reserve_pages=0, **kwargs) -> Reclaimer:
-    return Reclaimer(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=ttl,
-                     reserve_bytes=reserve_pages * PAGE, clock=engine.clock, **kwargs)
+def reclaimer_for(engine, *, ttl=TTL, reserve_pages=0, **kwargs) -> UpkeepThread:
+    return engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=ttl,
+                         reserve_bytes=reserve_pages * PAGE, clock=engine.clock, **kwargs)
 
 
 def cache_and_free(bp, count: int, tag: str) -> list:
@@ -369,7 +371,31 @@ def test_the_reclaimer_thread_ticks_until_stopped_and_survives_errors(engine, kv
     count = len(ticks)
     time.sleep(0.05)
     assert len(ticks) == count
-    assert any("reclaimer tick failed" in r.getMessage() for r in kv_log.records)
+    assert any("upkeep tick failed" in r.getMessage() for r in kv_log.records)
+
+
+class LockProbe:
+    """A job that notes its name, and whether the scheduler's lock was held, each time it runs."""
+
+    def __init__(self, name: str, lock: threading.Lock, under_scheduler_lock: bool, runs: list):
+        self.name, self.lock, self.runs = name, lock, runs
+        self.under_scheduler_lock = under_scheduler_lock
+
+    def run(self, now: float) -> None:
+        self.runs.append((self.name, self.lock.locked(), now))
+
+
+def test_upkeep_runs_its_jobs_in_order_and_only_block_pool_jobs_under_the_lock():
+    lock = threading.Lock()
+    runs: list = []
+    jobs = [LockProbe("reclaim", lock, True, runs), EachTick(lambda: runs.append("after")),
+            LockProbe("report", lock, False, runs)]
+    upkeep = UpkeepThread(jobs, lock, clock=iter([5.0, 6.0]).__next__)
+    upkeep.tick()
+    upkeep.tick()
+    assert runs == [("reclaim", True, 5.0), "after", ("report", False, 5.0),
+                    ("reclaim", True, 6.0), "after", ("report", False, 6.0)]
+    assert not lock.locked()
 
 
 # ------------------------------------------------------------ attach_scheduler
@@ -385,7 +411,7 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
     monkeypatch.setattr(scheduler_side, "RANKS_WAIT_S", 0.2)
     runtime = Runtime(Settings(enabled=True))
     with pytest.raises(PatchError) as info:
-        attach_scheduler(_scheduler_with(world=2), runtime)
+        attach_scheduler(_scheduler_with(world=2), runtime, scheduler_patcher())
     message = str(info.value)
     assert "no elastic KV cache in its process" in message
     assert "worker ranks [0, 1] of 2" in message
@@ -394,7 +420,7 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
 
 def test_attach_scheduler_refuses_pipeline_parallelism():
     with pytest.raises(PatchError, match="pipeline parallelism is not supported"):
-        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)))
+        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)), scheduler_patcher())
 
 
 def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():
@@ -416,15 +442,17 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
     coordinator = types.SimpleNamespace(get_num_blocks_to_allocate=lambda request_id, num_tokens: num_tokens)
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
                                       schedule=schedule, update_from_output=lambda *a: a,
-                                      finish_requests=lambda *a: None)
-    reclaimer = attach_scheduler(scheduler, runtime)
+                                      finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True,
+                                      vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(
+                                          model="stand-in", served_model_name="stand-in")))
+    reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())
     queue = bp.free_block_queue
     try:
         assert scheduler.kvelastic_reclaimer is reclaimer
         assert isinstance(queue, PageAwareFreeQueue) and bp.kvelastic_queue is queue
         assert pool.stats().limit_bytes == 5 * GROUP_BYTES
         assert queue.prefetch.max_groups == 3
-        assert reclaimer.reserve_pages == 2
+        assert [j.reserve_pages for j in reclaimer.jobs if isinstance(j, WarmReserve)] == [2]
         assert scheduler.schedule() == "scheduled"
         assert contested == [False]  # the reclaimer's lock was held during schedule()
         assert scheduler.update_from_output(1, 2) == (1, 2)
@@ -432,8 +460,8 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
         assert queue.hold.secured == 40 and queue.num_free_blocks >= 40
         scheduler.schedule()
         assert queue.hold.secured == 0  # a step's promise ends with the step
-        assert not hasattr(scheduler, "reset_prefix_cache")  # absent methods are not invented
-        assert set(LOCKED_METHODS) >= {"schedule", "update_from_output", "finish_requests"}
+        assert scheduler.reset_prefix_cache() is True
+        assert set(LOCKED_METHODS) == {"schedule", "update_from_output", "finish_requests", "reset_prefix_cache"}
         blocks = bp.get_new_blocks(70)
         assert {cache.group_of_block(b.block_id) for b in blocks} == {0, 1, 2}
         bp.free_blocks(blocks)

@@ -6,36 +6,51 @@ import os
 
 import pytest
 
+from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher, read_snapshots
+from kvelastic.shared.names import Owner, stats_name
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
 
 def test_collector_exports_an_engines_snapshot(tmp_path):
-    publisher = StatsPublisher("llama-8001", tmp_path)
+    publisher = StatsPublisher("llama-8001", tmp_path, model_name="llama")
     publisher.publish({"mapped_bytes": 1 << 30, "held_bytes": 3 << 29, "limit_bytes": 0, "cached_bytes": 5,
                        "host_bytes_used": 7, "arc_p": 2.5, "spilled_bytes": 11, "reloaded_bytes": 13,
                        "host_hits": 17, "host_misses": 19})
     registry = prometheus_client.CollectorRegistry()
     registry.register(KvelasticCollector(tmp_path, parents=(os.getppid(),)))
     text = prometheus_client.generate_latest(registry).decode()
-    assert 'kvelastic_mapped_bytes{engine="llama-8001"} 1.073741824e+09' in text
-    assert 'kvelastic_reloaded_bytes_total{engine="llama-8001"} 13.0' in text
-    assert 'kvelastic_arc_p{engine="llama-8001"} 2.5' in text
+    labels = '{instance_name="llama-8001",model_name="llama"}'
+    assert f"kvelastic_mapped_bytes{labels} 1.073741824e+09" in text
+    assert f"kvelastic_reloaded_bytes_total{labels} 13.0" in text
+    assert f"kvelastic_host_used_bytes{labels} 7.0" in text
+    assert f"kvelastic_host_arc_target_blocks{labels} 2.5" in text
+    assert "# HELP kvelastic_host_arc_target_blocks ARC's adaptive target size of its recency list (its p), " \
+           "as a count of KV blocks" in text
     publisher.remove()
     assert "llama-8001" not in prometheus_client.generate_latest(registry).decode()
 
 
-def test_snapshots_of_other_parents_and_dead_engines_are_ignored(tmp_path):
+def _planted(folder, pid: int, text: str, start: int = 0) -> str:
+    """A snapshot file named as the engine ``pid`` of this pid namespace would name it."""
+    name = stats_name(Owner(own_pid_namespace(), pid, start), 0)
+    (folder / name).write_text(text)
+    return name
+
+
+def test_snapshots_of_other_parents_and_dead_engines_are_ignored_then_swept(tmp_path):
     mine = StatsPublisher("mine", tmp_path)
     mine.publish({"mapped_bytes": 1})
-    (tmp_path / "kvelastic-stats-999999999.json").write_text(
-        '{"name": "ghost", "pid": 999999999, "ppid": %d, "time": 0, "values": {}}' % os.getppid())
-    (tmp_path / "kvelastic-stats-1.json").write_text('{"name": "other", "pid": 1, "ppid": 0, "values": {}}')
-    (tmp_path / "kvelastic-stats-2.json").write_text("not json")
+    ghost = _planted(tmp_path, 999999999, '{"name": "ghost", "pid": 999999999, "ppid": %d, "time": 0, '
+                                          '"values": {}}' % os.getppid())
+    _planted(tmp_path, 1, '{"name": "other", "pid": 1, "ppid": 0, "time": 0, "values": {}}')
+    _planted(tmp_path, 2, "not json")
     names = [s["name"] for s in read_snapshots(tmp_path, [os.getppid()])]
     assert names == ["mine"]
-    assert not (tmp_path / "kvelastic-stats-999999999.json").exists()  # a dead engine's file is removed
+    assert (tmp_path / ghost).exists()  # a reader never deletes
+    StatsPublisher("next", tmp_path)  # the next engine removes what dead engines left
+    assert not (tmp_path / ghost).exists() and (tmp_path / mine.file_name).exists()
 
 
 def test_an_engine_in_this_process_is_counted_once(tmp_path):
@@ -46,7 +61,7 @@ def test_an_engine_in_this_process_is_counted_once(tmp_path):
 ENGINE = """\
 import sys, time
 from kvelastic.integration.metrics import StatsPublisher
-publisher = StatsPublisher("engine-a")
+publisher = StatsPublisher("engine-a", model_name="m")
 publisher.publish({"mapped_bytes": 4096, "spilled_bytes": 8192, "host_hits": 3})
 publisher.publish({"mapped_bytes": 2048, "spilled_bytes": 12288, "host_hits": 3})
 print("published", flush=True)
@@ -87,9 +102,10 @@ def test_vllm_metrics_route_serves_the_engines_numbers(tmp_path, multiprocess):
     server = subprocess.run([sys.executable, "-c", API_SERVER, ENGINE], env=env, capture_output=True, text=True,
                             timeout=300)
     assert server.returncode == 0, server.stderr[-3000:]
-    assert 'kvelastic_mapped_bytes{engine="engine-a"} 2048.0' in server.stdout
-    assert 'kvelastic_spilled_bytes_total{engine="engine-a"} 12288.0' in server.stdout
-    assert 'kvelastic_host_hits_total{engine="engine-a"} 3.0' in server.stdout
+    labels = '{instance_name="engine-a",model_name="m"}'
+    assert f"kvelastic_mapped_bytes{labels} 2048.0" in server.stdout
+    assert f"kvelastic_spilled_bytes_total{labels} 12288.0" in server.stdout
+    assert f"kvelastic_host_hits_total{labels} 3.0" in server.stdout
     assert server.stdout.count("# TYPE kvelastic_mapped_bytes ") == 1
 
 
@@ -132,3 +148,14 @@ def test_concurrent_publishes_never_fail(tmp_path):
         t.join()
     assert errors == []
     assert [s["name"] for s in read_snapshots(tmp_path, [os.getpid()])] == ["busy"]
+
+
+def test_metric_names_follow_prometheus_conventions():
+    """A unit ends every name (bytes, or blocks where the help says so); counters get _total on export."""
+    from kvelastic.integration.metrics import COUNTERS, GAUGES, LABELS
+
+    for metric, help_text in [*GAUGES.values(), *COUNTERS.values()]:
+        assert metric.startswith("kvelastic_") and not metric.endswith("_total")
+        assert metric.endswith(("_bytes", "_blocks", "_hits", "_misses")), metric
+        assert not metric.endswith("_blocks") or "count of KV blocks" in help_text
+    assert "model_name" in LABELS  # as on vLLM's own metrics

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvelastic.integration.block_pool import make_page_aware
 
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache  # noqa: E402,F401
+from tests.scheduler_harness import scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 BlockPool = block_pool_module.BlockPool
@@ -26,7 +27,7 @@ BlockPool = block_pool_module.BlockPool
 def build(limit_groups: int | None):
     pool, views, cache = build_cache(limit_groups)
     block_pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-    queue = make_page_aware(block_pool, cache)
+    queue = make_page_aware(block_pool, cache, patcher=scheduler_patcher())
     return pool, views, cache, block_pool, queue
 
 

@@ -71,7 +71,7 @@ def test_group_touches_every_tensor(host_pool):
 
 
 def test_resident_memory_follows_mapped_bytes():
-    pool = PagePool(HostBackend(), page_bytes=2 * MIB)
+    pool = PagePool.standard(HostBackend(), page_bytes=2 * MIB)
     try:
         tensors = [pool.add_tensor(64 * MIB) for _ in range(4)]
         base = _rss_shmem_bytes()
@@ -101,7 +101,7 @@ def test_limit_is_enforced_all_or_nothing(host_pool):
 
 
 def test_device_out_of_memory_is_typed_and_leaves_state_alone():
-    pool = PagePool(HostBackend(max_bytes=3 * SMALL_PAGE), page_bytes=SMALL_PAGE)
+    pool = PagePool.standard(HostBackend(max_bytes=3 * SMALL_PAGE), page_bytes=SMALL_PAGE)
     try:
         tensor = pool.add_tensor(8 * SMALL_PAGE)
         pool.map_groups([0, 1])
@@ -201,15 +201,15 @@ def test_region_of_finds_views(host_pool):
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(PoolError):
-        PagePool(HostBackend(), page_bytes=1000)
-    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE)
+        PagePool.standard(HostBackend(), page_bytes=1000)
+    pool = PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE)
     with pytest.raises(PoolError):
         pool.add_tensor(0)
     pool.close()
 
 
 def test_use_after_close_raises_and_close_frees_everything():
-    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE)
+    pool = PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE)
     tensor = pool.add_tensor(8 * SMALL_PAGE)
     pool.map_groups(range(5))
     pool.grow_reserve(3)
@@ -252,7 +252,7 @@ def test_concurrent_map_and_unmap_from_threads(host_pool):
 
 
 def test_fresh_zero_policy_zeroes_new_pages_only():
-    pool = PagePool(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="fresh")
+    pool = PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="fresh")
     try:
         t = pool.add_tensor(4 * SMALL_PAGE)
         pool.map_groups([0, 1])
@@ -268,7 +268,7 @@ def test_fresh_zero_policy_zeroes_new_pages_only():
     finally:
         pool.close()
     with pytest.raises(PoolError):
-        PagePool(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="sometimes")
+        PagePool.standard(HostBackend(), page_bytes=SMALL_PAGE, zero_on_map="sometimes")
 
 
 def test_view_of_keeps_the_region_alive(host_pool):

@@ -21,7 +21,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = PagePool(HostBackend(max_bytes=40 * PAGE), page_bytes=PAGE)
+        self.pool = PagePool.standard(HostBackend(max_bytes=40 * PAGE), page_bytes=PAGE)
         self.tensors = [self.pool.add_tensor(n * PAGE) for n in TENSOR_PAGES]
         self.mapped: set[int] = set()
         self.fences: list[ManualFence] = []

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
+from kvelastic.cluster.source import SharedBudgetSource  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, GROUP_BYTES, N, build_cache  # noqa: E402
 from tests.scheduler_harness import (check_every_step, drive, drive_async, make_requests, make_scheduler,  # noqa: E402
@@ -23,10 +24,15 @@ def patched(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     schedulers = PatchedSchedulers()
 
-    def make(limit_groups: int | None = None, asynchronous: bool = False, **settings):
-        pool, views, cache = build_cache(limit_groups)
+    def make(limit_groups: int | None = None, asynchronous: bool = False, shared: bool = False, **settings):
+        gates: list = []
+        gate = (lambda device: gates.append(SharedBudgetSource(device)) or gates[0]) if shared else None
+        pool, views, cache = build_cache(limit_groups, wrap_device=gate)
+        if shared:  # the engine joins the GPU's shared account, as it does when vLLM runs it
+            settings = {"name": "engine", "shared_budget_bytes": 64 * GROUP_BYTES, **settings}
         scheduler = schedulers.make(pool, views, cache, Settings(
-            enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES, **settings), asynchronous)
+            enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES, **settings), asynchronous,
+            budget_source=gates[0] if shared else None)
         return scheduler, pool, views
 
     yield make
@@ -101,7 +107,7 @@ def test_an_idle_engine_gives_memory_back_and_keeps_its_prefix_on_the_host(patch
     scheduler, pool, _ = patched(cache_ttl_s=0.0, reserve_bytes=0, **settings)
     trace = drive(scheduler, [make_requests("a", 4, 320, 0, seed=0)])  # 80 prompt blocks: three groups
     busy = pool.stats().mapped_bytes
-    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2  # as if the engine had idled for 2 s
+    scheduler.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 2  # as if the engine had idled for 2 s
     scheduler.kvelastic_reclaimer.tick()
     idle = wait_unmapped(pool, GROUP_BYTES)
     assert idle <= GROUP_BYTES < busy  # only the group holding vLLM's null block stays
@@ -129,7 +135,7 @@ def test_a_limit_lowered_mid_run_is_honoured_without_losing_a_request(patched):
     trace = drive(scheduler, [make_requests("c", 8, 460, 0, seed=1)], after_step=lower_the_limit)
     assert max(steps[:6]) > 2 * GROUP_BYTES  # the wave had more than the new limit before it came
     assert {rid for step in trace for rid, _ in step} == {f"c-{i}" for i in range(8)}
-    scheduler.kvelastic_reclaimer.queue.last_allocation -= 2
+    scheduler.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 2
     scheduler.kvelastic_reclaimer.tick()
     assert wait_unmapped(pool, 2 * GROUP_BYTES) <= 2 * GROUP_BYTES
 
@@ -154,14 +160,16 @@ def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workloads_keep_the_invariants_and_finish(patched, seed):
-    """Random prompts, shared prefixes, limits, host tier on or off, sync or async scheduling."""
+    """Random prompts, shared prefixes, limits, host tier on or off, sync or async scheduling; half the
+    engines share a GPU account that disappears mid-run (removed, zeroed, or the engine's record freed)."""
     import random
 
     rng = random.Random(seed)
     asynchronous = rng.random() < 0.5
     cpu = {"cpu_bytes": rng.choice([2, 16]) * GROUP_BYTES} if rng.random() < 0.6 else {}
+    lose = AccountLoss(seed, random.Random(1000 + seed))  # its own draws: the workloads stay what they were
     scheduler, pool, _ = patched(limit_groups=rng.choice([2, 3, 5, None]), asynchronous=asynchronous,
-                                 cache_ttl_s=rng.choice([0.0, 10.0]), **cpu)
+                                 cache_ttl_s=rng.choice([0.0, 10.0]), shared=lose.shared, **cpu)
     waves, expected = [], set()
     for w in range(rng.randint(2, 5)):
         count, length = rng.randint(1, 8), rng.randint(20, 700)
@@ -173,13 +181,79 @@ def test_random_workloads_keep_the_invariants_and_finish(patched, seed):
 
     def step(s) -> None:
         checks(s)
+        lose.maybe(s.kvelastic_reclaimer)
         if rng.random() < 0.05:  # now and then the engine idles long enough for the reclaimer
-            s.kvelastic_reclaimer.queue.last_allocation -= 20
+            s.kv_cache_manager.block_pool.free_block_queue.last_allocation -= 20
             s.kvelastic_reclaimer.tick()
 
     trace = (drive_async if asynchronous else drive)(scheduler, waves, after_step=step)
     assert {rid for s in trace for rid, _ in s} == expected
     assert not scheduler.has_unfinished_requests()
+    lose.check_rejoined(scheduler.kvelastic_reclaimer)
+
+
+class AccountLoss:
+    """Takes the shared account away from an engine once, at a random early step, as a user or a crash would.
+
+    Odd seeds share an account; seeds 1, 3 and 5 lose it each in one of the three ways.
+    """
+
+    WAYS = ("file removed", "header zeroed", "record freed")
+
+    def __init__(self, seed: int, rng) -> None:
+        self.shared = seed % 2 == 1
+        self.way = self.WAYS[seed // 2 % len(self.WAYS)]
+        self.at_step = rng.randint(1, 5)
+        self.steps = 0
+        self.done = False
+
+    def maybe(self, upkeep) -> None:
+        self.steps += 1
+        if not self.shared or self.done or self.steps < self.at_step:
+            return
+        link = _link_of(upkeep)
+        from kvelastic.cluster import SharedAccount
+        from kvelastic.cluster.records import MemberRecord
+
+        self.done = True
+        link.membership.rejoin_period_s = 0.0
+        path = link.account.path
+        if self.way == "file removed":
+            path.unlink()
+        elif self.way == "header zeroed":
+            with open(path, "r+b") as handle:
+                handle.write(bytes(512))
+        else:
+            with SharedAccount.attach(path) as account, account._file.transaction() as snap:
+                snap.write(MemberRecord(slot=snap.by_name(link.name).slot))
+
+    def check_rejoined(self, reclaimer) -> None:
+        """After the run the engine is a member again and the account shows what it really holds."""
+        if not self.shared:
+            return
+        link = _link_of(reclaimer)
+        assert self.done, "the run ended before the account was taken away"
+        if self.way == "header zeroed" and link.account is not None:
+            link.headroom()  # notices the corrupt header now if no step has asked since
+        if self.way == "header zeroed":
+            assert not link.membership.attached
+            (link.account.path if link.account else _account_file(link)).unlink()  # `kvelastic reset`
+        reclaimer.tick()
+        reclaimer.tick()
+        assert link.membership.attached
+        (member,) = [m for m in link.account.members() if m.name == link.name]
+        assert member.mapped_bytes == link.source.outstanding_bytes
+
+
+def _link_of(upkeep):
+    """The engine's ClusterLink, held by its upkeep's account job."""
+    return next(job.link for job in upkeep.jobs if hasattr(job, "link"))
+
+
+def _account_file(link):
+    from kvelastic.cluster import account_path
+
+    return account_path(link.gpu_id)
 
 
 @pytest.mark.parametrize("seed", range(4))

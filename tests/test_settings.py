@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvelastic.errors import ConfigError
-from kvelastic.settings import Settings
+from kvelastic.settings import Settings, describe, known_variables, unknown_variables
 from kvelastic.units import SIZE_FORM, align_up, format_size, parse_size
 
 KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
@@ -243,3 +243,62 @@ def test_host_tier_policy_and_copy_path_are_choices():
         Settings.from_env({"KVELASTIC_CPU_POLICY": "fifo"})
     with pytest.raises(ConfigError, match=r"KVELASTIC_COPY_PATH='dma' is not one of: direct, staged"):
         Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
+
+
+# ------------------------------------------------- values that cannot work
+@pytest.mark.parametrize("text", ["²", "٣", "8001²", "+80", "80.0", "0", "65536"])
+def test_a_port_must_be_plain_ascii_digits_in_range(text):
+    with pytest.raises(ConfigError, match=r"^KVELASTIC_PORT=.* is not a TCP port"):
+        Settings.from_env({"KVELASTIC_PORT": text})
+    assert Settings.from_env({"KVELASTIC_PORT": " 8001 "}).port == 8001
+
+
+@pytest.mark.parametrize("variable", ["KVELASTIC_LIMIT", "KVELASTIC_VIRTUAL_BYTES", "KVELASTIC_SHARED_BUDGET"])
+@pytest.mark.parametrize("text", ["1", "1KiB", "4MiB"])
+def test_a_size_below_one_chunk_is_refused_naming_the_variable(variable, text):
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({variable: text})
+    assert str(info.value).startswith(f"{variable}={text!r} is smaller than one chunk (8MiB")
+    assert getattr(Settings.from_env({variable: "8MiB"}), Settings.variables()[variable]) == 8 * MIB
+
+
+def test_one_chunk_is_measured_in_the_configured_chunk_size():
+    assert Settings.from_env({"KVELASTIC_LIMIT": "2MiB", "KVELASTIC_CHUNK_SIZE": "2MiB"}).limit_bytes == 2 * MIB
+    with pytest.raises(ConfigError, match=r"KVELASTIC_LIMIT='16MiB' is smaller than one chunk \(32MiB"):
+        Settings.from_env({"KVELASTIC_LIMIT": "16MiB", "KVELASTIC_CHUNK_SIZE": "32MiB"})
+
+
+def test_a_reservation_above_the_cap_is_refused():
+    with pytest.raises(ConfigError, match=r"KVELASTIC_MIN='2GiB' is larger than KVELASTIC_LIMIT='1GiB'"):
+        Settings.from_env({"KVELASTIC_MIN": "2GiB", "KVELASTIC_LIMIT": "1GiB"})
+    assert Settings.from_env({"KVELASTIC_MIN": "1GiB", "KVELASTIC_LIMIT": "1GiB"}).min_bytes == GIB
+
+
+# ------------------------------------------------------ misspelt variables
+@pytest.mark.parametrize("typo, meant", [("KVELASTIC_LIMT", "KVELASTIC_LIMIT"),
+                                         ("KVELASTIC_CPU_BYTE", "KVELASTIC_CPU_BYTES"),
+                                         ("KVELASTIC_CHUNKSIZE", "KVELASTIC_CHUNK_SIZE"),
+                                         ("KVELASTIC_SHARED_DIRECTORY", "KVELASTIC_SHARED_DIR")])
+def test_a_misspelt_variable_is_named_with_the_nearest_real_one(typo, meant):
+    (warning,) = unknown_variables({typo: "8GiB", "KVELASTIC": "1", "KVELASTIC_LIMIT": "8GiB", "PATH": "/bin"})
+    assert warning == f"{typo} is not a kvelastic setting and is ignored; did you mean {meant}?"
+
+
+def test_a_variable_like_nothing_lists_the_settings_and_known_ones_pass():
+    (warning,) = unknown_variables({"KVELASTIC_ZZZ": "1"})
+    assert warning.startswith("KVELASTIC_ZZZ is not a kvelastic setting") and "KVELASTIC_LIMIT" in warning
+    every = {name: "x" for name in known_variables()}
+    assert unknown_variables(every) == [] and unknown_variables({"KVELASTICX": "1", "OTHER_LIMT": "1"}) == []
+
+
+def test_describe_names_every_variable_and_marks_the_ones_set():
+    env = {"KVELASTIC": "1", "KVELASTIC_LIMIT": "8GiB", "KVELASTIC_CACHE_TTL": "2.5"}
+    line = describe(Settings.from_env(env), env)
+    assert "KVELASTIC_LIMIT=8.00GiB*" in line and "KVELASTIC_CACHE_TTL=2.5*" in line
+    assert "KVELASTIC_CHUNK_SIZE=8.00MiB " in line and "KVELASTIC_CPU_BYTES=none " in line
+    assert all(variable in line for variable in Settings.variables() if variable != "KVELASTIC")
+    for word in line.split():  # every value shown parses back to the same setting
+        variable, _, value = word.rstrip("*").partition("=")
+        if value != "none":
+            assert getattr(Settings.from_env({variable: value}), Settings.variables()[variable]) == \
+                getattr(Settings.from_env(env), Settings.variables()[variable]), word

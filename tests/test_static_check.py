@@ -1,4 +1,4 @@
-"""The static checker and the source cache, on small trees and archives made here (no network).
+"""The source lookup and the source cache, on small trees and archives made here (no network).
 
 The checker must list parameters exactly as ``inspect.signature`` does, so
 each case is also imported and compared with it.
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic.errors import SourceFetchError
-from kvelastic.patching import remote_zip, static_check, vllm_source
-from kvelastic.patching.spec import Signature, Target
+from kvelastic.patching import gate, source
+from kvelastic.patching.spec import Absent, Attributes, Signature, Target
+from kvelastic_dev import remote_zip, vllm_source
+from kvelastic_dev.remote_zip import SourceFetchError
 from kvelastic.patching.versions import Version, VersionRange
 
 PACKAGE = "kvstatic_fixture"
@@ -83,6 +84,38 @@ MOD = textwrap.dedent('''
     except ImportError:
         def guarded(a):
             pass
+
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Record:
+        field_a: int
+        field_b: str = ""
+
+        @property
+        def prop(self):
+            return 1
+
+        @prop.setter
+        def prop(self, value):
+            pass
+
+        @property
+        def read_only(self):
+            return 2
+
+    class Holder:
+        level = 1
+
+        def __init__(me, x):
+            me.a = x
+            me.b: int = 2
+            me.c, (me.d, e) = 1, (2, 3)
+            if x:
+                me.e = 5
+
+        def method(self):
+            self.not_in_init = 1
 ''')
 IMPL = "def helper(p, *, q):\n    pass\n\ndef other(r):\n    pass\n"
 QUALNAMES = ("Runner.method", "Runner.static", "Runner.klass", "Runner.decorated", "Runner.coroutine",
@@ -107,6 +140,10 @@ def _target(qualname: str, params: tuple[str, ...] = (), kind: str = "function")
     return Target(f"{PACKAGE}.mod", qualname, (Signature(VersionRange.of("1.0", "2.0"), params),), kind)
 
 
+def _class(qualname: str, names: tuple[str, ...]) -> Target:
+    return Target(f"{PACKAGE}.mod", qualname, (Attributes(VersionRange.of("1.0", "2.0"), names),), "class", "read")
+
+
 @pytest.mark.parametrize("qualname", QUALNAMES)
 def test_parameters_match_inspect_signature(tree: Path, qualname: str) -> None:
     owner = importlib.import_module(f"{PACKAGE}.mod")
@@ -115,22 +152,23 @@ def test_parameters_match_inspect_signature(tree: Path, qualname: str) -> None:
         owner = getattr(owner, part)
     raw = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
     function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-    assert static_check.find(tree, _target(qualname)).params == tuple(inspect.signature(function).parameters)
+    assert source.find(tree, _target(qualname)).params == tuple(inspect.signature(function).parameters)
+    assert source.find(tree, _target(qualname)) == gate.found(_target(qualname))
 
 
 def test_check_target_reports_like_the_gate(tree: Path) -> None:
     v1 = Version.parse("1.5")
     static = _target("Runner.static", ("groups", "dtype"), "staticmethod")
-    assert static_check.check_target(tree, static, v1) is None
+    assert source.check_target(tree, static, v1) is None
     problems = {
-        "no signature": static_check.check_target(tree, _target("conditional", ("x", "y")), Version.parse("3.0")),
-        "params": static_check.check_target(tree, _target("conditional", ("x",)), v1),
-        "static": static_check.check_target(tree, _target("Runner.method", ("self",), "staticmethod"), v1),
-        "inherited": static_check.check_target(tree, _target("Runner.inherited", ("self", "x")), v1),
-        "module": static_check.check_target(tree, Target(f"{PACKAGE}.gone", "f", _target("f").signatures), v1),
-        "class": static_check.check_target(tree, _target("Runner", ("self",)), v1),
+        "undeclared": source.check_target(tree, _target("conditional", ("x", "y")), Version.parse("3.0")),
+        "params": source.check_target(tree, _target("conditional", ("x",)), v1),
+        "static": source.check_target(tree, _target("Runner.method", ("self",), "staticmethod"), v1),
+        "inherited": source.check_target(tree, _target("Runner.inherited", ("self", "x")), v1),
+        "module": source.check_target(tree, Target(f"{PACKAGE}.gone", "f", _target("f").shapes), v1),
+        "class": source.check_target(tree, _target("Runner", ("self",)), v1),
     }
-    assert "declares no signature for vLLM 3.0.0" in problems["no signature"]
+    assert "declares nothing for vLLM 3.0.0" in problems["undeclared"]
     assert "expected parameters ('x',), found ('x', 'y')" in problems["params"]
     assert "expected a staticmethod" in problems["static"]
     assert "does not exist" in problems["inherited"]
@@ -138,9 +176,63 @@ def test_check_target_reports_like_the_gate(tree: Path) -> None:
     assert "expected a function" in problems["class"]
 
 
+HOLDER_NAMES = ("level", "a", "b", "c", "d", "e", "method", "__init__")
+
+
+def test_class_attributes_are_what_the_body_defines_and_init_sets_alike_in_source_and_live(tree: Path) -> None:
+    live = gate.class_attributes(importlib.import_module(f"{PACKAGE}.mod").Holder)
+    static = source.find(tree, _class("Holder", ())).attributes
+    assert set(HOLDER_NAMES) <= static and set(HOLDER_NAMES) <= live
+    assert "not_in_init" not in static and "not_in_init" not in live  # set later: cannot be checked up front
+    fields = source.find(tree, _class("Record", ())).attributes
+    assert {"field_a", "field_b", "prop", "read_only"} <= fields
+    assert fields <= gate.class_attributes(importlib.import_module(f"{PACKAGE}.mod").Record)
+
+
+V = VersionRange.of("1.0", "2.0")
+#: Declarations and what both lookups must say of them (None: as declared).
+VERDICTS = [
+    (_class("Holder", HOLDER_NAMES), None),
+    (_class("Record", ("field_a", "prop")), None),
+    (_class("Holder", ("a", "not_in_init", "zz")), "('not_in_init', 'zz') are neither defined on the class"),
+    (_class("conditional", ("a",)), "expected a class, found a function"),
+    (_target("Record.prop", ("self", "value"), "setter"), None),
+    (_target("Record.prop", ("self", "v"), "setter"), "expected parameters ('self', 'v'), found ('self', 'value')"),
+    (_target("Record.read_only", ("self", "value"), "setter"), "found a read-only property"),
+    (_target("Runner.method", ("self", "a", "b", "args", "c", "d", "kw"), "setter"), "found a function"),
+    (_target("Record.prop", ("self",)), "expected a function, found a property"),
+    (Target(f"{PACKAGE}.mod", "Runner.gone", (Absent(V),)), None),
+    (Target(f"{PACKAGE}.mod", "Runner.method", (Absent(V),), "method"), "declared absent in vLLM 1.5.0"),
+    (Target(f"{PACKAGE}.mod", "Record.read_only", (Absent(V),), "setter"), None),  # the setter is what is absent
+    (Target(f"{PACKAGE}.mod", "Record.prop", (Absent(V),), "setter"), "declared absent"),
+]
+
+
+@pytest.mark.parametrize("target, verdict", VERDICTS, ids=lambda v: v.path if isinstance(v, Target) else "")
+def test_one_rule_set_gives_the_source_and_the_live_lookup_the_same_verdict(tree: Path, target, verdict) -> None:
+    version = Version.parse("1.5")
+    static, live = source.check_target(tree, target, version), gate.check_target(target, version)
+    assert static == live
+    if verdict is None:
+        assert static is None
+    else:
+        assert static is not None and verdict in static and static.startswith(target.path)
+
+
+def test_declarations_refuse_shapes_that_do_not_fit_their_kind() -> None:
+    with pytest.raises(ValueError, match="declares Attributes or Absent"):
+        Target("m", "C", (Signature(V, ("self",)),), "class")
+    with pytest.raises(ValueError, match="declares Signature or Absent"):
+        Target("m", "f", (Attributes(V, ("x",)),))
+    with pytest.raises(ValueError, match="overlap"):
+        Target("m", "f", (Signature(V, ()), Absent(VersionRange.of("1.5", "3.0"))))
+    with pytest.raises(ValueError, match="kind must be"):
+        Target("m", "f", (), kind="property")
+
+
 def test_check_release_needs_a_vllm_tree(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        static_check.check_release(tmp_path, Version.parse("0.28.0"), ())
+        source.check_release(tmp_path, Version.parse("0.28.0"), ())
 
 
 def test_only_vllm_python_sources_are_kept() -> None:

@@ -27,6 +27,7 @@ from kvelastic.integration.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp.scheduler_side import connect_boards  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
+from tests.scheduler_harness import scheduler_patcher  # noqa: E402
 
 WORLD = 2
 CPU_BYTES = 1 << 20
@@ -113,7 +114,8 @@ class Cluster(RankProcesses):
         super().__init__(self.folder, limits, cpu_bytes)
         self.cache, self.mapper = connect_boards(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-        self.queue = make_page_aware(self.bp, self.cache, self.mapper, max_ahead_groups=2)
+        self.queue = make_page_aware(self.bp, self.cache, self.mapper, patcher=scheduler_patcher(),
+                                     max_ahead_groups=2)
 
     def step(self, writes=(), checks=(), live=None) -> list:
         return self.send(self.mapper.take_plan(), writes, checks, live)
@@ -249,7 +251,7 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
     from kvelastic.tp.scheduler_side import attach_remote_offload
 
     c = cluster(cpu_bytes=CPU_BYTES)
-    manager = attach_remote_offload(c.bp, c.queue, c.cache, c.mapper)
+    manager = attach_remote_offload(c.bp, c.queue, c.cache, c.mapper, scheduler_patcher())
     assert manager.tier.stats().slots == c.cache.host_slots > 0
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
@@ -280,9 +282,12 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
 def test_the_engine_folder_is_unique_to_the_process_not_just_its_pid(tmp_path):
     from kvelastic.cluster.liveness import process_start_time
 
+    from kvelastic.cluster.liveness import own_pid_namespace
+
     here = shm.engine_dir(os.getpid(), tmp_path)
     assert here == shm.engine_dir(os.getpid(), tmp_path)
-    assert here.name == f"kvelastic-engine-{os.getpid()}-{process_start_time()}"
+    assert here.parent == tmp_path / f"kvelastic-u{os.geteuid()}"  # this user's folder: nobody else writes there
+    assert here.name == f"engine-{own_pid_namespace()}-{os.getpid()}-{process_start_time()}"
     assert process_start_time() > 0  # Linux: a reused pid would carry another start time
 
 

@@ -19,12 +19,10 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
 from kvelastic.integration.runtime import Runtime  # noqa: E402
-from kvelastic.patches import scheduler_block_pool  # noqa: E402
-from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402
-from tests.scheduler_harness import drive, make_requests, make_scheduler, vllm_config  # noqa: E402
+from tests.scheduler_harness import build_patched, drive, make_requests, make_scheduler, vllm_config  # noqa: E402
 from tests.test_tp_protocol import WORLD, RankProcesses  # noqa: E402
 
 
@@ -59,25 +57,24 @@ def drive_ranks(scheduler, ranks: RankProcesses, waves: list[list]) -> list:
 def tp_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     made: list = []
-    patcher = Patcher()
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None):
         ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit))  # no cache: ranks hold it
-        scheduler_block_pool.PATCH.apply(patcher, runtime)
-        scheduler = _scheduler_with_world(WORLD)
-        made.append(scheduler)
+        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD))
+        made.append((scheduler, patcher))
         return scheduler, ranks
 
     yield make
-    patcher.revert()
     for thing in made:
         if isinstance(thing, RankProcesses):
             thing.close()
         else:
-            thing.kvelastic_reclaimer.stop()
+            scheduler, patcher = thing
+            scheduler.kvelastic_reclaimer.stop()
+            patcher.revert()
 
 
 def _scheduler_with_world(world: int):

@@ -25,7 +25,6 @@ def test_demand_is_what_every_request_still_computes_and_a_block_per_decoding_on
     chunked = request(16000, computed=8192)  # a long prompt half prefilled: its next chunks need blocks
     assert demand_of(scheduler(running=[chunked])) == -(-(16000 - 8192) // 16)
     assert demand_of(scheduler()) == 0
-    assert demand_of(types.SimpleNamespace()) == 0  # a scheduler without these queues asks nothing
 
 
 class RecordingMapper:
@@ -55,8 +54,11 @@ def test_each_step_carries_the_commands_queued_by_its_own_scheduling_and_flush()
     queue = RecordingQueue(mapper)
     s = scheduler(waiting=[request(40)])
     flushed: list[int] = []
-    schedule = locked_schedule(threading.RLock(), lambda: types.SimpleNamespace(), lambda: flushed.append(1),
-                               mapper, queue, s)
+    wrapper = locked_schedule(threading.RLock(), lambda: flushed.append(1), mapper, queue, s)
+
+    def schedule():  # as the wrapped instance method is called
+        return wrapper(types.SimpleNamespace, s, (), {})
+
     first = schedule()
     assert flushed == [1] and queue.wanted == [3]
     assert first.kvelastic_plan.step == 1 and [c[1] for c in first.kvelastic_plan.commands] == [MAP]

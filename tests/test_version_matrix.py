@@ -11,19 +11,22 @@ missing" is the same test.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from pathlib import Path
 
 import pytest
 
-from kvelastic.errors import PatchError, SourceFetchError
+from kvelastic.errors import PatchError
 from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.patches import ALL_PATCHES
-from kvelastic.patching import gate, static_check, vllm_source
-from kvelastic.patching.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, RELEASES,
-                                         release_band)
+from kvelastic.patches.block_pool_queue import FREE_QUEUE_MEMBERS, free_queue_members
+from kvelastic.patching import gate, source
 from kvelastic.patching.spec import Target
-from kvelastic.patching.versions import BANDS, SUPPORTED, Version, installed_vllm_version
+from kvelastic.patching.versions import BANDS, FIRST_UNSUPPORTED, OLDEST_SUPPORTED, SUPPORTED, Version, \
+    installed_vllm_version
+from kvelastic_dev import static_check, vllm_source
+from kvelastic_dev.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, RELEASES,
+                                    release_band)
+from kvelastic_dev.remote_zip import SourceFetchError
 
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
@@ -85,17 +88,27 @@ def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
         assert _claimed_by(name) == RELEASES, f"{name} does not claim every supported release"
 
 
-def test_every_claimed_release_has_a_declared_signature() -> None:
+def test_every_contact_declares_its_shape_in_every_release_its_patch_claims() -> None:
     missing = [f"{patch.name} {target.path} {release}" for release in RELEASES for patch in ALL_PATCHES
                if patch.claims(Version.parse(release)) for target in patch.targets
-               if target.expected_params(Version.parse(release)) is None]
+               if target.shape(Version.parse(release)) is None]
     assert missing == []
+
+
+def test_the_supported_range_is_written_once_and_pyproject_agrees() -> None:
+    """pyproject cannot import the constant: its vllm extra must match it, and nothing else spells it."""
+    root = Path(__file__).resolve().parents[1]
+    assert f'"vllm>={OLDEST_SUPPORTED},<{FIRST_UNSUPPORTED}"' in (root / "pyproject.toml").read_text()
+    spelled = [str(path.relative_to(root)) for folder in ("kvelastic", "patches")
+               for path in sorted((root / folder).rglob("*.py"))
+               if f'"{FIRST_UNSUPPORTED}"' in path.read_text() and path.name != "versions.py"]
+    assert spelled == []
 
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("release", RELEASES)
 def test_release_source_matches_every_patch_claiming_it(sources: dict, release: str) -> None:
-    problems = static_check.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
+    problems = source.check_release(_source(sources, release), Version.parse(release), ALL_PATCHES)
     assert problems == [], f"vLLM {release} (band {release_band(release)}):\n" + "\n".join(problems)
 
 
@@ -105,7 +118,12 @@ def test_page_aware_queue_offers_what_the_block_pool_uses(sources: dict, release
     """The scheduler patch swaps BlockPool.free_block_queue; vLLM must find every member it uses."""
     used = static_check.attributes_used_on(_source(sources, release), "vllm.v1.core", "free_block_queue")
     assert {"popleft_n", "append_n"} <= used, "the scan found no use of the free queue"
-    assert sorted(name for name in used if not hasattr(PageAwareFreeQueue, name)) == []
+    assert used == set(free_queue_members(Version.parse(release))), "patches/block_pool_queue.py is out of date"
+
+
+def test_page_aware_queue_offers_every_declared_free_queue_member() -> None:
+    for _, members in FREE_QUEUE_MEMBERS:
+        assert sorted(name for name in members if not hasattr(PageAwareFreeQueue, name)) == []
 
 
 def _estimates(root: Path) -> list[tuple[str, bool]]:
@@ -163,9 +181,9 @@ def test_first_unsupported_release_allocates_all_layers_in_one_backing(sources: 
     """The refusal's stated reason holds in 0.29.0's source: no use_uniform_kv_cache, one allocator."""
     root = _source(sources, OLDEST_NEWER_UNSUPPORTED)
     uniform = BY_NAME["uniform_kv_cache"].targets[0]
-    with pytest.raises(static_check.StaticLookupError):
-        static_check.find(root, uniform)
-    allocator = static_check.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
+    with pytest.raises(source.StaticLookupError):
+        source.find(root, uniform)
+    allocator = source.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
     assert allocator.params[:2] == ("kv_cache_config", "device")
 
 
@@ -179,16 +197,21 @@ def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
     for patch in ALL_PATCHES:
         for target in patch.targets:
             if not patch.claims(version):  # absent from this release, both ways of looking agree
-                with pytest.raises(static_check.StaticLookupError):
-                    static_check.find(root, target)
+                with pytest.raises(source.StaticLookupError):
+                    source.find(root, target)
                 with pytest.raises(LookupError):
                     gate.resolve(target)
                 continue
-            _, raw = gate.resolve(target)
-            function = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-            assert static_check.find(root, target).params == tuple(inspect.signature(function).parameters)
-            if patch.claims(version):
-                assert static_check.check_target(root, target, version) == gate.check_target(target, version)
+            assert source.check_target(root, target, version) == gate.check_target(target, version)
+            if not target.exists_in(version):
+                continue
+            set_in = getattr(target.shape(version), "set_in", ("__init__",))
+            found, live = source.find(root, target, set_in), gate.found(target, set_in)
+            if target.kind == "class":  # the live class also has dunders the source does not spell
+                assert set(target.shape(version).names) <= found.attributes & live.attributes
+                assert found.attributes <= live.attributes
+            else:
+                assert found == live
     if version in SUPPORTED:
-        assert static_check.check_release(root, version, ALL_PATCHES) == []
+        assert source.check_release(root, version, ALL_PATCHES) == []
         assert {p.name for p in gate.check(ALL_PATCHES, version).patches} == set(_claimed_names(version))

@@ -12,7 +12,9 @@ and its lock in :mod:`kvelastic.cluster.storage`.
 
 Members of processes that died are pruned by whoever takes the lock next: the
 driver freed their GPU memory when they exited, so their bytes return to the
-budget at once.
+budget at once. Only a member provably dead is pruned: one of this pid
+namespace whose process is gone. A member of another pid namespace (another
+container sharing ``/dev/shm``) cannot be checked from here and stays.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from typing import Iterator
 from kvelastic.cluster import policy
 from kvelastic.cluster.errors import AccountFull, BadLimits, NameInUse, UnknownMember
 from kvelastic.cluster.info import MemberInfo
-from kvelastic.cluster.liveness import is_alive, own_start_time
-from kvelastic.cluster.records import DEFAULT_SLOTS, Header, MemberRecord
-from kvelastic.cluster.storage import AccountFile, Snapshot, account_path
+from kvelastic.cluster.liveness import own_pid_namespace, own_start_time, provably_dead
+from kvelastic.cluster.records import DEFAULT_SLOTS, MAX_SLOTS, Header, MemberRecord
+from kvelastic.cluster.storage import DEFAULT_LOCK_TIMEOUT_S, AccountFile, Snapshot, account_path
 from kvelastic.cluster.member import Member
 from kvelastic.units import format_size
 
@@ -63,25 +65,30 @@ class SharedAccount:
     # ----------------------------------------------------------------- open
     @classmethod
     def open(cls, gpu_id: str, budget_bytes: int, *, reset_budget: bool = False,
-             directory: str | Path | None = None, slots: int = DEFAULT_SLOTS) -> "SharedAccount":
+             directory: str | Path | None = None, slots: int = DEFAULT_SLOTS,
+             lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> "SharedAccount":
         """Create the GPU's account with ``budget_bytes``, or open the existing one.
 
         An existing account keeps its budget (the first process decides it, and
         a later one must not silently shrink what the others count on) unless
-        ``reset_budget``.
+        ``reset_budget``. ``directory`` stands for ``KVELASTIC_SHARED_DIR``;
+        ``lock_timeout_s`` is the longest any call waits for another process.
         """
         if budget_bytes <= 0:
             raise BadLimits(f"the budget must be positive, not {budget_bytes}")
+        if not 1 <= slots <= MAX_SLOTS:
+            raise BadLimits(f"an account has 1 to {MAX_SLOTS} member slots, not {slots}")
         header = Header(budget_bytes=budget_bytes, gpu_id=gpu_id, created=time.time(), slots=slots)
-        account = cls(AccountFile(account_path(gpu_id, directory), create_with=header))
+        account = cls(AccountFile(account_path(gpu_id, directory), create_with=header,
+                                  lock_timeout_s=lock_timeout_s))
         if reset_budget:
             account.set_budget(budget_bytes)
         return account
 
     @classmethod
-    def attach(cls, path: str | Path) -> "SharedAccount":
+    def attach(cls, path: str | Path, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> "SharedAccount":
         """Open an existing account file; never create one (raises AccountNotFound)."""
-        return cls(AccountFile(Path(path)))
+        return cls(AccountFile(Path(path), lock_timeout_s=lock_timeout_s))
 
     def close(self) -> None:
         self._file.close()
@@ -96,14 +103,24 @@ class SharedAccount:
     def path(self) -> Path:
         return self._file.path
 
+    @property
+    def writable(self) -> bool:
+        """False when this process may only read the file (its changes raise AccountNotWritable)."""
+        return self._file.writable
+
     # ----------------------------------------------------------- transactions
     @contextmanager
-    def _transaction(self) -> Iterator[Snapshot]:
-        """The file's transaction, after freeing the slots of dead processes."""
-        with self._file.transaction() as snap:
+    def _transaction(self, timeout_s: float | None = None) -> Iterator[Snapshot]:
+        """The file's transaction, after freeing the slots of provably dead processes.
+
+        A reader that may not write the file still leaves dead members out of
+        what it sees; it just cannot free their slots.
+        """
+        with self._file.transaction(timeout_s) as snap:
             for record in snap.used:
                 if not self._alive(record):
-                    snap.write(MemberRecord(slot=record.slot))
+                    if self._file.writable:
+                        snap.write(MemberRecord(slot=record.slot))
                     record.pid = 0
             yield snap
 
@@ -112,8 +129,11 @@ class SharedAccount:
 
         Reading ``/proc`` for every member on every grant would cost more than
         the rest of the grant; a death is still noticed within a fraction of a
-        second, and this process is never checked at all.
+        second, and this process is never checked at all. A record of another
+        pid namespace is alive: nothing here can prove otherwise.
         """
+        if record.pid_ns != own_pid_namespace():
+            return True
         key = (record.pid, record.start_time)
         if record.pid == os.getpid():
             return record.start_time in (0, own_start_time())
@@ -121,7 +141,7 @@ class SharedAccount:
         seen = self._seen_alive.get(key)
         if seen is not None and now - seen < ALIVE_RECHECK_S:
             return True
-        if is_alive(*key):
+        if not provably_dead(record.pid_ns, *key):
             if len(self._seen_alive) > 4 * DEFAULT_SLOTS:
                 self._seen_alive.clear()
             self._seen_alive[key] = now
@@ -215,7 +235,7 @@ class SharedAccount:
         if not name:
             raise BadLimits("a member needs a non-empty name")
         _check_limits(name, min_bytes, max_bytes)
-        pid, started = os.getpid(), own_start_time()
+        pid, started, pid_ns = os.getpid(), own_start_time(), own_pid_namespace()
         with self._transaction() as snap:
             holder = snap.by_name(name)
             if holder is not None:
@@ -228,7 +248,7 @@ class SharedAccount:
             slot = record.slot
             record = MemberRecord(name=name, model=model, pid=pid, start_time=started, port=port,
                                   min_bytes=min_bytes, max_bytes=max_bytes, heartbeat=snap.now,
-                                  joined_at=snap.now, start_max_bytes=max_bytes, slot=slot)
+                                  joined_at=snap.now, start_max_bytes=max_bytes, pid_ns=pid_ns, slot=slot)
             snap.write(record)
         return Member(self, record)
 

@@ -19,8 +19,20 @@ class AccountNotFound(ClusterError):
     """No account file exists for the GPU (or none at all in the shared directory)."""
 
 
+class AccountVanished(AccountNotFound):
+    """The account file this process had open was removed or replaced (``kvelastic reset``, ``rm``)."""
+
+
 class AccountCorrupt(ClusterError):
-    """The file is not a kvelastic account, or was written by an incompatible version."""
+    """The file is not a kvelastic account, was written by an incompatible version, or holds out-of-range values."""
+
+
+class AccountBusy(ClusterError):
+    """Another process held the account's lock past the deadline: nothing happened, try again later."""
+
+
+class AccountNotWritable(ClusterError):
+    """This process may read the account but not change it."""
 
 
 class AccountFull(ClusterError):
@@ -66,3 +78,11 @@ class LaunchConfigError(ConfigError):
 
 class LaunchFailed(ClusterError):
     """A server of a launch exited, or did not become ready in time."""
+
+
+class AccountInUse(ClusterError):
+    """A readable account with live members was not reset (``--force`` resets it anyway)."""
+
+
+class AccountNotOwned(ClusterError):
+    """Only the owner of an account file may remove it; this process's user is not."""

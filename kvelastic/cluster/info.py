@@ -25,6 +25,7 @@ class MemberInfo:
     heartbeat: float
     joined_at: float
     start_max_bytes: int = 0  # the cap it joined with (0: none); `kvelastic limit NAME none` restores it
+    pid_ns: int = 0  # its pid namespace (inode of /proc/<pid>/ns/pid): its pid means nothing in another one
 
     @classmethod
     def of(cls, record: MemberRecord) -> "MemberInfo":
@@ -33,7 +34,7 @@ class MemberInfo:
                    mapped_bytes=record.mapped_bytes, cached_bytes=record.cached_bytes,
                    host_bytes=record.host_bytes, wanted_bytes=record.wanted_bytes,
                    heartbeat=record.heartbeat, joined_at=record.joined_at,
-                   start_max_bytes=record.start_max_bytes)
+                   start_max_bytes=record.start_max_bytes, pid_ns=record.pid_ns)
 
     @property
     def charged_bytes(self) -> int:

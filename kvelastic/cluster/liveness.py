@@ -7,7 +7,11 @@ gone. So a record carries the process start time (field 22 of
 while a non-zombie process with that pid and that start time exists.
 
 Pids are only comparable inside one pid namespace: processes that share
-``/dev/shm`` but not a pid namespace would see each other as dead.
+``/dev/shm`` but not a pid namespace (two containers) would see each other as
+dead. Records and file names therefore carry the pid namespace too (the inode
+of ``/proc/self/ns/pid``), and :func:`provably_dead` says yes only for a
+process of this namespace that is gone: one of another namespace, or one whose
+``/proc`` entry is hidden, is never declared dead.
 """
 
 from __future__ import annotations
@@ -70,6 +74,43 @@ def own_start_time() -> int:
     if _own[0] != os.getpid():
         _own = (os.getpid(), process_start_time())
     return _own[1]
+
+
+_own_ns: tuple[int, int] = (0, 0)
+
+
+def own_pid_namespace() -> int:
+    """The inode of this process's pid namespace, read once per process (0 where ``/proc`` does not tell)."""
+    global _own_ns
+    if _own_ns[0] != os.getpid():
+        try:
+            inode = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            inode = 0
+        _own_ns = (os.getpid(), inode)
+    return _own_ns[1]
+
+
+def provably_dead(pid_ns: int, pid: int, start_time: int) -> bool:
+    """True only for a process of this pid namespace that is gone (or a zombie, or its pid reused).
+
+    A process of another namespace cannot be looked up from here, so it counts
+    as alive; a pid that ``/proc`` does not show but that still exists (a
+    ``hidepid`` mount) counts as alive too.
+    """
+    if pid_ns != own_pid_namespace() or pid <= 0:
+        return False
+    if is_alive(pid, start_time):
+        return False
+    if _stat_fields(pid) is not None:
+        return True  # listed in /proc: a zombie, or the pid now belongs to another process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False  # it exists but /proc hides it (hidepid): its start time cannot be checked
 
 
 def is_alive(pid: int, start_time: int) -> bool:

@@ -4,18 +4,22 @@ A :class:`Member` is what the vLLM integration holds: the page source asks it
 before creating physical pages and tells it after destroying them, and the
 reclaimer calls :meth:`Member.tick` a few times a second to publish what it
 holds and to learn its current limits and the pressure to give memory back.
-Every call is one short locked transaction on the account file.
+Every call is one short locked transaction on the account file. When the
+lock cannot be had in time (:class:`AccountBusy`), bytes already freed or
+created are not lost: :meth:`Member.defer` keeps them and the next transaction
+settles them first.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from kvelastic.cluster import policy
-from kvelastic.cluster.errors import AccountingError, MemberGone
+from kvelastic.cluster.errors import AccountingError, AccountNotFound, MemberGone
 from kvelastic.cluster.info import MemberInfo, MemberTick
 from kvelastic.cluster.records import MemberRecord
 from kvelastic.cluster.storage import Snapshot
@@ -41,8 +45,10 @@ class Member:
         self.account = account
         self.name = record.name
         self._slot = record.slot
-        self._identity = (record.pid, record.start_time)
+        self._identity = (record.pid, record.start_time, record.pid_ns)
         self._left = False
+        self._deferred = 0  # bytes created (+) or freed (-) that no transaction has recorded yet
+        self._deferred_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, pid={self._identity[0]}, account={str(self.account.path)!r})"
@@ -58,9 +64,23 @@ class Member:
                              f"not to this one ({os.getpid()})")
         with self.account._transaction() as snap:
             record = snap.records[self._slot]
-            if self._left or record.name != self.name or (record.pid, record.start_time) != self._identity:
+            if self._left or record.name != self.name or (
+                    record.pid, record.start_time, record.pid_ns) != self._identity:
                 raise MemberGone(f"instance {self.name!r} is no longer a member of {self.account.path}")
+            self._settle(snap, record)
             yield snap, record
+
+    def defer(self, nbytes: int) -> None:
+        """Count ``nbytes`` (negative: freed) at the next transaction: the account was busy just now."""
+        with self._deferred_lock:
+            self._deferred += nbytes
+
+    def _settle(self, snap: Snapshot, me: MemberRecord) -> None:
+        with self._deferred_lock:
+            delta, self._deferred = self._deferred, 0
+        if delta:
+            me.mapped_bytes = max(0, me.mapped_bytes + delta)
+            snap.write(me)
 
     # ---------------------------------------------------------------- bytes
     def request(self, nbytes: int) -> Grant:
@@ -156,8 +176,8 @@ class Member:
         try:
             with self._mine() as (snap, me):
                 snap.write(MemberRecord(slot=me.slot))
-        except MemberGone:
-            pass
+        except (MemberGone, AccountNotFound):
+            pass  # the record, or the whole account, is already gone
         self._left = True
 
     def __enter__(self) -> "Member":

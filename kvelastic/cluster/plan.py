@@ -30,7 +30,8 @@ from kvelastic.units import parse_size
 
 DEFAULT_GPU_UTIL = 0.25
 DEFAULT_PORTS = (8001, 8002)
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "scripts" / "models" / "llama-1b"
+# Package data (config and tokenizer, no weights): present in a wheel install as in a checkout.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "llama-1b"
 DEFAULT_MODEL_ARGS = ("--load-format", "dummy", "--max-model-len", "4096")
 _NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -104,7 +105,7 @@ def check_size(text: Any, what: str) -> str:
 
 def check_util(value: Any, what: str) -> float:
     try:
-        util = float(value)
+        util = -1.0 if isinstance(value, bool) else float(value)  # YAML's `yes` is not a fraction
     except (TypeError, ValueError):
         util = -1.0
     if not 0 < util <= 1:
@@ -125,13 +126,13 @@ def make_instance(*, model: str, port: Any, name: str | None = None, limit: Any 
     if not model:
         raise LaunchConfigError(f"{where}: needs a model (a path or a Hugging Face id)")
     try:
-        port_number = int(port)
+        port_number = 0 if isinstance(port, (bool, float)) else int(port)
     except (TypeError, ValueError):
         port_number = 0
     if not 0 < port_number < 65536:
         raise LaunchConfigError(f"{where}: port={port!r} must be a TCP port number (1-65535)")
     chosen = name or default_name(model, port_number)
-    if _NAME_SAFE.search(chosen) or len(chosen) > 64:
+    if not isinstance(chosen, str) or _NAME_SAFE.search(chosen) or len(chosen) > 64:
         raise LaunchConfigError(f"{where}: name={chosen!r} must be 1-64 letters, digits, '-', '_' or '.'")
     return Instance(
         model=model, port=port_number, name=chosen,
@@ -163,7 +164,7 @@ def default_plan(**overrides: Any) -> LaunchPlan:
     """Two instances of the shipped dummy-weight 1B model, on ports 8001 and 8002."""
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise LaunchConfigError(f"the default model {DEFAULT_MODEL_DIR} is missing (kvelastic installed "
-                                f"without its scripts/?); pass --model PATH --port N")
+                                f"without its package data?); pass --model PATH --port N")
     instances = tuple(make_instance(model=str(DEFAULT_MODEL_DIR), port=port, vllm_args=DEFAULT_MODEL_ARGS)
                       for port in DEFAULT_PORTS)
     return check_plan(LaunchPlan(instances=instances, **overrides))

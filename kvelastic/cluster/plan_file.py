@@ -16,7 +16,10 @@ Either a mapping with shared settings and ``instances``, or just the list::
         vllm_args: [--load-format, dummy]  # list, or one string split like a shell would
         env: {KVELASTIC_CACHE_TTL: "5"}  # optional extra environment
 
-Unknown keys are errors, so a misspelt ``limt`` does not silently mean "no limit".
+Unknown keys are errors, so a misspelt ``limt`` does not silently mean "no limit",
+and values must have their key's type: ``parallel: "no"`` (a string) is refused
+rather than read as true, and an ``env`` value must be a string, a number or a
+boolean (written to the environment as 1 or 0).
 """
 
 from __future__ import annotations
@@ -50,6 +53,31 @@ def _vllm_args(value: Any, where: str) -> list[str]:
     raise LaunchConfigError(f"{where}: vllm_args must be a list of strings or one string")
 
 
+def _env(value: Any, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise LaunchConfigError(f"{where}: env must be a mapping of variable names to values")
+    env = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise LaunchConfigError(f"{where}: env key {key!r} must be a variable name")
+        if isinstance(item, bool):
+            env[key] = "1" if item else "0"
+        elif isinstance(item, (str, int, float)):
+            env[key] = str(item)
+        else:
+            raise LaunchConfigError(f"{where}: env {key}={item!r} must be a string, a number or true/false")
+    return env
+
+
+def _switch(value: Any, what: str) -> bool:
+    """A YAML boolean (true/false) only: the string "no" is not quietly true."""
+    if not isinstance(value, bool):
+        raise LaunchConfigError(f"{what}={value!r} must be true or false (unquoted)")
+    return value
+
+
 def _instance(entry: Any, index: int, base: Path) -> Instance:
     where = f"instances[{index}]"
     if not isinstance(entry, dict):
@@ -60,9 +88,7 @@ def _instance(entry: Any, index: int, base: Path) -> Instance:
                                 f"{', '.join(sorted(_INSTANCE_KEYS))}")
     if "port" not in entry:
         raise LaunchConfigError(f"{where}: needs a port")
-    env = entry.get("env") or {}
-    if not isinstance(env, dict):
-        raise LaunchConfigError(f"{where}: env must be a mapping of variable names to values")
+    env = _env(entry.get("env"), where)
     return make_instance(model=_model_path(entry.get("model"), base, where), port=entry["port"],
                          name=entry.get("name"), limit=entry.get("limit"), min=entry.get("min"),
                          gpu_memory_utilization=entry.get("gpu_memory_utilization"),
@@ -100,11 +126,14 @@ def load_plan(path: str | Path, **overrides: Any) -> LaunchPlan:
     if data.get("budget") is not None:
         settings["budget"] = check_size(data["budget"], "budget")
     if data.get("device") is not None:
+        if isinstance(data["device"], bool) or not isinstance(data["device"], (str, int)):
+            raise LaunchConfigError(f"launch file {path}: device={data['device']!r} must be GPU ids like \"0\" "
+                                    f"or \"0,1\" (CUDA_VISIBLE_DEVICES)")
         settings["device"] = str(data["device"])
     if data.get("gpu_memory_utilization") is not None:
         settings["gpu_memory_utilization"] = check_util(data["gpu_memory_utilization"], "gpu_memory_utilization")
     if data.get("parallel") is not None:
-        settings["parallel"] = bool(data["parallel"])
+        settings["parallel"] = _switch(data["parallel"], f"launch file {path}: parallel")
     settings.update({k: v for k, v in overrides.items() if v is not None})
     instances = tuple(_instance(entry, i, base) for i, entry in enumerate(data["instances"]))
     return check_plan(LaunchPlan(instances=instances, **settings))

@@ -7,12 +7,17 @@ for its owner however hungry the others are.
 * **Grant** ``n`` more bytes to member ``m`` iff ``m`` stays within its own cap
   (``max``; 0 means none) and the total charge after the grant is within the
   budget. A grant that does not raise the total (``m`` is still inside its
-  reservation) is always allowed, even while the account is over budget (a
-  member joined with a reservation while the others held the memory): a
-  reservation is a promise.
-* **Demand** is what members want and could not get (refusals by the budget,
-  not by their own cap, in the last ``want_ttl_s`` seconds) minus the budget's
-  free room; an account over its budget adds the excess.
+  reservation) is allowed even while the charge is over budget (a member
+  joined with a reservation while the others held the memory), as long as the
+  bytes really held stay within the budget: a reservation is a promise, kept
+  as soon as the others have given the memory back, never by holding more
+  physical bytes than the budget (so the sum of ``mapped`` never passes it,
+  however members join).
+* **Demand** is the charge that what members want and could not get (refusals
+  by the budget, not by their own cap, in the last ``want_ttl_s`` seconds)
+  would add, minus the budget's free room; an account over its budget adds the
+  excess. A want inside the member's reservation adds no charge: it is
+  already counted.
 * **Pressure** on a member is its share of the demand, taken only from bytes
   it holds above its reservation that hold cached (reclaimable) data, never
   from a member that is itself waiting. Shares are proportional to each
@@ -35,11 +40,17 @@ class Verdict(Enum):
     GRANTED = "granted"
     OVER_MAX = "over the member's max"
     OVER_BUDGET = "over the GPU's shared budget"
+    BUSY = "the shared account was locked by another process past the deadline"
 
 
 def charged_total(records: Iterable[MemberRecord]) -> int:
     """Sum of ``max(mapped, min)`` over members: the budget in use or promised."""
     return sum(r.charged_bytes for r in records if r.used)
+
+
+def mapped_total(records: Iterable[MemberRecord]) -> int:
+    """Sum of ``mapped`` over members: the physical bytes held now."""
+    return sum(r.mapped_bytes for r in records if r.used)
 
 
 def judge(records: list[MemberRecord], me: MemberRecord, nbytes: int, budget: int) -> Verdict:
@@ -49,9 +60,14 @@ def judge(records: list[MemberRecord], me: MemberRecord, nbytes: int, budget: in
         return Verdict.OVER_MAX
     before = charged_total(records)
     after = before - me.charged_bytes + max(mapped, me.min_bytes)
-    if after <= budget or after <= before:
+    if after <= budget or (after <= before and mapped_total(records) + nbytes <= budget):
         return Verdict.GRANTED
     return Verdict.OVER_BUDGET
+
+
+def added_charge(record: MemberRecord, nbytes: int) -> int:
+    """How much granting ``nbytes`` to ``record`` would raise its charge (0 inside its reservation)."""
+    return max(record.mapped_bytes + nbytes, record.min_bytes) - record.charged_bytes
 
 
 def wanting(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
@@ -62,7 +78,7 @@ def wanting(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
 def demand(records: list[MemberRecord], budget: int, now: float,
            want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
     """Bytes the account needs its members to give back now."""
-    wanted = sum(r.wanted_bytes for r in records if wanting(r, now, want_ttl_s))
+    wanted = sum(added_charge(r, r.wanted_bytes) for r in records if wanting(r, now, want_ttl_s))
     return max(0, wanted + charged_total(records) - budget)
 
 
@@ -85,9 +101,13 @@ def pressure(records: list[MemberRecord], me: MemberRecord, budget: int, now: fl
 
 
 def headroom(records: list[MemberRecord], me: MemberRecord, budget: int) -> int:
-    """The most ``me`` could be granted right now."""
-    room = budget - charged_total(records) + me.charged_bytes - me.mapped_bytes
-    room = max(room, me.min_bytes - me.mapped_bytes, 0)
+    """The most ``me`` could be granted right now (every smaller request is granted too)."""
+    inside = max(0, me.min_bytes - me.mapped_bytes)  # growth that adds no charge
+    charged = charged_total(records)
+    if charged <= budget:
+        room = inside + budget - charged
+    else:
+        room = max(0, min(inside, budget - mapped_total(records)))
     if me.max_bytes:
         room = min(room, max(0, me.max_bytes - me.mapped_bytes))
     return room

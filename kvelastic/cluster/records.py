@@ -5,20 +5,30 @@ so a writer rewrites only what changed and a reader of another version can tell
 from the header alone whether it understands the file. A slot with ``pid == 0``
 is free. Sizes are padded beyond what the fields need, leaving room to add
 fields without moving slots.
+
+Header and records are 512 bytes and start at multiples of 512, so none
+crosses a 4 KiB page: each is written with one ``pwrite`` that a SIGKILL
+cannot tear on tmpfs (the kernel checks for a fatal signal between pages). The
+file is untrusted input like any shared file: every field is range-checked when
+read, and anything out of range makes the account :class:`AccountCorrupt`.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
 from kvelastic.cluster.errors import AccountCorrupt
 
 MAGIC = b"KVELACCT"
-VERSION = 1
+VERSION = 2  # 2: 512-byte header and records, the member's pid namespace
 DEFAULT_SLOTS = 64
-HEADER_SIZE = 256
-RECORD_SIZE = 384
+MAX_SLOTS = 1024
+MAX_BYTES = 1 << 62  # no byte count in a sane account comes near this
+MAX_PID = 1 << 31
+HEADER_SIZE = 512
+RECORD_SIZE = 512
 NAME_BYTES = 64
 MODEL_BYTES = 160
 GPU_ID_BYTES = 112
@@ -26,9 +36,8 @@ GPU_ID_BYTES = 112
 # magic, version, slots, record size, budget, created, gpu id
 _HEADER = struct.Struct(f"<8sIIIQd{GPU_ID_BYTES}s")
 # name, model, pid, start time, port, min, max, mapped, cached, host, wanted,
-# wanted_at, heartbeat, joined_at, start_max (added in the padding: files written
-# before it read 0 there, "started without a cap")
-_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3dQ")
+# wanted_at, heartbeat, joined_at, start_max, pid namespace
+_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3dQQ")
 _PID = struct.Struct("<q")
 _PID_OFFSET = NAME_BYTES + MODEL_BYTES
 assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
@@ -44,6 +53,11 @@ def _encode(text: str, size: int) -> bytes:
 
 def _decode(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise AccountCorrupt(f"account field out of range: {what}")
 
 
 @dataclass
@@ -71,6 +85,9 @@ class Header:
         if version != VERSION or record_size != RECORD_SIZE:
             raise AccountCorrupt(f"account file version {version} (record {record_size} bytes) is not "
                                  f"version {VERSION} (record {RECORD_SIZE} bytes) that this kvelastic reads")
+        _check(1 <= slots <= MAX_SLOTS, f"{slots} slots (1 to {MAX_SLOTS})")
+        _check(0 < budget <= MAX_BYTES, f"budget {budget}")
+        _check(math.isfinite(created), f"creation time {created}")
         return cls(budget_bytes=budget, gpu_id=_decode(gpu), created=created, slots=slots, version=version)
 
     @property
@@ -97,6 +114,7 @@ class MemberRecord:
     heartbeat: float = 0.0
     joined_at: float = 0.0
     start_max_bytes: int = 0  # the cap the member joined with; what `kvelastic limit NAME none` restores
+    pid_ns: int = 0  # inode of the member's pid namespace: its pid means nothing in another one
     slot: int = field(default=-1, compare=False)
 
     @property
@@ -113,7 +131,7 @@ class MemberRecord:
             _encode(self.name, NAME_BYTES), _encode(self.model, MODEL_BYTES), self.pid, self.start_time,
             self.port, self.min_bytes, self.max_bytes, self.mapped_bytes, self.cached_bytes,
             self.host_bytes, self.wanted_bytes, self.wanted_at, self.heartbeat, self.joined_at,
-            self.start_max_bytes)
+            self.start_max_bytes, self.pid_ns)
         return data.ljust(RECORD_SIZE, b"\0")
 
     @classmethod
@@ -121,11 +139,17 @@ class MemberRecord:
         if not _PID.unpack_from(data, _PID_OFFSET)[0]:
             return cls(slot=slot)  # a free slot: nothing to decode (most of the file, usually)
         (name, model, pid, start_time, port, min_b, max_b, mapped, cached, host, wanted,
-         wanted_at, heartbeat, joined_at, start_max) = _RECORD.unpack_from(data)
+         wanted_at, heartbeat, joined_at, start_max, pid_ns) = _RECORD.unpack_from(data)
+        where = f"slot {slot}"
+        _check(0 < pid < MAX_PID and port < 65536, f"{where}: pid {pid}, port {port}")
+        for value in (min_b, max_b, mapped, cached, host, wanted, start_max):
+            _check(value <= MAX_BYTES, f"{where}: byte count {value}")
+        for value in (wanted_at, heartbeat, joined_at):
+            _check(math.isfinite(value), f"{where}: time {value}")
         return cls(name=_decode(name), model=_decode(model), pid=pid, start_time=start_time, port=port,
                    min_bytes=min_b, max_bytes=max_b, mapped_bytes=mapped, cached_bytes=cached,
                    host_bytes=host, wanted_bytes=wanted, wanted_at=wanted_at, heartbeat=heartbeat,
-                   joined_at=joined_at, start_max_bytes=start_max, slot=slot)
+                   joined_at=joined_at, start_max_bytes=start_max, pid_ns=pid_ns, slot=slot)
 
 
 def record_offset(slot: int) -> int:

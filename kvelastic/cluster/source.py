@@ -14,41 +14,60 @@ pages are destroyed, so it never shows less than exists.
 
 The source may be built before the process has joined (``member=None``: it
 only counts, so start-up warm-up is never refused); :meth:`attach` then hands
-what exists to the member and gates from there on.
+what exists to the member and gates from there on. The engine attaches a
+:class:`~kvelastic.cluster.membership.Membership`, whose answer None ("no
+account to ask") makes the source count without asking until it rejoins
+(:meth:`rejoin`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
-from kvelastic.cluster.errors import ClusterError, SharedBudgetExceeded
-from kvelastic.cluster.member import Member
-from kvelastic.pool.sources import PageSource
+from kvelastic.cluster.errors import SharedBudgetExceeded
+from kvelastic.cluster.member import Grant
+from kvelastic.pool.sources import PageAdaptor, PageSource
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
-class SharedBudgetSource(PageSource):
+class BudgetGate(Protocol):
+    """What the source asks: a :class:`~kvelastic.cluster.member.Member`, or an engine's Membership."""
+
+    name: str
+
+    def request(self, nbytes: int) -> Grant | None: ...
+
+    def adopt(self, nbytes: int) -> None: ...
+
+    def release(self, nbytes: int) -> None: ...
+
+
+class SharedBudgetSource(PageAdaptor):
     """Gates ``upstream`` with ``member``'s grants in the shared account."""
 
-    def __init__(self, upstream: PageSource, member: Member | None = None):
-        super().__init__(upstream.page_bytes)
-        self.upstream = upstream
+    def __init__(self, upstream: PageSource, member: BudgetGate | None = None):
+        super().__init__(upstream)
         self.member = member
         self._outstanding = 0
         self.refusals = 0
         self._lock = threading.RLock()  # keeps attach() atomic with respect to acquire/release
 
-    def attach(self, member: Member) -> None:
+    def attach(self, member: BudgetGate) -> None:
         """Start gating with ``member``, which adopts the bytes this source already handed out."""
         with self._lock:
             if self.member is not None:
                 raise ValueError(f"already attached to {self.member!r}")
             member.adopt(self._outstanding)
             self.member = member
+
+    def rejoin(self) -> bool:
+        """Let a detached Membership join again, handing it what this source holds (atomically)."""
+        with self._lock:
+            return self.member.rejoin(self._outstanding)  # type: ignore[union-attr]
 
     def acquire(self, count: int, *, force: bool = False) -> list[Any]:
         if count <= 0:
@@ -65,6 +84,10 @@ class SharedBudgetSource(PageSource):
                 self.member.adopt(nbytes)  # counted, not asked: the account must show what exists
             return handles
         grant = self.member.request(nbytes)
+        if grant is None:  # no account to ask right now: count, as before joining
+            handles = self.upstream.acquire(count)
+            self._outstanding += nbytes
+            return handles
         if not grant.granted:
             self.refusals += 1
             raise SharedBudgetExceeded(
@@ -94,9 +117,9 @@ class SharedBudgetSource(PageSource):
             return
         try:
             self.member.release(nbytes)
-        except ClusterError:
-            log.warning("kvelastic: could not return %s to the shared account of %s",
-                        format_size(nbytes), self.member.account.path, exc_info=True)
+        except Exception:  # noqa: BLE001 - the pages are gone whatever the account says
+            log.warning("kvelastic: could not return %s to the shared account (%r)",
+                        format_size(nbytes), self.member, exc_info=True)
 
     @property
     def outstanding_bytes(self) -> int:

@@ -1,106 +1,115 @@
 """Where account files live, and the locked read-modify-write cycle on one of them.
 
-One file per GPU under ``/dev/shm`` (tmpfs: shared by every process of the
-machine, gone at reboot, never touches a disk). All changes happen while the
-writer holds ``fcntl.flock`` on the file: the kernel drops the lock of a process
-that dies, so a holder killed mid-change never wedges the others. A flock
-belongs to an open file description, so a forked child reopens the file before
-locking (sharing the parent's description would mean sharing its lock), and a
-thread lock serialises threads of one process around the flock.
+One file per GPU in the scope's directory under ``/dev/shm`` (tmpfs: shared
+by every process of the machine, gone at reboot, never touches a disk; see
+:mod:`kvelastic.shared.scope` for who shares it). A new account is written
+whole to a temporary file and linked into place, so no process ever sees half
+an account, and an existing one is never clobbered. All changes happen while
+the writer holds ``fcntl.flock`` on the file, taken with a deadline: a holder
+that is stopped (SIGSTOP, a paused container) costs the others a miss
+(:class:`AccountBusy`), never a stall, and the kernel drops the lock of a
+process that dies. A flock belongs to an open file description, so a forked
+child reopens the file before locking, and a thread lock serialises threads of
+one process around the flock.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import re
+import struct
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from kvelastic.cluster.errors import AccountCorrupt, AccountNotFound
+from kvelastic.cluster.errors import (AccountBusy, AccountCorrupt, AccountNotFound, AccountNotWritable,
+                                      AccountVanished)
 from kvelastic.cluster.records import HEADER_SIZE, Header, MemberRecord, RECORD_SIZE, record_offset
+from kvelastic.shared.errors import LockBusy
+from kvelastic.shared.files import SafeDir
+from kvelastic.shared.locks import locked
+from kvelastic.shared.names import ACCOUNT_PREFIX, account_name
+from kvelastic.shared.scope import Scope, current_scope
 
-DEFAULT_SHARED_DIR = "/dev/shm"
-SHARED_DIR_ENV = "KVELASTIC_SHARED_DIR"
-FILE_PREFIX = "kvelastic-"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def shared_dir() -> Path:
-    """The directory of account files: ``$KVELASTIC_SHARED_DIR`` or ``/dev/shm``."""
-    return Path(os.environ.get(SHARED_DIR_ENV) or DEFAULT_SHARED_DIR)
+DEFAULT_LOCK_TIMEOUT_S = 1.0
 
 
-def account_path(gpu_id: str, directory: str | Path | None = None) -> Path:
-    """``<dir>/kvelastic-<gpu_id>``, with characters unsafe in a file name replaced by ``_``."""
-    if not gpu_id or not gpu_id.strip():
-        raise ValueError("gpu_id must be a non-empty GPU identifier (for example the GPU's UUID)")
-    base = Path(directory) if directory is not None else shared_dir()
-    return base / (FILE_PREFIX + _UNSAFE.sub("_", gpu_id.strip()))
+def shared_dir(root: str | Path | None = None) -> Path:
+    """This process's directory of shared files: ``<KVELASTIC_SHARED_DIR>/kvelastic-u<uid>`` (or ``-g<gid>``)."""
+    return current_scope(root).path
 
 
-def find_account_paths(directory: str | Path | None = None) -> list[Path]:
-    """Every file in the shared directory that looks like an account (by name and magic)."""
-    base = Path(directory) if directory is not None else shared_dir()
-    try:
-        candidates = sorted(p for p in base.iterdir() if p.name.startswith(FILE_PREFIX) and p.is_file())
-    except FileNotFoundError:
+def account_path(gpu_id: str, root: str | Path | None = None) -> Path:
+    """Where the account of ``gpu_id`` lives (unsafe characters of the id replaced by ``_``)."""
+    return shared_dir(root) / account_name(gpu_id)
+
+
+def find_account_paths(root: str | Path | None = None) -> list[Path]:
+    """Every file of this scope named like an account, readable or not (``kvelastic status`` reports both)."""
+    scope = current_scope(root)
+    directory = SafeDir.open(scope.path, scope, create=False)
+    if directory is None:
         return []
-    found = []
-    for path in candidates:
-        try:
-            with open(path, "rb") as handle:
-                Header.unpack(handle.read(HEADER_SIZE))
-        except (OSError, AccountCorrupt):
-            continue
-        found.append(path)
-    return found
+    with directory:
+        return [scope.path / name for name in directory.names(ACCOUNT_PREFIX)]
 
 
 class AccountFile:
     """An open account file; :meth:`transaction` yields its records under the lock."""
 
-    def __init__(self, path: Path, *, create_with: Header | None = None):
-        """Open ``path``; create it with ``create_with`` when missing (else raise AccountNotFound)."""
+    def __init__(self, path: Path, *, create_with: Header | None = None, scope: Scope | None = None,
+                 lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S):
+        """Open ``path`` (in ``scope``'s directory); create it with ``create_with`` when missing.
+
+        Without ``create_with`` a missing file raises AccountNotFound. A file
+        this process may read but not write is opened read-only: reads work,
+        writes raise AccountNotWritable.
+        """
         self.path = Path(path)
+        self.scope = scope or current_scope(self.path.parent.parent)
+        if self.path.parent != self.scope.path:
+            raise AccountNotFound(f"{self.path} is not in this process's shared directory {self.scope.path}")
+        self.lock_timeout_s = lock_timeout_s
         self._create_with = create_with
         self._thread_lock = threading.Lock()
-        self.read_only = False
+        self.writable = True
         self._fd = -1
         self._owner_pid = -1
         self._open()
 
     # ------------------------------------------------------------ open/close
     def _open(self) -> None:
-        flags = os.O_RDWR | (os.O_CREAT if self._create_with is not None else 0)
-        if self._create_with is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        directory = SafeDir.open(self.scope.path, self.scope, create=self._create_with is not None)
+        if directory is None:
+            raise AccountNotFound(f"no kvelastic account at {self.path} (no directory {self.scope.path})")
+        with directory:
+            try:
+                self._fd, self.writable = self._open_file(directory)
+            except AccountNotFound:
+                if self._create_with is None:
+                    raise
+                directory.create_new(self.path.name, _initial_content(self._create_with))  # or another did
+                self._fd, self.writable = self._open_file(directory)
+        self._owner_pid = os.getpid()
         try:
-            fd = os.open(self.path, flags, 0o666)
+            with self.transaction() as snap:
+                del snap  # reading the header and records once checks the file
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_file(self, directory: SafeDir) -> tuple[int, bool]:
+        try:
+            return directory.open_file(self.path.name, os.O_RDWR), True
         except FileNotFoundError:
             raise AccountNotFound(f"no kvelastic account at {self.path}") from None
         except PermissionError:
-            if self._create_with is not None:
-                raise
-            fd, self.read_only = os.open(self.path, os.O_RDONLY), True
-        self._fd, self._owner_pid = fd, os.getpid()
-        with self._flock():
-            self._initialise()
-
-    def _initialise(self) -> None:
-        """Write a fresh header if the file is new; check it otherwise."""
-        size = os.fstat(self._fd).st_size
-        if size == 0 and self._create_with is not None:
-            header = self._create_with
-            os.ftruncate(self._fd, header.file_size)
-            os.pwrite(self._fd, header.pack(), 0)
-            return
-        header = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
-        if size < header.file_size:
-            raise AccountCorrupt(f"{self.path} is {size} bytes, its header promises {header.file_size}")
+            pass
+        try:
+            return directory.open_file(self.path.name, os.O_RDONLY), False
+        except FileNotFoundError:
+            raise AccountNotFound(f"no kvelastic account at {self.path}") from None
 
     def close(self) -> None:
         if self._fd >= 0 and self._owner_pid == os.getpid():
@@ -114,38 +123,58 @@ class AccountFile:
             self._create_with = None
             self._open()
 
-    # ----------------------------------------------------------------- locks
+    # ------------------------------------------------------------ transaction
     @contextmanager
-    def _flock(self) -> Iterator[None]:
-        fcntl.flock(self._fd, fcntl.LOCK_SH if self.read_only else fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+    def transaction(self, timeout_s: float | None = None) -> Iterator["Snapshot"]:
+        """Hold the lock and yield the header and every slot; ``Snapshot.write`` persists changes.
 
-    @contextmanager
-    def transaction(self) -> Iterator["Snapshot"]:
-        """Hold the lock and yield the header and every slot; ``Snapshot.write`` persists changes."""
+        The lock is waited for at most ``timeout_s`` (default: the file's
+        ``lock_timeout_s``); past it AccountBusy is raised and nothing happened.
+        """
         if self._fd < 0:
             raise AccountNotFound(f"account {self.path} was closed")
         self._reopen_after_fork()
-        with self._thread_lock, self._flock():
-            yield Snapshot(self)
+        timeout = self.lock_timeout_s if timeout_s is None else timeout_s
+        try:
+            with locked(self._thread_lock, self._fd, timeout, exclusive=self.writable, what=str(self.path)):
+                yield Snapshot(self)
+        except LockBusy as error:
+            raise AccountBusy(str(error)) from None
 
     # ------------------------------------------------------------ raw access
-    def read_header(self) -> Header:
-        return Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
-
-    def read_records(self, header: Header) -> list[MemberRecord]:
-        data = os.pread(self._fd, header.slots * RECORD_SIZE, HEADER_SIZE)
-        return [MemberRecord.unpack(data[i * RECORD_SIZE:(i + 1) * RECORD_SIZE], i)
-                for i in range(header.slots)]
+    def read_all(self) -> tuple[Header, list[MemberRecord]]:
+        """Header and records, checked; AccountVanished if the file was removed, AccountCorrupt if bad."""
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            raise AccountVanished(f"the account {self.path} was removed (or replaced) while open")
+        try:
+            header = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
+            if st.st_size < header.file_size:
+                raise AccountCorrupt(f"{self.path} is {st.st_size} bytes, its header promises {header.file_size}")
+            data = os.pread(self._fd, header.slots * RECORD_SIZE, HEADER_SIZE)
+            records = [MemberRecord.unpack(data[i * RECORD_SIZE:(i + 1) * RECORD_SIZE], i)
+                       for i in range(header.slots)]
+        except (struct.error, UnicodeError) as error:
+            raise AccountCorrupt(f"{self.path} cannot be read as an account: {error}") from None
+        except AccountCorrupt as error:
+            raise AccountCorrupt(f"{self.path}: {error}") from None
+        return header, records
 
     def write_header(self, header: Header) -> None:
-        os.pwrite(self._fd, header.pack(), 0)
+        self._pwrite(header.pack(), 0)
 
     def write_record(self, record: MemberRecord) -> None:
-        os.pwrite(self._fd, record.pack(), record_offset(record.slot))
+        self._pwrite(record.pack(), record_offset(record.slot))
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        if not self.writable:
+            raise AccountNotWritable(f"nothing changed: this process (uid {os.geteuid()}) may read the account "
+                                     f"{self.path} but not change it (permission denied)")
+        os.pwrite(self._fd, data, offset)
+
+
+def _initial_content(header: Header) -> bytes:
+    return header.pack() + bytes(header.slots * RECORD_SIZE)
 
 
 class Snapshot:
@@ -153,8 +182,7 @@ class Snapshot:
 
     def __init__(self, file: AccountFile):
         self.file = file
-        self.header = file.read_header()
-        self.records = file.read_records(self.header)
+        self.header, self.records = file.read_all()
         self.now = time.time()
 
     @property
@@ -168,9 +196,7 @@ class Snapshot:
         return next((r for r in self.records if r.used and r.name == name), None)
 
     def write(self, record: MemberRecord) -> None:
-        if not self.file.read_only:
-            self.file.write_record(record)
+        self.file.write_record(record)
 
     def write_header(self) -> None:
-        if not self.file.read_only:
-            self.file.write_header(self.header)
+        self.file.write_header(self.header)

@@ -2,28 +2,33 @@
 
 Both entry points (the ``.pth`` import hook and vLLM's ``general_plugins``
 entry point) end here; whichever comes first activates, the other finds it
-done. Activation is all or nothing: a failed check or patch leaves vLLM as it
-was and, unless ``KVELASTIC_STRICT=0``, stops start-up with the reason.
+done. Activation is all or nothing: every contact of every patch is checked
+from the installed source before anything changes, and a failed check or patch
+leaves vLLM as it was and, unless ``KVELASTIC_STRICT=0``, stops start-up with
+the reason. Each patch is then applied when vLLM imports its module, checked
+again as imported (``kvelastic.patching.on_import`` says what all-or-nothing
+means for modules imported later); ``import vllm`` itself imports nothing more.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvelastic import __version__
-from kvelastic.errors import PatchError
+from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.integration.runtime import Runtime, default_backend
-from kvelastic.patching.apply import Patcher, apply_all
-from kvelastic.patching.gate import check
+from kvelastic.patching.apply import Patcher
+from kvelastic.patching.gate import check_source
+from kvelastic.patching.on_import import ImportApplier
 from kvelastic.patching.spec import Patch
 from kvelastic.patching.versions import Version, installed_vllm_version
 from kvelastic.settings import Settings
+from kvelastic.startup import StartupRefused, report_start, use_vllm_logging
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Activation:
 
     runtime: Runtime
     patcher: Patcher
+    applier: ImportApplier
     version: Version
     band: str
 
@@ -39,7 +45,7 @@ class Activation:
 class _Once:
     """Holds this process's activation; the lock makes the two entry points race-free."""
 
-    lock = threading.Lock()
+    lock = threading.RLock()  # a refusal from a later import hook clears the activation under it
     current: Activation | None = None
     failed: bool = False
 
@@ -48,59 +54,65 @@ def current() -> Activation | None:
     return _Once.current
 
 
-def _configure_logging() -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-
-
 def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | None = None,
              version: Version | None = None,
              backend_factory: Callable = default_backend) -> Activation | None:
-    """Check and apply every patch for the running vLLM; None when kvelastic is off."""
+    """Check every patch for the running vLLM and apply each as vLLM imports its module; None when off."""
     settings = settings or Settings.from_env()
     if not settings.enabled:
         return None
     with _Once.lock:
         if _Once.current is not None or _Once.failed:
             return _Once.current
-        _configure_logging()
+        use_vllm_logging()
+        report_start(settings)
         if patches is None:
             from kvelastic.patches import ALL_PATCHES
 
             patches = ALL_PATCHES
         version = version or installed_vllm_version()
         try:
-            result = check(patches, version)
+            result = check_source(patches, version)
             runtime = Runtime(settings, backend_factory)
-            patcher = apply_all(list(result.patches), runtime)
+            patcher = Patcher.for_gate(result)
+            applier = ImportApplier(result, runtime, patcher, on_refusal=_refused_later)
+            applier.start()
+            _Once.current = Activation(runtime, patcher, applier, version, result.band)
         except PatchError as exc:
+            _Once.current = None
             _Once.failed = True
             if settings.strict:
                 raise
             log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
             return None
-        _Once.current = Activation(runtime, patcher, version, result.band)
         from kvelastic.integration.metrics import register_collector
 
         register_collector()  # serves kvelastic_* on /metrics in the API-server process
-        log.info("kvelastic %s on vLLM %s (band %s): patches applied: %s", __version__, version,
-                 result.band, ", ".join(p.name for p in result.patches))
+        log.info("kvelastic %s on vLLM %s (band %s): patches applied as vLLM imports their modules: %s",
+                 __version__, version, result.band, ", ".join(p.name for p in result.patches))
         return _Once.current
+
+
+def _refused_later() -> None:
+    """A patch failed its check when its module was imported: this process runs without kvelastic."""
+    with _Once.lock:
+        _Once.current = None
+        _Once.failed = True
 
 
 def deactivate() -> None:
     """Undo the patches (tests, or a process that wants vanilla vLLM back)."""
     with _Once.lock:
         if _Once.current is not None:
+            _Once.current.applier.stop()
             _Once.current.patcher.revert()
         _Once.current = None
         _Once.failed = False
 
 
 def activate_from_hook() -> None:
-    """Entry for the import hook and the vLLM plugin: activate from the environment."""
-    activate()
+    """Entry for the import hook and the vLLM plugin: activate from the environment; a refusal is one line."""
+    try:
+        activate()
+    except KvelasticError as error:
+        raise StartupRefused(error) from None

@@ -5,6 +5,7 @@
 one packed backing for entries with a ``block_stride``), except that the bytes
 are virtual. ``publish_views`` runs after vLLM has reshaped them: it reads the
 block layout off the views and hands the scheduler an :class:`ElasticKVCache`.
+What is read off vLLM's objects is declared in ``patches/kv_cache_objects.py``.
 """
 
 from __future__ import annotations
@@ -18,18 +19,23 @@ from kvelastic.integration.runtime import Runtime
 from kvelastic.pool import PagePool
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
-def allocate_kv_tensors(runtime: Runtime, kv_cache_config: Any) -> dict[str, Any]:
+def allocate_kv_tensors(runtime: Runtime, kv_cache_config: Any, *, packed: bool) -> dict[str, Any]:
+    """One pool-backed tensor per entry of ``kv_cache_config``, by layer name.
+
+    ``packed``: the release has ``KVCacheTensor.block_stride`` (0.24+), so the
+    entries with a positive one share one backing.
+    """
     pool = runtime.new_pool()
     raw: dict[str, Any] = {}
-    packed = None
+    backing = None
     for entry in kv_cache_config.kv_cache_tensors:
-        if getattr(entry, "block_stride", 0) > 0:
-            if packed is None:
-                packed = pool.add_tensor(entry.size)
-            tensor = packed
+        if packed and entry.block_stride > 0:
+            if backing is None:
+                backing = pool.add_tensor(entry.size)
+            tensor = backing
         else:
             tensor = pool.add_tensor(entry.size)
         for layer_name in entry.shared_by:
@@ -54,7 +60,7 @@ def startup_blocks(runner: Any, kv_cache_config: Any) -> int:
     numbered from 1 up to one batch's worth of tokens; those pages must be
     mapped before the scheduler (which normally maps them) is even built.
     """
-    tokens = getattr(getattr(runner, "scheduler_config", None), "max_num_batched_tokens", None) or 8192
+    tokens = runner.scheduler_config.max_num_batched_tokens or 8192  # unset only before vLLM fills it in
     sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups] or [16]
     return 2 * (-(-int(tokens) // min(sizes))) + 2 * len(sizes)
 

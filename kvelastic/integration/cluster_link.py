@@ -5,6 +5,13 @@ refused); from then on every physical page the engine creates is granted by
 the account. Each reclaimer tick reports what the engine holds, picks up
 limits changed at run time (``kvelastic limit NAME 8GiB``) and gives memory
 back when other engines on the GPU are waiting for it.
+
+The account is consulted from vLLM's scheduler thread (the free-block count
+asks for headroom every 50 ms), so every call goes through a
+:class:`~kvelastic.cluster.membership.Membership`: a lock held by another
+process past ``LOCK_TIMEOUT_S`` is no headroom this tick, and a lost account
+(removed, reset, corrupt, this engine's record gone) leaves the engine serving
+on its own limit until it rejoins.
 """
 
 from __future__ import annotations
@@ -16,13 +23,19 @@ import socket
 from typing import Any
 
 from kvelastic.cluster.account import SharedAccount
-from kvelastic.cluster.errors import ClusterError
+from kvelastic.cluster.errors import AccountBusy
+from kvelastic.cluster.member import Member
+from kvelastic.cluster.membership import ACCOUNT_ERRORS, Membership
 from kvelastic.cluster.source import SharedBudgetSource
+from kvelastic.errors import ConfigError
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
+from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
+
+LOCK_TIMEOUT_S = 0.005  # the longest the scheduler's thread waits for another process
 
 
 def gpu_identity(cache: ElasticKVCache) -> tuple[str, int | None]:
@@ -43,37 +56,83 @@ def default_name(settings: Settings, model: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{base}-{suffix}")[:64]
 
 
+def _warn_about_other_users() -> None:
+    """Engines of other users (or groups) on this GPU count in accounts of their own: say so, never silently."""
+    try:
+        scope = current_scope()
+    except ConfigError:
+        return
+    others = other_scopes(scope)
+    if others:
+        log.warning("kvelastic: this GPU account is shared by %s only; %s in %s hold(s) other users' kvelastic "
+                    "files, whose engines are not counted in it (docs/security.md; KVELASTIC_SHARED_GROUP lets "
+                    "a group share one account)", scope.describe(), ", ".join(others), scope.root)
+
+
 class ClusterLink:
     """Joins the account, gates the pool with it, and keeps the two in step."""
 
     def __init__(self, cache: ElasticKVCache, source: SharedBudgetSource, settings: Settings,
                  model: str, limit_bytes: int | None):
-        gpu_id, total = gpu_identity(cache)
-        budget = settings.shared_budget_bytes or total or 1 << 62
-        self.account = SharedAccount.open(gpu_id, budget, reset_budget=bool(settings.shared_budget_bytes))
+        self.gpu_id, total = gpu_identity(cache)
+        self.budget = settings.shared_budget_bytes or total or 1 << 62
+        self.settings = settings
+        self.model = model
         self.name = settings.name or default_name(settings, model)
-        self.member = self.account.join(self.name, model=model, port=settings.port,
-                                        min_bytes=settings.min_bytes, max_bytes=limit_bytes or 0)
-        source.attach(self.member)
+        self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
+        self._restore_tried = False  # wrote the start-up cap back over the account's current 0
+        self._set_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
+        self.membership = Membership(self.name, self._connect)
+        source.attach(self.membership)
         cache.external_headroom = self.headroom
         self.source = source
         self.cache = cache
-        self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
-        self._restore_tried = False  # wrote the start-up cap back over the account's current 0
         atexit.register(self.leave)
-        log.info("kvelastic: joined the shared KV account of %s as %r", gpu_id, self.name)
+        if self.membership.attached:
+            log.info("kvelastic: joined the shared KV account of %s as %r", self.gpu_id, self.name)
+        _warn_about_other_users()
 
-    def headroom(self) -> int:
-        """Bytes the account would still grant this engine (asked at most every 50 ms)."""
-        return self.member.request(0).available_bytes
+    def _connect(self) -> Member:
+        """Open (or create) the GPU's account and join it with this engine's settings."""
+        account = SharedAccount.open(self.gpu_id, self.budget, reset_budget=self._set_budget,
+                                     lock_timeout_s=LOCK_TIMEOUT_S)
+        try:
+            member = account.join(self.name, model=self.model, port=self.settings.port,
+                                  min_bytes=self.settings.min_bytes, max_bytes=self.base_limit or 0)
+        except BaseException:
+            account.close()
+            raise
+        self._set_budget = False  # a budget changed with `kvelastic budget` since must survive a rejoin
+        return member
+
+    @property
+    def account(self) -> SharedAccount | None:
+        """The account this engine is a member of now (None while it serves on its own limit)."""
+        member = self.membership.member
+        return member.account if member is not None else None
+
+    @property
+    def member(self) -> Member | None:
+        return self.membership.member
+
+    def headroom(self) -> int | None:
+        """Bytes the account would still grant this engine (asked at most every 50 ms); None: no account."""
+        grant = self.membership.request(0)
+        return None if grant is None else grant.available_bytes
 
     def tick(self, queue: Any, offload: Any) -> int:
         """Report, apply the current limit; return the bytes other engines want back from us."""
         pool = self.cache.pool
         stats = pool.stats()
+        if not self.membership.attached and not self.source.rejoin():
+            if stats.limit_bytes != self.base_limit:
+                pool.set_limit(self.base_limit)  # serving alone: the limit it started with
+            return 0
         cached = queue.cached_groups() * self.cache.group_bytes + stats.reserve_bytes
         host = offload.stats()["host_bytes_used"] if offload is not None else None
-        t = self.member.tick(cached_bytes=cached, host_bytes=host)
+        t = self.membership.tick(cached_bytes=cached, host_bytes=host)
+        if t is None:
+            return 0  # busy this time, or just lost: the next tick tells
         limit = self.limit_for(t.max_bytes)
         if limit != stats.limit_bytes:
             pool.set_limit(limit)
@@ -100,17 +159,18 @@ class ClusterLink:
         Only a writer other than ``kvelastic limit`` (which restores the cap
         itself) leaves 0 there. Never raises: the pool holds the cap either way.
         """
+        account = self.account
+        if account is None:
+            return
         try:
-            self.account.restore_max(self.name, only_if_cleared=True)
-        except ClusterError as error:  # e.g. a min raised above the start-up cap meanwhile
+            account.restore_max(self.name, only_if_cleared=True)
+        except AccountBusy:
+            self._restore_tried = False  # try again next tick
+        except ACCOUNT_ERRORS as error:  # e.g. a min raised above the start-up cap meanwhile
             log.warning("kvelastic: %s keeps its start-up cap %s but could not show it in the account: %s",
                         self.name, format_size(self.base_limit or 0), error)
 
     def leave(self) -> None:
         self.cache.external_headroom = None
         self.source.member = None  # pages freed after leaving are no longer the account's business
-        try:
-            self.member.leave()
-            self.account.close()
-        except Exception:  # noqa: BLE001 - leaving at exit must not raise; a dead member is reclaimed anyway
-            pass
+        self.membership.leave()

@@ -21,9 +21,10 @@ Until the step ends (or ``popleft_n`` has taken them), empty groups are not
 released as surplus: the blocks just secured must still be there when vLLM
 takes them, also between the several ``popleft_n`` of a hybrid coordinator.
 
-Admission checks (``apply_admission_cap=True``, or vLLM 0.19.0-0.20.1's
-``can_fit_full_sequence``, see ``patches/admission_check.py``) ask about a
-whole sequence and allocate nothing: those map nothing.
+Admission checks ask about a whole sequence and allocate nothing: those map
+nothing. How each release tells them apart (``apply_admission_cap=True`` from
+0.20.2, ``can_fit_full_sequence`` in 0.19.0-0.20.1) is handled in one place,
+``patches/admission_check.py``, which also declares the estimate's parameters.
 
 Under tensor parallelism (``mapper.synchronous`` False) the queue promises
 only groups every rank has confirmed, so no estimate can fail; mapping waits
@@ -36,18 +37,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from kvelastic.patches.admission_check import ESTIMATE, is_admission_check
 
 if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.patching.apply import Patcher
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
-ADMISSION_FLAG = "apply_admission_cap"  # vLLM >= 0.20.2: True for checks that allocate nothing
 LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step
 
 
@@ -108,34 +110,22 @@ class CommitGuard:
         self.queue.hold.end_step()
 
 
-def install(coordinator: Any, queue: PageAwareFreeQueue) -> CommitGuard:
+def install(coordinator: Any, queue: PageAwareFreeQueue, patcher: Patcher) -> CommitGuard:
     """Wrap ``coordinator.get_num_blocks_to_allocate`` on this instance only; return the guard."""
     guard = CommitGuard(queue)
-    original = coordinator.get_num_blocks_to_allocate
-    admission_position = _position_of(original, ADMISSION_FLAG)
-    wrapper = functools.partial(_estimate, guard, original, admission_position)
-    functools.update_wrapper(wrapper, original)
-    coordinator.get_num_blocks_to_allocate = wrapper
-    coordinator.kvelastic_guard = guard
+    patcher.wrap_instance(coordinator, ESTIMATE, functools.partial(_estimate, guard, patcher.params(ESTIMATE)))
+    patcher.add_attribute(coordinator, "kvelastic_guard", guard)
     return guard
 
 
 def guard_of(kv_cache_manager: Any) -> CommitGuard | None:
-    return getattr(getattr(kv_cache_manager, "coordinator", None), "kvelastic_guard", None)
+    """The guard of this manager's coordinator; None where kvelastic did not attach to it (a CPU pool's)."""
+    return getattr(kv_cache_manager.coordinator, "kvelastic_guard", None)
 
 
-def _position_of(method: Callable[..., Any], name: str) -> int | None:
-    """Index of parameter ``name`` among the bound method's positional ones; None where it has none."""
-    params = list(inspect.signature(method).parameters)
-    return params.index(name) if name in params else None
-
-
-def _estimate(guard: CommitGuard, original: Callable[..., int], admission_position: int | None,
-              *args: Any, **kwargs: Any) -> int:
-    blocks = original(*args, **kwargs)
-    if admission_position is not None:
-        flag = args[admission_position] if len(args) > admission_position else kwargs.get(ADMISSION_FLAG)
-        if flag:
-            return blocks
-    guard.secure(blocks)
+def _estimate(guard: CommitGuard, params: tuple[str, ...], wrapped: Any, instance: Any, args: tuple,
+              kwargs: dict) -> int:
+    blocks = wrapped(*args, **kwargs)
+    if not is_admission_check(params, args, kwargs):
+        guard.secure(blocks)
     return blocks

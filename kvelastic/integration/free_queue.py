@@ -16,23 +16,24 @@ Here free blocks are kept per page group, so that:
 
 ``num_free_blocks`` counts what can really be had: free blocks in mapped
 groups plus the groups the pool can still map. vLLM compares it with what a
-request needs, so running out of physical memory is a scheduling miss.
+request needs, so running out of physical memory is a scheduling miss. The
+counts per group live in :class:`~kvelastic.integration.free_ledger.FreeBlockLedger`;
+this module makes the decisions.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from kvelastic.integration.commit_guard import AllocationHold
-from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
+from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.free_ledger import FreeBlockLedger
 from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MAPPABLE_TTL_S = 0.001
 
@@ -45,7 +46,6 @@ class PageAwareFreeQueue:
                  max_ahead_groups: int = 1, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.mapper = mapper or GroupMapper(cache)
-        self._blocks = blocks
         self._evict_cached = evict_cached
         self._clock = clock
         self.prefetch = BurstPrefetch(cache.blocks_per_group, max_ahead_groups)
@@ -55,45 +55,25 @@ class PageAwareFreeQueue:
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
         self.last_allocation = clock()
-        groups = cache.num_groups
-        self._in_use = [len(cache.blocks_of_group(g)) for g in range(groups)]
-        self._cached_count = [0] * groups
-        self._last_used = [0.0] * groups
-        self._free_uncached: dict[int, set[int]] = {}
-        self._free_uncached_total = 0
-        self._cached: OrderedDict[int, Any] = OrderedDict()
-        self._open: list[int] = []
-        self._unmapped = [g for g in range(groups) if not cache.pool.is_mapped(g)]
+        self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped)
         self._requested: set[int] = set()
-        self._empty: set[int] = set()
-        self._mapped_blocks = 0
         self._mappable_until = 0.0
         self._mappable_value = 0
-        for g in range(groups):
-            if cache.pool.is_mapped(g):
-                self._adopt_group(g, free=False)
-        free = list(free_blocks)
-        for block in free:
-            self._in_use[cache.group_of_block(block.block_id)] -= 1
-        used_unmapped = [g for g in self._unmapped if self._in_use[g]]
-        if used_unmapped:
-            raise AssertionError(f"blocks in use in unmapped groups {used_unmapped[:5]} at install")
-        for block in free:
-            if cache.pool.is_mapped(cache.group_of_block(block.block_id)):
-                self._to_free(block)
         self.num_total = len(blocks)
-        self.num_in_use = sum(self._in_use)
-        self._note_empty(set(self._free_uncached))  # groups mapped for start-up warm-up
         self._balance()
+
+    @property
+    def num_in_use(self) -> int:
+        return self.free.num_in_use
 
     # ------------------------------------------------------------ vLLM interface
     @property
     def num_free_blocks(self) -> int:
         if self.report_all_free:
-            return self.num_total - self.num_in_use
+            return self.num_total - self.free.num_in_use
         if self.mapper.mapped or self.mapper.refused:
             self._adopt_mapped()
-        return self._free_uncached_total + len(self._cached) + self._mappable_blocks()
+        return self.free.free_in_mapped + self._mappable_blocks()
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
@@ -105,15 +85,11 @@ class PageAwareFreeQueue:
     def popleft_n(self, n: int) -> list[Any]:
         self._adopt_mapped()
         taken: list[Any] = []
-        self._take_uncached(n, taken)
+        self.free.take_uncached(n, taken)
         if len(taken) < n:
             self._map_now(n - len(taken))
-            self._take_uncached(n, taken)
-        evicted: list[Any] = []
-        while len(taken) + len(evicted) < n and self._cached:
-            _, block = self._cached.popitem(last=False)
-            self._cached_count[self.cache.group_of_block(block.block_id)] -= 1
-            evicted.append(block)
+            self.free.take_uncached(n, taken)
+        evicted = self.free.evict_lru(n - len(taken))
         if evicted and self.spill_hook is not None and len(taken) + len(evicted) == n:
             self.spill_hook(evicted, before_reuse=True)
         taken.extend(evicted)
@@ -121,18 +97,13 @@ class PageAwareFreeQueue:
             self._overcommit(n - len(taken), taken)
         if len(taken) < n:
             for block in taken:
-                self._to_free(block)
+                self.free.to_free(block)
             raise ValueError(f"Cannot get {n} free blocks from the pool: "
                              f"no physical memory could be mapped for them")
         now = self._clock()
         self.last_allocation = now
         self.hold.taken(n)
-        self.num_in_use += n
-        for block in taken:
-            g = self.cache.group_of_block(block.block_id)
-            self._in_use[g] += 1
-            self._last_used[g] = now
-            self._empty.discard(g)
+        self.free.mark_taken(taken, now)
         self.prefetch.note(now, n)
         self._balance()
         return taken
@@ -144,12 +115,12 @@ class PageAwareFreeQueue:
         reclaimer brings the pool back under it. Only the device saying no
         turns this into an error.
         """
-        groups = self._pop_unmapped(-(-blocks_short // self.cache.blocks_per_group))
+        groups = self.free.pop_unmapped(-(-blocks_short // self.cache.blocks_per_group), self._requested)
         self._requested.update(groups)
         self.mapper.map_now(groups, force=True)
         self._adopt_mapped()
         before = len(taken)
-        self._take_uncached(len(taken) + blocks_short, taken)
+        self.free.take_uncached(len(taken) + blocks_short, taken)
         if len(taken) > before:
             log.warning("kvelastic: mapped %d blocks past the limit to honour a scheduling decision made "
                         "on a stale estimate; the reclaimer will return them", len(taken) - before)
@@ -164,39 +135,23 @@ class PageAwareFreeQueue:
         """
         self._adopt_mapped()
         taken: list[Any] = []
-        self._take_uncached(1, taken)
+        self.free.take_uncached(1, taken)
         if not taken:
             self._map_now(1)
-            self._take_uncached(1, taken)
+            self.free.take_uncached(1, taken)
         if not taken:
-            victim = next((b for b in self._cached.values() if b.block_id not in protected), None)
+            victim = self.free.lru_victim(protected)
             if victim is None:
                 return None
-            del self._cached[victim.block_id]
-            self._cached_count[self.cache.group_of_block(victim.block_id)] -= 1
             if self.spill_hook is not None:
                 self.spill_hook([victim], before_reuse=True)
             self._evict_cached(victim)
             taken.append(victim)
-        block = taken[0]
-        g = self.cache.group_of_block(block.block_id)
-        self._in_use[g] += 1
-        self.num_in_use += 1
-        self._empty.discard(g)
-        return block
+        self.free.mark_taken(taken, now=None)
+        return taken[0]
 
     def remove(self, block: Any) -> None:
-        block_id = block.block_id
-        g = self.cache.group_of_block(block_id)
-        if self._cached.pop(block_id, None) is not None:
-            self._cached_count[g] -= 1
-        else:
-            self._free_uncached[g].remove(block_id)
-            self._free_uncached_total -= 1
-        self._in_use[g] += 1
-        self.num_in_use += 1
-        self._last_used[g] = self._clock()
-        self._empty.discard(g)
+        self.free.remove(block, self._clock())
 
     def append(self, block: Any) -> None:
         self._release([block])
@@ -209,22 +164,12 @@ class PageAwareFreeQueue:
 
     def get_all_free_blocks(self) -> list[Any]:
         """Every free block in eviction order: uncached first, then cached LRU, then unmapped."""
-        uncached = [self._blocks[b] for g in sorted(self._free_uncached) for b in sorted(self._free_uncached[g])]
-        unmapped = [self._blocks[b] for g in range(self.cache.num_groups) if g not in self._free_uncached
-                    for b in self.cache.blocks_of_group(g)]
-        return uncached + list(self._cached.values()) + unmapped
+        return self.free.all_free_blocks()
 
     # ------------------------------------------------------------- maintenance
     def reclassify(self, block_ids: Iterable[int] | None = None) -> None:
         """Blocks whose hash vLLM dropped while they were free become plain free blocks."""
-        ids = list(self._cached) if block_ids is None else [b for b in block_ids if b in self._cached]
-        dropped = [self._cached[b] for b in ids if self._cached[b].block_hash is None]
-        for block in dropped:
-            del self._cached[block.block_id]
-            g = self.cache.group_of_block(block.block_id)
-            self._cached_count[g] -= 1
-            self._add_uncached(g, block.block_id)
-        self._note_empty({self.cache.group_of_block(b.block_id) for b in dropped})
+        self.free.drop_hashless(block_ids)
         self._balance()
 
     def reclaim_cached(self, *, idle_before: float | None = None, groups_wanted: int | None = None) -> int:
@@ -233,20 +178,16 @@ class PageAwareFreeQueue:
         Groups idle since before ``idle_before`` go first (oldest first); with
         ``groups_wanted`` set, up to that many are released whatever their age.
         """
-        candidates = sorted((self._last_used[g], g) for g in range(len(self._cached_count))
-                            if self._cached_count[g] and not self._in_use[g] and g != NULL_GROUP)
+        candidates = self.free.cache_only_groups()
         chosen = [g for t, g in candidates if idle_before is not None and t < idle_before]
         if groups_wanted is not None:
             chosen = [g for _, g in candidates][:groups_wanted]
-        leaving = [self._cached[b] for g in chosen for b in self.cache.blocks_of_group(g) if b in self._cached]
+        leaving = self.free.cached_blocks_in(chosen)
         fence = self.spill_hook(leaving, before_reuse=False) if self.spill_hook and leaving else None
         for block in leaving:
-            del self._cached[block.block_id]
+            self.free.uncache(block)
             self._evict_cached(block)
-            self._add_uncached(self.cache.group_of_block(block.block_id), block.block_id)
-        for g in chosen:
-            self._cached_count[g] = 0
-        self._note_empty(set(chosen))
+        self.free.note_empty(set(chosen))
         self._release_groups(chosen, after=fence)
         return len(chosen)
 
@@ -263,9 +204,8 @@ class PageAwareFreeQueue:
         demand holds until the next call replaces it, so groups mapped for
         waiting requests are not released as surplus before they are used.
         """
-        self._adopt_mapped()
-        short = max(0, blocks - self._free_uncached_total - len(self._cached))
-        self.demand_groups = len(self._empty) + -(-short // self.cache.blocks_per_group) if short else 0
+        short = max(0, blocks - self.mapped_free_blocks())
+        self.demand_groups = len(self.free.empty) + -(-short // self.cache.blocks_per_group) if short else 0
         self._balance()
 
     def map_for(self, blocks: int) -> bool:
@@ -274,8 +214,7 @@ class PageAwareFreeQueue:
         Only when the estimate says they can be had (otherwise vLLM's own
         check declines). False if a map was refused: the estimate was wrong.
         """
-        self._adopt_mapped()
-        short = blocks - self._free_uncached_total - len(self._cached)
+        short = blocks - self.mapped_free_blocks()
         if short <= 0 or short > self._mappable_blocks():
             return True
         refused = self.refused_groups
@@ -283,7 +222,12 @@ class PageAwareFreeQueue:
         return self.refused_groups == refused
 
     def cached_groups(self) -> int:
-        return sum(1 for g, n in enumerate(self._cached_count) if n and not self._in_use[g])
+        return self.free.cached_groups()
+
+    def mapped_free_blocks(self) -> int:
+        """Free blocks in mapped groups, counting groups the mapper has mapped since the last call."""
+        self._adopt_mapped()
+        return self.free.free_in_mapped
 
     # ----------------------------------------------------------------- helpers
     def _mappable_blocks(self) -> int:
@@ -298,8 +242,8 @@ class PageAwareFreeQueue:
         now = self._clock()
         if now < self._mappable_until:
             return self._mappable_value
-        unmapped_blocks = self.cache.num_blocks - self._mapped_blocks
-        groups = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))
+        unmapped_blocks = self.cache.num_blocks - self.free.mapped_blocks
+        groups = self.cache.mappable_groups(self.cache.num_groups - self.free.mapped_groups)
         self._mappable_value = min(unmapped_blocks, groups * self.cache.blocks_per_group)
         self._mappable_until = now + MAPPABLE_TTL_S
         return self._mappable_value
@@ -307,61 +251,18 @@ class PageAwareFreeQueue:
     def _forget_mappable(self) -> None:
         self._mappable_until = 0.0
 
-    def _adopt_group(self, g: int, *, free: bool) -> None:
-        """Start tracking a newly mapped group; with ``free`` all its blocks are free."""
-        self._mapped_blocks += len(self.cache.blocks_of_group(g))
-        self._forget_mappable()
-        self._free_uncached[g] = set()
-        if free:
-            for block_id in self.cache.blocks_of_group(g):
-                self._add_uncached(g, block_id)
-            self._empty.add(g)
-
     def _adopt_mapped(self) -> None:
         mapper = self.mapper
         while mapper.mapped:
             g = mapper.mapped.popleft()
             self._requested.discard(g)
-            self._adopt_group(g, free=True)
+            self.free.adopt_group(g, free=True)
+            self._forget_mappable()
         while mapper.refused:
             g = mapper.refused.popleft()
             self._requested.discard(g)
             self.refused_groups += 1
-            heapq.heappush(self._unmapped, g)
-
-    def _add_uncached(self, g: int, block_id: int) -> None:
-        members = self._free_uncached[g]
-        if not members:
-            heapq.heappush(self._open, g)
-        members.add(block_id)
-        self._free_uncached_total += 1
-
-    def _to_free(self, block: Any) -> None:
-        g = self.cache.group_of_block(block.block_id)
-        if block.block_hash is not None:
-            self._cached[block.block_id] = block
-            self._cached_count[g] += 1
-        else:
-            self._add_uncached(g, block.block_id)
-
-    def _take_uncached(self, n: int, taken: list[Any]) -> None:
-        while len(taken) < n and self._open:
-            g = self._open[0]
-            members = self._free_uncached.get(g)
-            if not members:
-                heapq.heappop(self._open)
-                continue
-            while members and len(taken) < n:
-                taken.append(self._blocks[members.pop()])
-                self._free_uncached_total -= 1
-
-    def _pop_unmapped(self, count: int) -> list[int]:
-        groups: list[int] = []
-        while self._unmapped and len(groups) < count:
-            g = heapq.heappop(self._unmapped)
-            if g not in self._free_uncached and g not in self._requested:
-                groups.append(g)
-        return groups
+            self.free.return_unmapped(g)
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
@@ -370,54 +271,34 @@ class PageAwareFreeQueue:
         if not self._mappable_blocks() and not self._requested:
             return  # the pool can map nothing now: do not wait on the worker for a refusal
         wanted = -(-blocks_short // self.cache.blocks_per_group) - len(self._requested)
-        groups = self._pop_unmapped(wanted) if wanted > 0 else []
+        groups = self.free.pop_unmapped(wanted, self._requested) if wanted > 0 else []
         self._requested.update(groups)
         self.mapper.map_now(groups)  # commands run in order: the earlier requests are done too
         self._adopt_mapped()
 
     def _release(self, blocks: list[Any]) -> None:
-        now = self._clock()
-        touched: set[int] = set()
-        for block in blocks:
-            g = self.cache.group_of_block(block.block_id)
-            self._in_use[g] -= 1
-            self._last_used[g] = now
-            self._to_free(block)
-            touched.add(g)
-        self.num_in_use -= len(blocks)
-        self._note_empty(touched)
+        self.free.mark_freed(blocks, self._clock())
         self._balance()
-
-    def _note_empty(self, groups: set[int]) -> None:
-        for g in groups:
-            if g != NULL_GROUP and g in self._free_uncached and not self._in_use[g] \
-                    and not self._cached_count[g]:
-                self._empty.add(g)
 
     def _balance(self) -> None:
         """Keep the prefetch's empty groups mapped: request more, or release the surplus."""
         self._adopt_mapped()
         want = max(self.prefetch.groups, self.demand_groups)
-        have = len(self._empty) + len(self._requested)
+        empty = self.free.empty
+        have = len(empty) + len(self._requested)
         if have < want:
-            room = self.cache.mappable_groups(self.cache.num_groups - len(self._free_uncached))
-            groups = self._pop_unmapped(min(want - have, room))
+            room = self.cache.mappable_groups(self.cache.num_groups - self.free.mapped_groups)
+            groups = self.free.pop_unmapped(min(want - have, room), self._requested)
             if groups:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)
-        elif len(self._empty) > want and not self.hold.secured:
-            self._release_groups(sorted(self._empty)[want:] if want else sorted(self._empty))
+        elif len(empty) > want and not self.hold.secured:
+            self._release_groups(sorted(empty)[want:] if want else sorted(empty))
 
     def _release_groups(self, groups: list[int], after: Any = None) -> None:
         """Stop using empty groups and have the worker unmap them once the GPU (and ``after``) is done."""
-        groups = [g for g in groups if g in self._empty]
+        groups = self.free.release_empty(groups)
         if not groups:
             return
-        self._empty.difference_update(groups)
-        for g in groups:
-            members = self._free_uncached.pop(g)
-            self._free_uncached_total -= len(members)
-            self._mapped_blocks -= len(self.cache.blocks_of_group(g))
-            heapq.heappush(self._unmapped, g)
         self._forget_mappable()
         self.mapper.request_unmap(groups, after=after)

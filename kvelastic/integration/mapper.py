@@ -21,7 +21,7 @@ from typing import Any, Iterable
 from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import ElasticKVCache
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MAP, UNMAP, FORCE_MAP, BARRIER = "map", "unmap", "force-map", "barrier"
 

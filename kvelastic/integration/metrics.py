@@ -4,7 +4,9 @@ The numbers live in the engine-core process (pool, host tier), but ``/metrics``
 is served by the API-server process. The engine therefore publishes a small
 JSON snapshot under ``/dev/shm`` on every reclaimer tick, and a collector
 registered in the API server's default registry reads the snapshots of its own
-engine processes (those whose parent it is) when Prometheus scrapes. With
+engine processes (those whose parent it is) when Prometheus scrapes. The
+snapshots are shared files, so they live in the scope's folder and are read
+as untrusted input: bounded, schema-checked JSON (:mod:`kvelastic.shared`). With
 ``PROMETHEUS_MULTIPROC_DIR`` set (several API servers) ``/metrics`` is built
 from prometheus_client's multiprocess files alone; there the publisher also
 writes the numbers as metrics of its own (``metrics_multiproc``).
@@ -13,35 +15,64 @@ writes the numbers as metrics of its own (``metrics_multiproc``).
 from __future__ import annotations
 
 import itertools
-import json
+import logging
+import math
 import os
+import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
-PREFIX = "kvelastic-stats-"
+from kvelastic.cluster.liveness import own_pid_namespace, provably_dead
+from kvelastic.errors import KvelasticError
+from kvelastic.shared import bounded_json
+from kvelastic.shared.errors import BadSharedData, SharedFileError
+from kvelastic.shared.files import SafeDir
+from kvelastic.shared.names import STATS_PREFIX, STATS_SUFFIX, Owner, own_owner, owner_of, stats_name
+from kvelastic.shared.scope import current_scope
+from kvelastic.shared.sweep import sweep
+
+log = logging.getLogger("kvelastic")
+#: Snapshot key -> (metric name, help). Prometheus conventions: the unit ends the name (``_bytes``,
+#: ``_blocks``), and prometheus_client exports a counter with ``_total`` after it.
 GAUGES = {
-    "mapped_bytes": "Physical KV bytes mapped on the GPU",
-    "held_bytes": "Physical KV bytes held (mapped, waiting for a fence, or warm)",
-    "limit_bytes": "Physical KV byte limit of this engine (0: none)",
-    "cached_bytes": "GPU bytes in groups holding only cached prefix blocks",
-    "host_bytes_used": "Host-tier bytes holding spilled blocks",
-    "arc_p": "ARC's target size of its recency list, in blocks",
+    "mapped_bytes": ("kvelastic_mapped_bytes", "Physical KV bytes mapped on the GPU"),
+    "held_bytes": ("kvelastic_held_bytes", "Physical KV bytes held (mapped, waiting for a fence, or warm)"),
+    "limit_bytes": ("kvelastic_limit_bytes", "Physical KV byte limit of this engine (0: none)"),
+    "cached_bytes": ("kvelastic_cached_bytes", "GPU bytes in groups holding only cached prefix blocks"),
+    "host_bytes_used": ("kvelastic_host_used_bytes", "Host-tier bytes holding spilled blocks"),
+    "arc_p": ("kvelastic_host_arc_target_blocks",
+              "ARC's adaptive target size of its recency list (its p), as a count of KV blocks"),
 }
 COUNTERS = {
-    "spilled_bytes": "KV bytes copied from the GPU to the host tier",
-    "reloaded_bytes": "KV bytes copied back from the host tier on a prefix hit",
-    "host_hits": "Prefix lookups served by the host tier",
-    "host_misses": "Prefix lookups the host tier could not serve",
+    "spilled_bytes": ("kvelastic_spilled_bytes", "KV bytes copied from the GPU to the host tier"),
+    "reloaded_bytes": ("kvelastic_reloaded_bytes", "KV bytes copied back from the host tier on a prefix hit"),
+    "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
+    "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
 }
+#: ``model_name`` is vLLM's served model name, as on vLLM's own metrics; ``instance_name`` is the
+#: engine's kvelastic name (KVELASTIC_NAME, as ``kvelastic status`` lists it).
+LABELS = ("model_name", "instance_name")
+
+
+MAX_SNAPSHOT_BYTES = 64 * 1024
+_ENGINE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SNAPSHOT = {"name": str, "model_name": str, "pid": int, "ppid": int, "time": (int, float), "values": dict}
+MAX_MODEL_NAME = 512
 
 
 def stats_dir() -> Path:
-    """Where engines publish their snapshots: beside the GPUs' shared accounts."""
+    """Where engines publish their snapshots: this user's (or group's) shared folder, beside the accounts."""
     from kvelastic.cluster.storage import shared_dir
 
     return shared_dir()
+
+
+def open_stats_dir(directory: Path | None, *, create: bool) -> SafeDir | None:
+    """The checked folder of snapshots (``directory``, or this scope's folder); None if it does not exist."""
+    scope = current_scope(None if directory is None else directory.parent)
+    return SafeDir.open(directory if directory is not None else scope.path, scope, create=create)
 
 
 class StatsPublisher:
@@ -50,69 +81,116 @@ class StatsPublisher:
     Each publisher has a file of its own (several engines may share a process),
     and each write its own temporary file (the reclaimer thread and a caller may
     publish at the same moment). Where ``/metrics`` is built from multiprocess
-    files, it also writes the values there.
+    files, it also writes the values there. Publishing never raises: a problem
+    with the shared folder (full, unsafe) is logged once. A new publisher first
+    removes the snapshots and engine folders of engines that died.
     """
 
     _numbers = itertools.count()
 
-    def __init__(self, name: str, directory: Path | None = None):
+    def __init__(self, name: str, directory: Path | None = None, model_name: str = ""):
         from kvelastic.integration.metrics_multiproc import MultiprocessMirror
 
         self.name = name
-        self.path = (directory or stats_dir()) / f"{PREFIX}{os.getpid()}-{next(self._numbers)}.json"
-        self._mirror = MultiprocessMirror.for_environment(name, GAUGES, COUNTERS)
+        self.model_name = model_name
+        self.directory = directory
+        self.file_name = stats_name(own_owner(), next(self._numbers))
+        self._mirror = MultiprocessMirror.for_environment((model_name, name), GAUGES, COUNTERS)
+        self._problem = ""
+        self._with_folder(sweep, create=True)
+
+    @property
+    def path(self) -> Path:
+        return (self.directory if self.directory is not None else stats_dir()) / self.file_name
 
     def publish(self, values: dict[str, Any]) -> None:
-        record = {"name": self.name, "pid": os.getpid(), "ppid": os.getppid(), "time": time.time(),
-                  "values": values}
-        tmp = self.path.with_name(f".{self.path.name}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        finite = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        record = {"name": self.name, "model_name": self.model_name, "pid": os.getpid(), "ppid": os.getppid(),
+                  "time": time.time(), "values": finite}
+        self._with_folder(lambda folder: folder.write_atomic(self.file_name, bounded_json.dumps(record)),
+                          create=True)
         if self._mirror is not None:
-            self._mirror.update(values)
+            self._mirror.update(finite)
 
     def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+        self._with_folder(lambda folder: folder.unlink_owned(self.file_name), create=False)
 
-
-def _records(directory: Path, pattern: str) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """The snapshot files matching ``pattern`` that parse, with their records."""
-    for path in directory.glob(pattern):
+    def _with_folder(self, action: Callable[[SafeDir], object], *, create: bool) -> None:
         try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
+            folder = open_stats_dir(self.directory, create=create)
+            if folder is None:
+                return
+            with folder:
+                action(folder)
+        except (KvelasticError, OSError) as error:
+            problem = f"{type(error).__name__}: {error}"
+            if problem != self._problem:
+                self._problem = problem
+                log.warning("kvelastic: the metrics snapshot of %s cannot be written: %s", self.name, problem)
+
+
+def parse_snapshot(data: bytes, what: str) -> dict[str, Any]:
+    """A snapshot as :class:`StatsPublisher` writes it, with only the known numbers; BadSharedData otherwise."""
+    record = bounded_json.expect(bounded_json.loads(data, what), _SNAPSHOT, what)
+    if not _ENGINE_NAME.match(record["name"]) or len(record["model_name"]) > MAX_MODEL_NAME:
+        raise BadSharedData(f"{what}: engine name {record['name'][:80]!r} or its model name is not one "
+                            f"kvelastic writes")
+    known = GAUGES.keys() | COUNTERS.keys()
+    record["values"] = {k: v for k, v in record["values"].items()
+                        if k in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return record
+
+
+def _records(folder: SafeDir, owned_by: Callable[[Owner], bool]) -> Iterator[tuple[Owner, dict[str, Any]]]:
+    """The well-formed snapshots whose file names say they belong to a process ``owned_by`` accepts."""
+    for name in folder.names(STATS_PREFIX):
+        owner = owner_of(name)
+        if owner is None or not name.endswith(STATS_SUFFIX) or not owned_by(owner):
             continue
-        if isinstance(record, dict):
-            yield path, record
+        try:
+            record = parse_snapshot(folder.read_bytes(name, MAX_SNAPSHOT_BYTES), str(folder.path / name))
+        except (SharedFileError, OSError):
+            continue
+        if record["pid"] == owner.pid:
+            yield owner, record
 
 
-def find_snapshot(directory: Path, pid: int, name: str) -> dict[str, Any] | None:
+def find_snapshot(directory: Path, pid: int, name: str, pid_ns: int | None = None) -> dict[str, Any] | None:
     """The snapshot engine ``name`` in process ``pid`` wrote, or None (another process's file never counts)."""
-    for _, record in _records(directory, f"{PREFIX}{pid}-*.json"):
-        if record.get("name") == name and record.get("pid") == pid:
-            return record
+    ns = own_pid_namespace() if pid_ns is None else pid_ns
+    folder = open_stats_dir(directory, create=False)
+    if folder is None:
+        return None
+    with folder:
+        for _, record in _records(folder, lambda owner: owner.pid == pid and owner.pid_ns == ns):
+            if record["name"] == name:
+                return record
     return None
 
 
 def read_snapshots(directory: Path, parents: Collection[int]) -> list[dict[str, Any]]:
     """Snapshots written by children of ``parents`` (or by ``parents`` themselves), skipping dead ones."""
-    found = []
-    for path, record in _records(directory, f"{PREFIX}*.json"):
-        if record.get("ppid") not in parents and record.get("pid") not in parents:
-            continue
-        if not Path(f"/proc/{record['pid']}").exists():
-            path.unlink(missing_ok=True)
-            continue
-        found.append(record)
-    return found
+    ns = own_pid_namespace()
+    folder = open_stats_dir(directory, create=False)
+    if folder is None:
+        return []
+    with folder:
+        return [record for owner, record in _records(folder, lambda owner: owner.pid_ns == ns)
+                if (record["ppid"] in parents or record["pid"] in parents) and not provably_dead(*owner)]
 
 
 class KvelasticCollector:
-    """A prometheus_client collector over the snapshots of this process's engines."""
+    """A prometheus_client collector over the snapshots of this process's engines.
+
+    It runs in the API server's event loop on every scrape, so it never
+    raises and never waits: a folder it cannot read yields no samples (logged
+    once), and files are opened without blocking (:mod:`kvelastic.shared.files`).
+    """
 
     def __init__(self, directory: Path | None = None, parents: tuple[int, ...] | None = None):
-        self.directory = directory or stats_dir()
+        self.directory = directory
         self.parents = parents or (os.getpid(),)
+        self._problem = ""
 
     def describe(self) -> list:
         return []  # values are read at scrape time; nothing to pre-declare
@@ -120,19 +198,24 @@ class KvelasticCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snapshots = read_snapshots(self.directory, self.parents)
-        for key, help_text in GAUGES.items():
-            family = GaugeMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
-            for s in snapshots:
-                if s["values"].get(key) is not None:
-                    family.add_metric([s["name"]], float(s["values"][key]))
-            yield family
-        for key, help_text in COUNTERS.items():
-            family = CounterMetricFamily(f"kvelastic_{key}", help_text, labels=["engine"])
-            for s in snapshots:
-                if s["values"].get(key) is not None:
-                    family.add_metric([s["name"]], float(s["values"][key]))
-            yield family
+        snapshots = self._snapshots()
+        for table, kind in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for key, (metric, help_text) in table.items():
+                family = kind(metric, help_text, labels=LABELS)
+                for s in snapshots:
+                    if s["values"].get(key) is not None:
+                        family.add_metric([s["model_name"], s["name"]], float(s["values"][key]))
+                yield family
+
+    def _snapshots(self) -> list[dict[str, Any]]:
+        try:
+            return read_snapshots(self.directory if self.directory is not None else stats_dir(), self.parents)
+        except Exception as error:  # noqa: BLE001 - a scrape must never fail because of a shared file
+            problem = f"{type(error).__name__}: {error}"
+            if problem != self._problem:
+                self._problem = problem
+                log.warning("kvelastic: /metrics shows no kvelastic_* values: %s", problem)
+            return []
 
 
 class _Registered:

@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any, Mapping
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -38,29 +38,32 @@ def multiprocess_values() -> bool:
 
 
 class MultiprocessMirror:
-    """One engine's gauges and counters as prometheus_client metrics, labelled with its name.
+    """One engine's gauges and counters as prometheus_client metrics, labelled with its model and name.
 
     Gauges use the ``mostrecent`` mode, so a scrape shows the last value any
     process wrote for this engine. The engine's counters are running totals;
     the mirror adds what each total grew by since the last update.
     """
 
-    def __init__(self, name: str, gauges: Mapping[str, str], counters: Mapping[str, str]):
+    def __init__(self, labels: tuple[str, str], gauges: Mapping[str, tuple[str, str]],
+                 counters: Mapping[str, tuple[str, str]]):
         from prometheus_client import Counter, Gauge
 
-        self.name = name
-        self._gauges = {key: Gauge(f"kvelastic_{key}", text, ["engine"], registry=None,
-                                   multiprocess_mode="mostrecent") for key, text in gauges.items()}
-        self._counters = {key: Counter(f"kvelastic_{key}", text, ["engine"], registry=None)
-                          for key, text in counters.items()}
+        from kvelastic.integration.metrics import LABELS
+
+        self.labels = labels  # values of LABELS: (model name, instance name)
+        self._gauges = {key: Gauge(metric, text, LABELS, registry=None, multiprocess_mode="mostrecent")
+                        for key, (metric, text) in gauges.items()}
+        self._counters = {key: Counter(metric, text, LABELS, registry=None)
+                          for key, (metric, text) in counters.items()}
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()  # the reclaimer thread and a caller may publish at once
 
     @classmethod
-    def for_environment(cls, name: str, gauges: Mapping[str, str],
-                        counters: Mapping[str, str]) -> "MultiprocessMirror | None":
+    def for_environment(cls, labels: tuple[str, str], gauges: Mapping[str, tuple[str, str]],
+                        counters: Mapping[str, tuple[str, str]]) -> "MultiprocessMirror | None":
         """A mirror when this process writes multiprocess metric files, else None."""
-        return cls(name, gauges, counters) if multiprocess_values() else None
+        return cls(labels, gauges, counters) if multiprocess_values() else None
 
     def update(self, values: Mapping[str, Any]) -> None:
         with self._lock:
@@ -69,12 +72,12 @@ class MultiprocessMirror:
     def _update(self, values: Mapping[str, Any]) -> None:
         for key, gauge in self._gauges.items():
             if values.get(key) is not None:
-                gauge.labels(self.name).set(float(values[key]))
+                gauge.labels(*self.labels).set(float(values[key]))
         for key, counter in self._counters.items():
             if values.get(key) is None:
                 continue
             total = float(values[key])
             grown = total - self._totals.get(key, 0.0)
             if grown > 0:
-                counter.labels(self.name).inc(grown)
+                counter.labels(*self.labels).inc(grown)
             self._totals[key] = total

@@ -1,14 +1,15 @@
 """Wire the host tier into one engine: views of its blocks, the tier, the copier, the hooks.
 
 Enabled by ``KVELASTIC_CPU_BYTES``. The block pool's prefix-cache lookup is
-wrapped on the instance so a GPU miss that the host tier can serve becomes a
-GPU hit, and the page-aware queue spills cached blocks before evicting them.
+wrapped on its map instance, through the Patcher, so a GPU miss that the host
+tier can serve becomes a GPU hit, and the page-aware queue spills cached
+blocks before evicting them. The contacts are declared in
+``patches/host_tier_lookup.py``.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -17,6 +18,8 @@ from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.offload.copier import DEFAULT_PATH, BlockCopier, CopyPath
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
+from kvelastic.patches.host_tier_lookup import GET_ONE_BLOCK, hash_assigner
+from kvelastic.patching.apply import Change, Patcher
 
 
 def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
@@ -32,29 +35,60 @@ def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
     return views
 
 
-def attach_offload(block_pool: Any, queue: PageAwareFreeQueue, cache: ElasticKVCache,
-                   cpu_bytes: int, policy: str = "arc", copy_path: CopyPath = DEFAULT_PATH) -> OffloadManager:
+def attach_offload(block_pool: Any, queue: PageAwareFreeQueue, cache: ElasticKVCache, cpu_bytes: int,
+                   patcher: Patcher, policy: str = "arc", copy_path: CopyPath = DEFAULT_PATH) -> OffloadManager:
     views = block_views(cache)
     slot_bytes = sum(v.shape[1] for v in views)
     pin = views[0].device.type == "cuda"
     tier = HostTier(cpu_bytes, slot_bytes, pin=pin, policy=policy)
-    manager = OffloadManager(tier, BlockCopier(views, tier.buffer, path=copy_path), queue, block_pool)
+    copier = BlockCopier(views, tier.buffer, path=copy_path)
+    manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher))
     queue.spill_hook = manager.spill
-    hook_lookup(block_pool, manager)
+    hook_lookup(block_pool, manager, patcher)
     return manager
 
 
-def hook_lookup(block_pool: Any, manager: OffloadManager) -> None:
-    """Let the prefix-cache map fall back to the host tier (again after a reset replaces it)."""
-    index = block_pool.cached_block_hash_to_block
-    original = index.get_one_block
+def hook_lookup(block_pool: Any, manager: OffloadManager, patcher: Patcher) -> "PrefixLookupHook":
+    """Let ``block_pool``'s prefix-cache map fall back to the host tier, now and after every reset."""
+    return PrefixLookupHook(block_pool, manager, patcher)
 
-    @functools.wraps(original)
-    def get_one_block(key: Any) -> Any:
-        block = original(key)
+
+def block_entry(block_pool: Any, patcher: Patcher) -> Callable[[Any, Hashable], None]:
+    """``enter(block, key)``: ``block`` takes hash ``key`` and enters ``block_pool``'s prefix-cache map."""
+    assign = hash_assigner(patcher)
+
+    def enter(block: Any, key: Hashable) -> None:
+        assign(block, key)
+        block_pool.cached_block_hash_to_block.insert(key, block)
+
+    return enter
+
+
+class PrefixLookupHook:
+    """The host tier's hook on the prefix-cache map's ``get_one_block``, following the map through resets.
+
+    vLLM's ``reset_prefix_cache`` replaces the map with a new one; the manager's
+    reset then calls :meth:`install`, which drops the hook on the old map and
+    hooks the new one, so the Patcher never holds more than one.
+    """
+
+    def __init__(self, block_pool: Any, manager: OffloadManager, patcher: Patcher):
+        self._block_pool = block_pool
+        self._manager = manager
+        self._patcher = patcher
+        self._change: Change | None = None
+        self.install()
+        manager.on_reset(self.install)
+
+    def install(self) -> None:
+        if self._change is not None:
+            self._patcher.undo(self._change)
+        index = self._block_pool.cached_block_hash_to_block
+        self._change = self._patcher.wrap_instance(index, GET_ONE_BLOCK, self._get_one_block)
+
+    def _get_one_block(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        block = wrapped(*args, **kwargs)
         if block is None:
-            return manager.load_on_miss(key)
-        manager.matched(block)
+            return self._manager.load_on_miss(args[0] if args else kwargs["key"])
+        self._manager.matched(block)
         return block
-
-    index.get_one_block = get_one_block

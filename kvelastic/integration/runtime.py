@@ -17,11 +17,11 @@ from kvelastic.settings import Settings
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
+    from kvelastic.cluster.source import SharedBudgetSource
     from kvelastic.integration.elastic_cache import ElasticKVCache
     from kvelastic.pool import PagePool, PhysicalBackend
-    from kvelastic.pool.sources import PageSource
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,18 @@ class CapacityPlan:
     virtual_bytes: int
     limit_bytes: int
     profiled_bytes: int
+
+
+@dataclass(frozen=True)
+class EnginePool:
+    """A pool of this process and the shared-budget layer of its page source stack.
+
+    The layer only counts until the scheduler joins the GPU's shared account
+    through it; from then on the account grants every page the pool creates.
+    """
+
+    pool: "PagePool"
+    budget: "SharedBudgetSource"
 
 
 def default_backend() -> "PhysicalBackend":
@@ -47,8 +59,9 @@ class Runtime:
         self.backend_factory = backend_factory
         self.plan: CapacityPlan | None = None
         self.cache: "ElasticKVCache | None" = None
-        self._pools: list["PagePool"] = []
-        self.budget_sources: dict[int, Any] = {}
+        #: The shared-budget layer under the published cache's pool (None if another made that pool).
+        self.budget: "SharedBudgetSource | None" = None
+        self._pools: list[EnginePool] = []
         self.rank_worker: Any = None  # set on a worker rank whose scheduler is another process
         self._allocating = threading.local()
         self._lock = threading.Lock()
@@ -67,24 +80,21 @@ class Runtime:
 
     # ------------------------------------------------------------ allocation
     def new_pool(self) -> "PagePool":
-        """A pool for the allocation in progress; earlier pools retire once their tensors die."""
-        from kvelastic.pool import PagePool
+        """A pool for the allocation in progress; earlier pools retire once their tensors die.
 
+        Its stack, top down: warm reserve, limit, the GPU's shared budget,
+        page statistics, the device. No limit and no account yet: start-up
+        warm-up maps what it needs; the scheduler then sets the limit and joins
+        the account through :attr:`budget`.
+        """
         from kvelastic.cluster.source import SharedBudgetSource
+        from kvelastic.pool import DeviceSource, LimitedSource, PagePool, ReserveSource, StatisticsSource
 
-        # No limit and no shared-budget gate yet: start-up warm-up maps what it needs;
-        # the scheduler applies the limit and joins the GPU's shared account.
-        holder: list[SharedBudgetSource] = []
-
-        def gate(device: "PageSource") -> "PageSource":
-            holder.append(SharedBudgetSource(device))
-            return holder[0]
-
-        pool = PagePool(self.backend_factory(), page_bytes=self.settings.chunk_bytes, zero_on_map="fresh",
-                        wrap_device=gate)
-        self.budget_sources[id(pool)] = holder[0]
+        backend = self.backend_factory()
+        budget = SharedBudgetSource(StatisticsSource(DeviceSource(backend, self.settings.chunk_bytes)))
+        pool = PagePool(backend, ReserveSource(LimitedSource(budget)), zero_on_map="fresh")
         with self._lock:
-            self._pools.append(pool)
+            self._pools.append(EnginePool(pool, budget))
         self._allocating.pool = pool
         return pool
 
@@ -100,6 +110,7 @@ class Runtime:
     def publish(self, cache: "ElasticKVCache") -> None:
         with self._lock:
             self.cache = cache
+            self.budget = next((p.budget for p in self._pools if p.pool is cache.pool), None)
         self.retire_unused_pools()
 
     def retire_unused_pools(self) -> None:
@@ -107,10 +118,9 @@ class Runtime:
         with self._lock:
             live = self.cache.pool if self.cache else None
             keep = []
-            for pool in self._pools:
-                if pool is live or pool.regions_alive():
-                    keep.append(pool)
+            for engine_pool in self._pools:
+                if engine_pool.pool is live or engine_pool.pool.regions_alive():
+                    keep.append(engine_pool)
                 else:
-                    pool.close()
-                    self.budget_sources.pop(id(pool), None)
+                    engine_pool.pool.close()
             self._pools = keep

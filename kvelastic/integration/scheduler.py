@@ -6,6 +6,12 @@ lock (shared with the reclaimer thread), and the reclaimer starts. The cache
 is in this process (one GPU, uniprocess executor) or sharded over worker ranks
 in child processes (tensor parallelism, multiprocess executor: see
 :mod:`kvelastic.tp`).
+
+Every change to the scheduler's objects goes through the activation's
+:class:`~kvelastic.patching.apply.Patcher`, on contacts the gate checked
+(``patches/scheduler_block_pool.py`` lists them). Attaching is all or nothing:
+if it fails, each change made to this scheduler is undone and the threads
+started for it are stopped before the error propagates.
 """
 
 from __future__ import annotations
@@ -13,22 +19,36 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
 from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.reclaimer import Reclaimer
 from kvelastic.integration.runtime import Runtime
+from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
+from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE
+from kvelastic.patching.apply import Patcher
 from kvelastic.settings import Settings
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
-#: Scheduler methods that read or change the GPU block pool, called by the engine thread.
-LOCKED_METHODS = ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache")
+#: Names of the scheduler methods that take the lock (declared in patches/scheduler_block_pool.py).
+LOCKED_METHODS = tuple(target.name for target in LOCKED)
 
 
-def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
+def attach_scheduler(scheduler: Any, runtime: Runtime, patcher: Patcher) -> UpkeepThread:
+    """Make ``scheduler``'s GPU block pool page-aware and start its reclaimer; undone whole on failure."""
+    started: list[Any] = []  # threads to stop if attaching fails
+    try:
+        with patcher.all_or_nothing():
+            return _attach(scheduler, runtime, patcher, started)
+    except BaseException:
+        for worker in reversed(started):
+            worker.stop()
+        raise
+
+
+def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[Any]) -> UpkeepThread:
     settings = runtime.settings
     cache = runtime.cache
     remote = cache is None
@@ -42,65 +62,83 @@ def attach_scheduler(scheduler: Any, runtime: Runtime) -> Reclaimer:
         cache.pool.set_limit(limit)  # start-up warm-up ran unlimited; from here the limit holds
         mapper = GroupMapper(cache)
         mapper.start()
-    block_pool = scheduler.kv_cache_manager.block_pool
+    started.append(mapper)
+    manager = scheduler.kv_cache_manager
+    block_pool = manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
-    queue = make_page_aware(block_pool, cache, mapper, max_ahead_groups=ahead)
-    guard = commit_guard.install(scheduler.kv_cache_manager.coordinator, queue)
+    queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead)
+    guard = commit_guard.install(manager.coordinator, queue, patcher)
     lock = threading.RLock()
-    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings)
-    for name in LOCKED_METHODS:
-        method = getattr(scheduler, name, None)
-        if method is None:
-            continue
-        after = _after_reset(block_pool, offload) if name == "reset_prefix_cache" else None
-        flush = offload.flush if offload is not None else None  # no copy outlives a call
-        if name == "schedule":  # what was secured for this step's allocations is not held past it
-            flush = _chain(guard.end_step, flush)
-        if remote and name == "schedule":
-            from kvelastic.tp.scheduler_side import locked_schedule
-
-            setattr(scheduler, name, locked_schedule(lock, method, flush, mapper, queue, scheduler))
-        else:
-            setattr(scheduler, name, _locked(lock, method, after or flush))
+    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings, patcher)
+    _lock_entry_points(scheduler, patcher, lock, guard, offload, queue if remote else None, mapper)
     if remote:
         cache.pool.lock = lock  # idle delivery of commands must not race a scheduling step
-    reclaimer = Reclaimer(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
-                          reserve_bytes=settings.reserve_bytes, after_tick=runtime.retire_unused_pools)
-    reclaimer.offload = offload
-    reclaimer.link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
-    reclaimer.publisher = _publisher(reclaimer.link)
+    link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
+    reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
+                              reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
+                              publisher=_publisher(link, scheduler),
+                              rank_held_bytes=mapper.rank_held_bytes if remote else None,
+                              after_tick=runtime.retire_unused_pools)
+    patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
     reclaimer.start()
-    scheduler.kvelastic_reclaimer = reclaimer
+    started.append(reclaimer)
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
              cache.num_blocks, cache.num_groups, cache.blocks_per_group)
     return reclaimer
 
 
+def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, guard: Any, offload: Any,
+                       remote_queue: Any, mapper: Any) -> None:
+    """Each declared entry point runs under ``lock``, then what must follow it before the lock is let go.
+
+    No host copy outlives a call (``offload.flush``); what was secured for a
+    step's allocations is not held past it (``guard.end_step``); a reset hooks
+    the host tier into the new prefix-cache map. Under tensor parallelism
+    (``remote_queue`` given) the step's output also carries the ranks' commands.
+    """
+    flush = offload.flush if offload is not None else None
+    for target in LOCKED:
+        then = flush
+        if target is SCHEDULE:
+            then = _chain(guard.end_step, flush)
+        if target is RESET_PREFIX_CACHE and offload is not None:
+            then = offload.reset  # the host copies go too; the lookup hook follows the new map
+        if remote_queue is not None and target is SCHEDULE:
+            from kvelastic.tp.scheduler_side import locked_schedule
+
+            wrapper = locked_schedule(lock, then, mapper, remote_queue, scheduler)
+        else:
+            wrapper = functools.partial(_locked, lock, then)
+        patcher.wrap_instance(scheduler, target, wrapper)
+
+
 def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, mapper: Any, remote: bool,
-                    settings: Settings) -> Any:
+                    settings: Settings, patcher: Patcher) -> Any:
     """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
     if not settings.cpu_bytes:
         return None
     if remote:
         from kvelastic.tp.scheduler_side import attach_remote_offload
 
-        offload = attach_remote_offload(block_pool, queue, cache, mapper, policy=settings.cpu_policy)
+        offload = attach_remote_offload(block_pool, queue, cache, mapper, patcher, policy=settings.cpu_policy)
     else:
         from kvelastic.integration.offload_setup import attach_offload
 
-        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes, policy=settings.cpu_policy,
+        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes, patcher, policy=settings.cpu_policy,
                                  copy_path=settings.copy_path)
-    scheduler.kvelastic_offload = offload
+    patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
 
 
-def _publisher(link: Any) -> Any:
-    """The metrics snapshot writer, named like the engine's account membership."""
+def _publisher(link: Any, scheduler: Any) -> Any:
+    """The metrics snapshot writer, named like the engine's account membership, with vLLM's model name."""
     import os
 
     from kvelastic.integration.metrics import StatsPublisher
 
-    publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}")
+    model_name = scheduler.vllm_config.model_config.served_model_name
+    publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}",
+                               model_name=str(model_name or ""))
     import atexit
 
     atexit.register(publisher.remove)
@@ -109,13 +147,13 @@ def _publisher(link: Any) -> Any:
 
 def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:
     """Join the GPU's shared account; None where the pool has no shared-budget gate."""
-    source = runtime.budget_sources.get(id(cache.pool))
+    source = runtime.budget
     if source is None:
         return None
     from kvelastic.cluster.errors import NameInUse
     from kvelastic.integration.cluster_link import ClusterLink
 
-    model = str(getattr(getattr(scheduler.vllm_config, "model_config", None), "model", "") or "")
+    model = str(scheduler.vllm_config.model_config.model or "")
     try:
         return ClusterLink(cache, source, runtime.settings, model, limit)
     except NameInUse:
@@ -126,21 +164,17 @@ def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | Non
         return None
 
 
-def _locked(lock: threading.RLock, method: Any, then: Any = None) -> Any:
-    """``method`` under ``lock``; ``then()`` runs after it, still under the lock."""
-
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            result = method(*args, **kwargs)
-            if then is not None:
-                then()
-            return result
-
-    return call
+def _locked(lock: threading.RLock, then: Callable[[], None] | None, wrapped: Any, instance: Any,
+            args: tuple, kwargs: dict) -> Any:
+    """``wrapped`` under ``lock``; ``then()`` runs after it, still under the lock."""
+    with lock:
+        result = wrapped(*args, **kwargs)
+        if then is not None:
+            then()
+        return result
 
 
-def _chain(first: Any, then: Any) -> Any:
+def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
     """``first()`` then ``then()`` (where there is one), as one callable."""
     if then is None:
         return first
@@ -150,16 +184,3 @@ def _chain(first: Any, then: Any) -> Any:
         then()
 
     return both
-
-
-def _after_reset(block_pool: Any, offload: Any) -> Any:
-    """A reset replaces the prefix-cache map, so the host-tier lookup must be hooked again."""
-    if offload is None:
-        return None
-    from kvelastic.integration.offload_setup import hook_lookup
-
-    def after() -> None:
-        offload.reset()
-        hook_lookup(block_pool, offload)
-
-    return after

@@ -27,7 +27,7 @@ from kvelastic.units import format_size
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 class HostTierError(KvelasticError):

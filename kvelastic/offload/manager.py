@@ -19,7 +19,7 @@ never evict a block the scheduler has just matched for the same request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
@@ -35,14 +35,21 @@ class OffloadCounters:
 
 
 class OffloadManager:
-    """Moves cached blocks between one GPU block pool and one host tier."""
+    """Moves cached blocks between one GPU block pool and one host tier.
 
-    def __init__(self, tier: HostTier, copier: BlockCopier, queue: Any, block_pool: Any):
+    ``enter_block(block, key)`` gives a free block the hash ``key`` and enters
+    it in the pool's prefix-cache map, the way the running vLLM release does
+    (``kvelastic/integration/offload_setup.py`` builds it).
+    """
+
+    def __init__(self, tier: HostTier, copier: BlockCopier, queue: Any,
+                 enter_block: Callable[[Any, Hashable], None]):
         self.tier = tier
         self.copier = copier
         self.queue = queue
-        self.block_pool = block_pool
+        self.enter_block = enter_block
         self.counters = OffloadCounters()
+        self._after_reset: list[Callable[[], None]] = []
         self._pending_loads: list[tuple[int, int]] = []
         self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
@@ -90,11 +97,7 @@ class OffloadManager:
         if slot is None:  # pragma: no cover - checked just above
             self.queue.append(block)
             return None
-        if hasattr(block, "set_block_hash"):
-            block.set_block_hash(key)
-        else:  # older vLLM: a plain attribute
-            block.block_hash = key
-        self.block_pool.cached_block_hash_to_block.insert(key, block)
+        self.enter_block(block, key)
         self.queue.append(block)  # a free, cached block, as if it had never left
         self._pending_loads.append((block.block_id, slot))
         return block
@@ -121,10 +124,16 @@ class OffloadManager:
         self.counters.reloaded_blocks += len(ids)
         self.counters.load_batches += 1
 
+    def on_reset(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after each :meth:`reset` (the lookup hook follows vLLM's new prefix map)."""
+        self._after_reset.append(callback)
+
     def reset(self) -> None:
         """vLLM reset its prefix cache (new weights, say): drop the host copies too."""
         self.flush()
         self.tier.clear()
+        for callback in self._after_reset:
+            callback()
 
     def stats(self) -> dict[str, Any]:
         t = self.tier.stats()

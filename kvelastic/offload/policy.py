@@ -9,7 +9,13 @@ Two needs of the offload path shape the interface beyond a textbook cache:
 
 * **Pins.** While a block is being copied its host slot must not be reused, so
   a pinned resident key is never chosen as a victim. Pins nest by count: two
-  in-flight copies of the same key need two ``unpin`` calls.
+  in-flight copies of the same key need two ``unpin`` calls. Nothing pins
+  today: every copy of a host slot is queued on one stream, so stream order
+  already keeps a reused slot from being overwritten under a copy still
+  reading it. Pins are the fence for copies that outlive that order (stores
+  beside compute on their own stream, loads a request waits for across steps:
+  ``docs/offload.md``): pin a key when its copy is issued, unpin it when the
+  copy's fence passes.
 * **Eviction callback.** The manager frees the host slot of every key the
   policy evicts, so ``on_evict`` is called for each resident key the policy
   pushes out — but not for keys the caller drops itself with ``remove``, since

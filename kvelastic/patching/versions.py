@@ -3,6 +3,12 @@
 A band is a stretch of releases in which the functions kvelastic patches keep
 one shape. The table lives here, once; patches name ranges, the gate and the
 version matrix read them.
+
+The supported stretch is written once, as :data:`OLDEST_SUPPORTED` and
+:data:`FIRST_UNSUPPORTED`. Ranges that run to the newest supported release are
+written ``since("0.22")``, not with a second copy of the upper bound, so raising
+it extends them all; the version matrix then shows which declarations the new
+releases break (``docs/version-matrix.md``, "Adding a vLLM release").
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class VersionRange:
     def of(cls, low: str, high: str) -> "VersionRange":
         return cls(Version.parse(low), Version.parse(high))
 
+    def overlaps(self, other: "VersionRange") -> bool:
+        return self.low < other.high and other.low < self.high
+
     def __contains__(self, version: object) -> bool:
         return isinstance(version, Version) and self.low <= version < self.high
 
@@ -61,15 +70,30 @@ class Band:
     note: str
 
 
+#: The oldest supported release and the first unsupported newer one: the only copy of either.
+OLDEST_SUPPORTED = "0.12"
+FIRST_UNSUPPORTED = "0.29"
+SUPPORTED = VersionRange.of(OLDEST_SUPPORTED, FIRST_UNSUPPORTED)
+
+
+def since(low: str) -> VersionRange:
+    """``low`` up to the newest supported release."""
+    return VersionRange(Version.parse(low), SUPPORTED.high)
+
+
+def before(high: str) -> VersionRange:
+    """The oldest supported release up to, not including, ``high``."""
+    return VersionRange(SUPPORTED.low, Version.parse(high))
+
+
 BANDS: tuple[Band, ...] = (
-    Band("A", VersionRange.of("0.12", "0.24"), "use_uniform_kv_cache(attn_groups, cache_dtype)"),
-    Band("B", VersionRange.of("0.24", "0.29"), "use_uniform_kv_cache(attn_groups)"),
+    Band("A", before("0.24"), "use_uniform_kv_cache(attn_groups, cache_dtype)"),
+    Band("B", since("0.24"), "use_uniform_kv_cache(attn_groups)"),
 )
-SUPPORTED = VersionRange.of("0.12", "0.29")
 UNSUPPORTED_NEWER_NOTE = (
-    "vLLM 0.29 and later allocate every layer's KV cache in one backing "
+    f"vLLM {FIRST_UNSUPPORTED} and later allocate every layer's KV cache in one backing "
     "(v1/worker/utils.py:allocate_kv_cache) and no longer have use_uniform_kv_cache; "
-    "kvelastic does not support that layout yet (see docs/vllm-0.29.md)"
+    f"kvelastic does not support that layout yet (see docs/vllm-{FIRST_UNSUPPORTED}.md)"
 )
 
 

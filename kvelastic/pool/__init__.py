@@ -1,8 +1,10 @@
 """Elastic page pool: virtual tensors backed by physical pages mapped on demand.
 
-``PagePool`` is backend-agnostic; ``HostBackend`` (process memory) runs
-anywhere, ``CudaBackend`` (CUDA virtual memory management) needs a GPU and is
-imported only when asked for, so importing this package never touches CUDA.
+``PagePool`` is backend-agnostic and takes its pages from a stack of page
+sources its caller builds (``PagePool.standard`` builds the usual one);
+``HostBackend`` (process memory) runs anywhere, ``CudaBackend`` (CUDA virtual
+memory management) needs a GPU and is imported only when asked for, so
+importing this package never touches CUDA.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from kvelastic.pool.backend import DoneFence, Fence, MapRun, PhysicalBackend
 from kvelastic.pool.host import HostBackend
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
 from kvelastic.pool.page_pool import DEFAULT_PAGE_BYTES, PagePool
-from kvelastic.pool.stats import PoolStats
+from kvelastic.pool.sources import DeviceSource, LimitedSource, PageAdaptor, PageSource, ReserveSource
+from kvelastic.pool.stats import PoolStats, StatisticsSource
 
 if TYPE_CHECKING:
     from kvelastic.pool.cuda import CudaBackend
 
 __all__ = [
-    "CudaBackend", "DEFAULT_PAGE_BYTES", "DoneFence", "Fence", "GroupLayout", "HostBackend",
-    "MapRun", "PagePool", "PageRef", "PhysicalBackend", "PoolStats", "UniformLayout",
+    "CudaBackend", "DEFAULT_PAGE_BYTES", "DeviceSource", "DoneFence", "Fence", "GroupLayout", "HostBackend",
+    "LimitedSource", "MapRun", "PageAdaptor", "PagePool", "PageRef", "PageSource", "PhysicalBackend",
+    "PoolStats", "ReserveSource", "StatisticsSource", "UniformLayout",
 ]
 
 

@@ -98,7 +98,6 @@ class CudaBackend(PhysicalBackend):
         self._cu_device, self._context = cuda_driver.retain_primary_context(self.device)
         self._binder = cuda_driver.ContextBinder(self._context)
         self._closed = False
-        self._stream: Any = None
         self._events: list[Any] = []
         #: Page size of the mappings, used to split an unmap the driver refuses
         #: as one call. Set by :meth:`map_runs`; the pool may set it earlier.
@@ -130,8 +129,6 @@ class CudaBackend(PhysicalBackend):
         self._access = [access]
         option = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         self._granularity = int(check("cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(prop, option)))
-        flags = int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        self._stream = check("cuStreamCreate", d.cuStreamCreate(flags))
 
     # -- context ---------------------------------------------------------------------------
 
@@ -327,16 +324,13 @@ class CudaBackend(PhysicalBackend):
         check("cuCtxSynchronize", self._driver.cuCtxSynchronize())
 
     def close(self) -> None:
-        """Destroy the zeroing stream and idle events, then drop the primary context reference."""
+        """Destroy the idle events, then drop the primary context reference."""
         if self._closed:
             return
         self._binder.bind()
         self._closed = True
         d = self._driver
         try:
-            if self._stream is not None:
-                check("cuStreamDestroy", d.cuStreamDestroy(self._stream))
-                self._stream = None
             while self._events:
                 check("cuEventDestroy", d.cuEventDestroy(self._events.pop()))
         finally:

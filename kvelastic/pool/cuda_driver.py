@@ -166,8 +166,8 @@ class ContextBinder:
     ``cuCtxSetCurrent`` is needed once per thread (a new thread starts with no
     current context); after that the binding sticks, so a thread-local flag
     makes the per-call cost a dictionary lookup instead of a driver call.
-    Code that switches devices in the same thread (``torch.cuda.set_device``
-    to another GPU) must call :meth:`forget` so the next call re-binds.
+    That holds because a kvelastic process drives one GPU: no thread of it
+    makes another device's context current between two calls.
     """
 
     def __init__(self, context: Any):
@@ -180,7 +180,3 @@ class ContextBinder:
             return
         check("cuCtxSetCurrent", driver().cuCtxSetCurrent(self.context))
         self._local.bound = True
-
-    def forget(self) -> None:
-        """Force the next :meth:`bind` in this thread to call the driver again."""
-        self._local.bound = False

@@ -4,22 +4,25 @@ Tensors are reserved up front; physical pages are mapped a group at a time
 (group g = the pages the layout assigns to g, by default page g of every
 tensor) and unmapped when the caller is done with them. Unmapping can wait on
 a fence so pages the GPU may still read are never pulled from under a kernel.
-Physical pages come from a reserve, so the hot path maps without creating, and
-the whole pool honours a byte limit that can change while it runs.
+Physical pages come from a stack of page sources the caller builds
+(:mod:`kvelastic.pool.sources`) whose top is a warm reserve, so the hot path
+maps without creating; a limit in the stack, which can change while the pool
+runs, caps every physical byte the pool holds.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError
-from kvelastic.pool.backend import Fence, MapRun, PhysicalBackend
+from kvelastic.pool.backend import Fence, PhysicalBackend
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
+from kvelastic.pool.placement import PagePlacer
 from kvelastic.pool.region import Region, RegionLease
-from kvelastic.pool.sources import DeviceSource, LimitedSource, PageSource, ReserveSource
-from kvelastic.pool.stats import PoolStats
+from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
+from kvelastic.pool.stats import PoolStats, StatisticsSource
 from kvelastic.units import align_up
 
 if TYPE_CHECKING:
@@ -31,28 +34,20 @@ DEFAULT_PAGE_BYTES = 2 * 1024 * 1024
 class PagePool:
     """Tensors over reserved virtual memory, backed page group by page group."""
 
-    def __init__(self, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 limit_bytes: int | None = None, zero_on_map: bool | str = True,
-                 wrap_device: Callable[[PageSource], PageSource] | None = None):
-        """``zero_on_map``: True zeroes every page as it is mapped (torch.zeros semantics);
+    def __init__(self, backend: PhysicalBackend, source: ReserveSource, *, zero_on_map: bool | str = True):
+        """Map pages from ``source``, the top of a stack whose root creates pages on ``backend``.
+
+        ``zero_on_map``: True zeroes every page as it is mapped (torch.zeros semantics);
         ``"fresh"`` zeroes only pages never mapped before by this pool (recycled pages
         keep this pool's own old data, as reused vLLM blocks do); False never zeroes.
-        ``wrap_device`` inserts a source above the device (a budget shared with
-        other processes), so that it sees every page created or destroyed.
         """
-        if zero_on_map not in (True, False, "fresh"):
-            raise PoolError(f"zero_on_map must be True, False or 'fresh', not {zero_on_map!r}")
-        if page_bytes <= 0 or page_bytes % backend.granularity:
-            raise PoolError(f"page size {page_bytes} is not a positive multiple of the "
-                            f"{backend.name} granularity {backend.granularity}")
         self.backend = backend
-        self.page_bytes = page_bytes
-        backend.use_page_size(page_bytes)
-        self.zero_on_map = zero_on_map
-        self._device = DeviceSource(backend, page_bytes)
-        upstream: PageSource = wrap_device(self._device) if wrap_device else self._device
-        self._limited = LimitedSource(upstream, limit_bytes)
-        self._reserve = ReserveSource(self._limited, on_drop=self._forget_handles)
+        self.page_bytes = source.page_bytes
+        self._placer = PagePlacer(backend, self.page_bytes, zero_on_map, self._page_address)
+        backend.use_page_size(self.page_bytes)
+        self._reserve = source
+        if zero_on_map == "fresh":
+            source.watch_destroyed(self._placer.forget)
         self._lock = threading.RLock()
         self._regions: dict[int, Region] = {}
         self._next_region_id = 0
@@ -63,8 +58,14 @@ class PagePool:
         self._pending: dict[PageRef, Fence] = {}
         self._pending_batches: deque[tuple[Fence, list[PageRef]]] = deque()
         self._dead_regions: deque[int] = deque()
-        self._zeroed: set[Any] = set()
         self._closed = False
+
+    @classmethod
+    def standard(cls, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
+                 limit_bytes: int | None = None, zero_on_map: bool | str = True) -> "PagePool":
+        """A pool over the usual stack: a reserve over a limit over pages counted as created."""
+        device = StatisticsSource(DeviceSource(backend, page_bytes))
+        return cls(backend, ReserveSource(LimitedSource(device, limit_bytes)), zero_on_map=zero_on_map)
 
     # ----------------------------------------------------------------- tensors
     def add_tensor(self, nbytes: int) -> "torch.Tensor":
@@ -150,7 +151,7 @@ class PagePool:
             fresh = [ref for ref in wanted if ref not in self._handles]
             handles = self._reserve.acquire(len(fresh), force=force)
             try:
-                self._map_fresh(fresh, handles)
+                self._placer.map(fresh, handles)
             except BaseException:
                 self._reserve.release(handles)
                 raise
@@ -218,9 +219,8 @@ class PagePool:
     def set_limit(self, limit_bytes: int | None) -> int:
         """Change the physical-byte limit; return the bytes still over it after trimming the reserve."""
         with self._lock:
-            self._limited.limit_bytes = limit_bytes
+            self._reserve.set_limit(limit_bytes)
             self._collect_locked(wait=False)
-            self._trim_reserve_to_limit()
             return self.stats().over_limit_bytes
 
     def grow_reserve(self, pages: int) -> int:
@@ -234,43 +234,28 @@ class PagePool:
         with self._lock:
             return self._reserve.trim(keep_pages)
 
-    def available_bytes(self, device_free: int | None = None) -> int | None:
-        """Bytes that could be mapped right now: the reserve plus limit and device headroom.
-
-        ``device_free`` lets a caller pass a recent reading of the device's free
-        memory instead of asking the driver again.
-        """
-        with self._lock:
-            self._collect_locked(wait=False)
-            warm = self._reserve.cached_pages * self.page_bytes
-            limit_room = self._limited.headroom_bytes()
-            device_room = self.backend.device_free_bytes() if device_free is None else device_free
-            rooms = [r for r in (limit_room, device_room) if r is not None]
-            if not rooms:
-                return None
-            return warm + min(rooms)
-
     def headroom_estimate(self, device_free: int | None) -> int | None:
-        """Like :meth:`available_bytes` but lock-free, for hot paths that tolerate a stale answer."""
-        warm = self._reserve.cached_pages * self.page_bytes
-        rooms = [r for r in (self._limited.headroom_bytes(), device_free) if r is not None]
-        return warm + min(rooms) if rooms else None
+        """Bytes that could be mapped now; lock-free, for hot paths that tolerate a stale answer.
+
+        The warm reserve plus what every limit in the stack and ``device_free``
+        (a recent reading of the device's free bytes, or None) still allow.
+        """
+        return self._reserve.headroom_bytes(device_free)
 
     def stats(self) -> PoolStats:
         with self._lock:
+            report = self._reserve.report()
+            owned = len(self._handles) * self.page_bytes  # mapped or waiting for a fence
             pending = len(self._pending) * self.page_bytes
-            mapped = len(self._handles) * self.page_bytes - pending
-            layout = self.layout
+            warm = report.reserve_pages * self.page_bytes
             return PoolStats(
                 page_bytes=self.page_bytes,
                 virtual_bytes=sum(r.reserved_bytes for r in self._regions.values()),
-                mapped_bytes=mapped, pending_unmap_bytes=pending,
-                reserve_bytes=self._reserve.cached_pages * self.page_bytes,
-                held_bytes=self._limited.outstanding_bytes,
-                limit_bytes=self._limited.limit_bytes,
-                groups_mapped=len(self._mapped_groups), num_groups=layout.num_groups,
-                pages_created=self._device.created_total,
-                reserve_hits=self._reserve.hits, reserve_misses=self._reserve.misses)
+                mapped_bytes=owned - pending, pending_unmap_bytes=pending, reserve_bytes=warm,
+                held_bytes=owned + warm, limit_bytes=report.limit_bytes,
+                groups_mapped=len(self._mapped_groups), num_groups=self.layout.num_groups,
+                pages_created=report.pages_created,
+                reserve_hits=report.reserve_hits, reserve_misses=report.reserve_misses)
 
     # --------------------------------------------------------------- shutdown
     def close(self) -> None:
@@ -295,8 +280,9 @@ class PagePool:
         """What a closed pool still holds; an empty list means nothing leaked."""
         with self._lock:
             problems = []
-            if self._device.outstanding_bytes:
-                problems.append(f"{self._device.outstanding_bytes} bytes of pages not released")
+            alive = self._reserve.report().device_bytes
+            if alive:
+                problems.append(f"{alive} bytes of pages not released")
             if self._regions:
                 problems.append(f"{len(self._regions)} reservations not freed")
             if self._handles:
@@ -322,58 +308,16 @@ class PagePool:
                     wanted[ref] = None
         return list(wanted)
 
-    def _runs(self, refs: list[PageRef], handles: list[Any]) -> list[MapRun]:
-        """Coalesce pages into runs of consecutive pages in one region."""
-        runs: list[MapRun] = []
-        start: PageRef | None = None
-        batch: list[Any] = []
-        for ref, handle in sorted(zip(refs, handles), key=lambda item: item[0]):
-            if start is not None and ref.region == start.region and ref.page == start.page + len(batch):
-                batch.append(handle)
-                continue
-            if start is not None:
-                runs.append(MapRun(self._regions[start.region].page_address(start.page), tuple(batch)))
-            start, batch = ref, [handle]
-        if start is not None:
-            runs.append(MapRun(self._regions[start.region].page_address(start.page), tuple(batch)))
-        return runs
-
-    def _forget_handles(self, handles: list[Any]) -> None:
-        self._zeroed.difference_update(handles)
-
-    def _map_fresh(self, refs: list[PageRef], handles: list[Any]) -> None:
-        """Map pages, zeroing those the zero policy says must read as zero."""
-        if self.zero_on_map != "fresh":
-            self.backend.map_runs(self._runs(refs, handles), self.page_bytes, zero=bool(self.zero_on_map))
-            return
-        new = [(r, h) for r, h in zip(refs, handles) if h not in self._zeroed]
-        old = [(r, h) for r, h in zip(refs, handles) if h in self._zeroed]
-        self.backend.map_runs(self._runs([r for r, _ in new], [h for _, h in new]), self.page_bytes, zero=True)
-        try:
-            self.backend.map_runs(self._runs([r for r, _ in old], [h for _, h in old]), self.page_bytes,
-                                  zero=False)
-        except BaseException:
-            for run in self._runs([r for r, _ in new], [h for _, h in new]):
-                self.backend.unmap(run.address, len(run.handles) * self.page_bytes)
-            raise
-        self._zeroed.update(h for _, h in new)
+    def _page_address(self, ref: PageRef) -> int:
+        return self._regions[ref.region].page_address(ref.page)
 
     def _unmap_pages(self, refs: list[PageRef]) -> None:
         handles = [self._handles.pop(ref) for ref in refs]
-        for run in self._runs(refs, handles):
-            self.backend.unmap(run.address, len(run.handles) * self.page_bytes)
+        self._placer.unmap(refs, handles)
         for ref in refs:
             self._pending.pop(ref, None)
         if handles:
-            self._reserve.release(handles)
-            self._trim_reserve_to_limit()
-
-    def _trim_reserve_to_limit(self) -> None:
-        """Warm pages never keep the pool above its limit."""
-        limit = self._limited.limit_bytes
-        if limit is not None and self._limited.outstanding_bytes > limit:
-            excess_pages = -(-(self._limited.outstanding_bytes - limit) // self.page_bytes)
-            self._reserve.trim(max(0, self._reserve.cached_pages - excess_pages))
+            self._reserve.release(handles)  # which gives back warm pages the limit no longer allows
 
     def _collect_locked(self, wait: bool) -> int:
         """Unmap pages whose fence has passed; one fence query per batch, not per page."""

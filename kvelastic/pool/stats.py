@@ -1,8 +1,40 @@
-"""A consistent snapshot of the pool's accounting, cheap to take at any time."""
+"""The pool's statistics: a counting layer for its source stack, and a snapshot of its accounting."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from kvelastic.pool.sources import PageAdaptor, PageSource, SourceReport
+
+
+class StatisticsSource(PageAdaptor):
+    """Counts the pages that pass through it, like RMM's statistics adaptor.
+
+    Inserted right above the device it counts the pages created; the pool
+    reports that count as ``pages_created``.
+    """
+
+    def __init__(self, upstream: PageSource):
+        super().__init__(upstream)
+        self.acquired_pages = 0
+        self.released_pages = 0
+
+    def acquire(self, count: int, *, force: bool = False) -> list[Any]:
+        handles = self.upstream.acquire(count, force=force)
+        self.acquired_pages += len(handles)
+        return handles
+
+    def release(self, handles: list[Any]) -> None:
+        self.upstream.release(handles)
+        self.released_pages += len(handles)
+
+    @property
+    def outstanding_bytes(self) -> int:
+        return (self.acquired_pages - self.released_pages) * self.page_bytes
+
+    def report(self) -> SourceReport:
+        return replace(self.upstream.report(), pages_created=self.acquired_pages)
 
 
 @dataclass(frozen=True)

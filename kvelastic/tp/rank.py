@@ -21,10 +21,11 @@ from typing import Any, Sequence
 from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import NULL_GROUP
 from kvelastic.pool.backend import Fence
+from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 IDLE_POLL_S = 0.02
 DEVICE_FREE_PERIOD_S = 0.05
@@ -48,6 +49,7 @@ class RankWorker:
         self._thread: threading.Thread | None = None
         self._last_free = 0.0
         self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
+        self._unreadable: set[Path] = set()  # idle command files reported as unreadable (once each)
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -77,11 +79,7 @@ class RankWorker:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
-        for name in (f"rank{self.info.rank}.board", f"rank{self.info.rank}.info"):
-            try:
-                (self.folder / name).unlink()
-            except FileNotFoundError:
-                pass
+        shm.remove_rank_files(self.folder, self.info.rank)
 
     def _run(self) -> None:
         _use_device_of(self.cache.pool.backend)
@@ -103,6 +101,11 @@ class RankWorker:
                     commands = shm.read_idle_commands(path)
                 except FileNotFoundError:
                     continue  # the scheduler removed it: every rank had applied it
+                except SharedFileError as error:  # never a crashed rank: its groups stay unconfirmed
+                    if path not in self._unreadable:
+                        self._unreadable.add(path)
+                        log.error("kvelastic: rank %d cannot read idle commands: %s", self.info.rank, error)
+                    return
                 self._apply(commands)
                 applied = self.applied
 

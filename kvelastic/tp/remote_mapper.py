@@ -27,7 +27,7 @@ from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command)
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 LIVENESS_PERIOD_S = 1.0
 REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long

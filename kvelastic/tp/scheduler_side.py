@@ -22,7 +22,7 @@ from kvelastic.tp import board as shm
 from kvelastic.tp.remote_mapper import RemoteMapper
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 RANKS_WAIT_S = 30.0
 
@@ -30,9 +30,9 @@ RANKS_WAIT_S = 30.0
 def connect_ranks(scheduler: Any, runtime: Any, wait_s: float | None = None) -> tuple[ShardedKVCache, RemoteMapper]:
     """The ranks' caches, found through the engine's folder; PatchError if they never show up."""
     wait_s = RANKS_WAIT_S if wait_s is None else wait_s
-    parallel = getattr(scheduler.vllm_config, "parallel_config", None)
-    world = int(getattr(parallel, "world_size", 1) or 1)
-    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+    parallel = scheduler.vllm_config.parallel_config  # fields declared in patches/engine_config.py
+    world = int(parallel.world_size)
+    if int(parallel.pipeline_parallel_size) > 1:
         raise PatchError("kvelastic: pipeline parallelism is not supported (each stage holds different "
                          "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
     folder = shm.engine_dir(os.getpid())
@@ -97,39 +97,35 @@ def demand_of(scheduler: Any) -> int:
     Waiting requests count in full, so one miss maps for the whole queue at
     once; a running request still in (chunked) prefill counts its remaining
     prompt, a decoding one its next block. Without the running requests'
-    share, a chunk would find no mapped block and vLLM would preempt.
+    share, a chunk would find no mapped block and vLLM would preempt. What is
+    read (the queues, the block size, the requests' token counts) is declared
+    in ``patches/scheduler_block_pool.py``.
     """
-    block = int(getattr(getattr(scheduler, "cache_config", None), "block_size", 16) or 16)
-    blocks = 0
-    try:
-        for request in getattr(scheduler, "running", None) or ():
-            blocks += max(1, _blocks_left(request, block))
-        for request in getattr(scheduler, "waiting", None) or ():
-            blocks += _blocks_left(request, block)
-    except (TypeError, AttributeError):
-        return blocks
-    return blocks
+    block = int(scheduler.cache_config.block_size)
+    blocks = sum(max(1, _blocks_left(request, block)) for request in scheduler.running)
+    return blocks + sum(_blocks_left(request, block) for request in scheduler.waiting)
 
 
 def _blocks_left(request: Any, block: int) -> int:
     return -(-max(0, request.num_tokens - request.num_computed_tokens) // block)
 
 
-def locked_schedule(lock: Any, method: Callable[..., Any], flush: Callable[[], None] | None,
-                    mapper: RemoteMapper, queue: Any, scheduler: Any) -> Callable[..., Any]:
-    """``schedule`` under the lock; the step's output then carries every command queued so far."""
+def locked_schedule(lock: Any, flush: Callable[[], None] | None, mapper: RemoteMapper, queue: Any,
+                    scheduler: Any) -> Callable[..., Any]:
+    """A wrapper (wrapt's form) for ``schedule``: under the lock; the step's output then carries every
+    command queued so far, as ``kvelastic_plan``."""
+    return functools.partial(_schedule, lock, flush, mapper, queue, scheduler)
 
-    @functools.wraps(method)
-    def schedule(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            output = method(*args, **kwargs)
-            if flush is not None:
-                flush()
-            queue.want_blocks(demand_of(scheduler))
-            output.kvelastic_plan = mapper.take_plan()
-            return output
 
-    return schedule
+def _schedule(lock: Any, flush: Callable[[], None] | None, mapper: RemoteMapper, queue: Any, scheduler: Any,
+              wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    with lock:
+        output = wrapped(*args, **kwargs)
+        if flush is not None:
+            flush()
+        queue.want_blocks(demand_of(scheduler))
+        output.kvelastic_plan = mapper.take_plan()
+        return output
 
 
 class RemoteCopier:
@@ -151,9 +147,9 @@ class RemoteCopier:
 
 
 def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, mapper: RemoteMapper,
-                          policy: str = "arc") -> Any:
+                          patcher: Any, policy: str = "arc") -> Any:
     """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
-    from kvelastic.integration.offload_setup import hook_lookup
+    from kvelastic.integration.offload_setup import block_entry, hook_lookup
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.offload.manager import OffloadManager
 
@@ -162,7 +158,7 @@ def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, ma
                          "set up no host tier; give every process of the engine the same environment")
     slot_bytes = cache.info.slot_bytes * cache.world
     tier = HostTier(cache.host_slots * slot_bytes, slot_bytes, pin=False, allocate=False, policy=policy)
-    manager = OffloadManager(tier, RemoteCopier(mapper, slot_bytes), queue, block_pool)
+    manager = OffloadManager(tier, RemoteCopier(mapper, slot_bytes), queue, block_entry(block_pool, patcher))
     queue.spill_hook = manager.spill
-    hook_lookup(block_pool, manager)
+    hook_lookup(block_pool, manager, patcher)
     return manager

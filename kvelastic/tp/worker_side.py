@@ -17,18 +17,17 @@ from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp.rank import RankWorker
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 def scheduler_elsewhere(runner: Any) -> bool:
     """True when this worker's scheduler lives in the parent process (vLLM's multiprocess executor)."""
-    parallel = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
-    return getattr(parallel, "distributed_executor_backend", None) == "mp"
+    return runner.vllm_config.parallel_config.distributed_executor_backend == "mp"
 
 
 def rank_and_world(runner: Any) -> tuple[int, int]:
     parallel = runner.vllm_config.parallel_config
-    world = int(getattr(parallel, "world_size", 1) or 1)
+    world = int(parallel.world_size)
     if world == 1:
         return 0, 1
     import torch.distributed as dist

@@ -27,7 +27,7 @@ def test_round_trip_is_exact_on_the_device(path, widths, staging_rows):
 def test_round_trip_over_vmm_pages(path):
     from kvelastic.pool.cuda import CudaBackend
 
-    pool = PagePool(CudaBackend(), page_bytes=2 * MIB, zero_on_map="fresh")
+    pool = PagePool.standard(CudaBackend(), page_bytes=2 * MIB, zero_on_map="fresh")
     try:
         raws = [pool.add_tensor(256 * 64 * 1024) for _ in range(4)]
         pool.map_groups(range(8))

@@ -23,7 +23,7 @@ def pool():
     from kvelastic.pool.cuda import CudaBackend
 
     torch.cuda.init()
-    p = PagePool(CudaBackend(), page_bytes=PAGE)
+    p = PagePool.standard(CudaBackend(), page_bytes=PAGE)
     yield p
     p.close()
     assert p.leak_report() == []

@@ -1,10 +1,12 @@
 """The vLLM releases kvelastic supports, listed once.
 
 Read off PyPI (``pip index versions vllm``, November 2026): every final
-release from 0.12.0 up to, not including, 0.29.0. Pre-releases and post
-releases are left out; there were none in this stretch. The version matrix
-checks each of them against every patch that claims it, so a new release is
-supported by adding it here and making that matrix pass.
+release in ``SUPPORTED`` (``kvelastic/patching/versions.py``). Pre-releases
+and post releases are left out; there were none in this stretch. The version
+matrix checks each of them against every patch that claims it, so a new
+release is supported by adding it here and making that matrix pass
+(``docs/version-matrix.md``, "Adding a vLLM release"). Only the tests and CI
+read this list; the running plugin knows the supported range, not the releases.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ RELEASES: tuple[str, ...] = (
 
 # Just outside SUPPORTED on each side: the gate must refuse these.
 NEWEST_OLDER_UNSUPPORTED = "0.11.2"
-OLDEST_NEWER_UNSUPPORTED = "0.29.0"
+OLDEST_NEWER_UNSUPPORTED = str(SUPPORTED.high)
 
 
 def release_band(release: str) -> str:

@@ -13,12 +13,16 @@ import urllib.request
 import zipfile
 from typing import Callable, Iterable
 
-from kvelastic.errors import SourceFetchError
+from kvelastic.errors import KvelasticError
 
 TAIL_BYTES = 1 << 20  # a wheel's central directory (about 2000 entries) fits well inside this
 MERGE_GAP = 1 << 20  # spans closer than this are fetched in one request
 READ_AHEAD = 256 << 10
 TIMEOUT_S = 120
+
+
+class SourceFetchError(KvelasticError):
+    """A vLLM release's source could not be fetched for the static version matrix."""
 
 
 class RangeUnsupported(SourceFetchError):

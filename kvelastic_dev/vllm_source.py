@@ -6,7 +6,7 @@ is streamed and filtered on the fly; a release without an sdist is read from
 its wheel by HTTP range requests (about 5 MB of a 500 MB file), and only if
 the server refuses ranges is the whole wheel fetched with ``pip download``.
 
-Run ``python -m kvelastic.patching.vllm_source [VERSION ...]`` to fill the cache
+Run ``python -m kvelastic_dev.vllm_source [VERSION ...]`` to fill the cache
 (all supported releases by default) and print how long it took.
 """
 
@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Iterable, Sequence
 
-from kvelastic.errors import SourceFetchError
-from kvelastic.patching import remote_zip
+from kvelastic_dev import remote_zip
+from kvelastic_dev.remote_zip import SourceFetchError
 
 PYPI_JSON = "https://pypi.org/pypi/vllm/json"  # the per-release URL is missing on some mirrors
 CACHE_ENV = "KVELASTIC_VLLM_SRC_CACHE"
@@ -212,7 +212,7 @@ def tree_bytes(path: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvelastic.patching.releases import RELEASES
+    from kvelastic_dev.releases import RELEASES
 
     versions = list(argv if argv else sys.argv[1:]) or list(RELEASES)
     started = time.monotonic()

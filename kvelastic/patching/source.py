@@ -1,25 +1,29 @@
-"""Check patch targets against a vLLM release's source, without importing vLLM.
+"""Describe patch targets from a vLLM source tree, without importing vLLM.
 
-The gate (``gate.check_target``) imports each target, which needs that release
-installed with its torch. This module answers the same question from the
-source tree alone, by parsing the target's module with ``ast``, so every
-supported release can be checked on one CPU machine in seconds. It mirrors the
-gate's rules: a module-level name may be imported from another module, a
+Importing a target needs that release installed with its torch, and costs
+seconds: vLLM's model runners pull in most of vLLM. This module describes the
+same target from the source files alone, by parsing its module with ``ast``.
+Start-up uses it on the installed vLLM, so ``import vllm`` decides whether
+kvelastic applies without importing the modules it patches
+(``kvelastic.patching.on_import``); the version matrix uses it on every
+supported release's source. Both descriptions and the live one are judged by
+the one rule set, ``kvelastic.patching.rules.problem``. The lookup
+mirrors the gate's: a module-level name may be imported from another module, a
 method must be defined in the class body itself (the gate reads the class
-``__dict__``), and the parameters are the ``def``'s, ``self`` included, as
-``inspect.signature`` lists them.
+``__dict__``), parameters are the ``def``'s, ``self`` included, as
+``inspect.signature`` lists them, and a class's attributes are what its body
+defines and its ``__init__`` assigns to ``self``.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+import importlib.util
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-from kvelastic.errors import PatchError
-from kvelastic.patching import gate
+from kvelastic.patching.rules import Found, problem, self_attributes
 from kvelastic.patching.spec import Patch, Target, claimed
 from kvelastic.patching.versions import Version
 
@@ -31,18 +35,12 @@ class StaticLookupError(LookupError):
     """A target's module, class or function is not in the source tree."""
 
 
-@dataclass(frozen=True)
-class Found:
-    """A target as the source defines it."""
-
-    params: tuple[str, ...]
-    decorators: tuple[str, ...]
-    file: Path
-    line: int
-
-    @property
-    def is_staticmethod(self) -> bool:
-        return "staticmethod" in self.decorators
+def installed_root() -> Path:
+    """The directory holding the installed ``vllm/`` package (found without importing it)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise StaticLookupError("vllm is not installed")
+    return Path(next(iter(spec.submodule_search_locations))).parent
 
 
 def module_file(root: Path, module: str) -> Path | None:
@@ -54,8 +52,8 @@ def module_file(root: Path, module: str) -> Path | None:
     return None
 
 
-@lru_cache(maxsize=16)  # one release's target modules; more would only slow the GC down
-def _parse(path: Path) -> ast.Module:
+@lru_cache(maxsize=32)  # one release's target modules; more would only slow the GC down
+def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_bytes(), filename=str(path))
 
 
@@ -119,7 +117,7 @@ def _top_level(root: Path, module: str, name: str) -> tuple[ast.stmt, Path]:
         path = module_file(root, module)
         if path is None:
             raise StaticLookupError(f"module {module} is not in the source")
-        node = _defined(_parse(path).body, name)
+        node = _defined(parse(path).body, name)
         if node is None:
             raise StaticLookupError(f"{module} has no {name}")
         if not isinstance(node, ast.ImportFrom):
@@ -151,10 +149,13 @@ def _decorator_name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ast.dump(node)
 
 
-def find(root: Path, target: Target) -> Found:
-    """Locate ``target`` under ``root`` (the directory holding ``vllm/``); StaticLookupError if absent."""
+def find(root: Path, target: Target, set_in: tuple[str, ...] = ("__init__",)) -> Found:
+    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent.
+
+    A class's attributes count what its methods ``set_in`` assign to ``self``.
+    """
     first, *rest = target.qualname.split(".")
-    node, path = _top_level(root, target.module, first)
+    node, _ = _top_level(root, target.module, first)
     for part in rest:
         if not isinstance(node, ast.ClassDef):
             name = getattr(node, "name", first)
@@ -163,60 +164,50 @@ def find(root: Path, target: Target) -> Found:
         if inner is None or isinstance(inner, ast.ImportFrom):
             raise StaticLookupError(f"{target.path} does not exist")
         node = inner
-    if not isinstance(node, _Def):
-        raise StaticLookupError(f"{target.path}: expected a function, found a class")
-    return Found(_params(node), tuple(_decorator_name(d) for d in node.decorator_list), path, node.lineno)
+    if isinstance(node, ast.ClassDef):
+        return Found("class", attributes=frozenset(_class_attributes(node, set_in)))
+    assert isinstance(node, _Def)
+    decorators = {_decorator_name(d) for d in node.decorator_list}
+    if "setter" in decorators:  # the last def of a name wins: a property's setter, if it has one
+        return Found("property", _params(node), settable=True)
+    if "property" in decorators:
+        return Found("property")
+    kind = next((k for k in ("staticmethod", "classmethod") if k in decorators), "function")
+    return Found(kind, _params(node))
+
+
+def _class_attributes(node: ast.ClassDef, set_in: tuple[str, ...]) -> set[str]:
+    """What the gate's ``class_attributes`` counts, read off the class body and its methods ``set_in``."""
+    names: set[str] = set()
+    for statement in _body(node.body):
+        if isinstance(statement, (*_Def, ast.ClassDef)):
+            names.add(statement.name)
+        elif isinstance(statement, ast.Assign):
+            names |= {t.id for t in statement.targets if isinstance(t, ast.Name)}
+        elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            names.add(statement.target.id)
+    for method in set_in:
+        function = _defined(node.body, method)
+        if isinstance(function, _Def):
+            names |= self_attributes(function)
+    return names
 
 
 def check_target(root: Path, target: Target, version: Version) -> str | None:
-    """None if ``target`` is as expected in ``version``'s source, else what is wrong (gate's wording)."""
-    expected = target.expected_params(version)
-    if expected is None:
-        return f"{target.path}: the patch declares no signature for vLLM {version}"
+    """None if ``target`` is as declared for ``version`` in ``root``'s source, else what is wrong (the gate's words)."""
+    shape = target.shape(version)
+    if shape is None:
+        return problem(target, version, StaticLookupError())
     try:
-        found = find(root, target)
+        described: Found | LookupError = find(root, target, getattr(shape, "set_in", ("__init__",)))
     except StaticLookupError as exc:
-        return f"{target.path}: {exc}"
-    if target.kind == "staticmethod" and not found.is_staticmethod:
-        return f"{target.path}: expected a staticmethod, found a function"
-    if found.params != expected:
-        return f"{target.path}: expected parameters {expected}, found {found.params}"
-    return None
+        described = exc
+    return problem(target, version, described)
 
 
 def check_release(root: Path, version: Version, patches: Sequence[Patch]) -> list[str]:
     """Every problem with the targets of the patches that claim ``version``, checked in ``root``."""
     if not (root / "vllm").is_dir():
         raise FileNotFoundError(f"{root} holds no vllm/ source tree")
-    return [f"{patch.name}: {problem}" for patch in claimed(patches, version) for target in patch.targets
-            if (problem := check_target(root, target, version))]
-
-
-def attributes_used_on(root: Path, package: str, holder: str) -> set[str]:
-    """Names read or called on any ``<expr>.<holder>`` in ``package``'s modules (``x.holder.name``).
-
-    The integration replaces some vLLM objects (the block pool's free queue) with
-    its own; this lists what vLLM uses of them, so the replacement can be checked
-    against each release.
-    """
-    base = root.joinpath(*package.split("."))
-    used: set[str] = set()
-    for path in sorted(base.rglob("*.py")):
-        for node in ast.walk(_parse(path)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                    and node.value.attr == holder:
-                used.add(node.attr)
-    return used
-
-
-def refusal(version: Version) -> str | None:
-    """What the gate says for a release no patch set may claim (outside SUPPORTED); None if supported.
-
-    This calls the gate itself with no patches: its version test runs before
-    anything is imported, so this imports no vLLM either.
-    """
-    try:
-        gate.check((), version)
-    except PatchError as exc:
-        return str(exc)
-    return None
+    return [f"{patch.name}: {issue}" for patch in claimed(patches, version) for target in patch.targets
+            if (issue := check_target(root, target, version))]

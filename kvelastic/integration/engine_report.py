@@ -1,0 +1,84 @@
+"""What an engine tells the outside about its KV memory: a periodic log line and the metrics snapshot.
+
+Both are jobs of the upkeep thread (:mod:`kvelastic.integration.upkeep`) and
+read the same numbers: the pool's statistics, the cached groups, and the host
+tier's counters where there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvelastic.integration.reclaimer import OffloadStatistics, UpkeptCache
+from kvelastic.units import format_size
+
+if TYPE_CHECKING:
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.integration.metrics import StatsPublisher
+
+log = logging.getLogger("vllm.kvelastic")
+STATS_PERIOD_S = 10.0
+
+
+class StatsLog:
+    """One log line every ``period_s`` while something changed: pool, ranks and host tier."""
+
+    under_scheduler_lock = False
+
+    def __init__(self, cache: UpkeptCache, offload: OffloadStatistics | None = None, *,
+                 rank_held_bytes: Callable[[], list[int]] | None = None, period_s: float = STATS_PERIOD_S):
+        """``rank_held_bytes``: under tensor parallelism, what each GPU really holds."""
+        self.cache = cache
+        self.offload = offload
+        self.rank_held_bytes = rank_held_bytes
+        self.period_s = period_s
+        self._last_log = 0.0
+        self._last_line = ""
+
+    def run(self, now: float) -> None:
+        if now - self._last_log < self.period_s:
+            return
+        line = self.line()
+        if line != self._last_line:
+            log.info("kvelastic: %s", line)
+            self._last_line = line
+        self._last_log = now
+
+    def line(self) -> str:
+        stats = self.cache.pool.stats()
+        line = (f"mapped {format_size(stats.mapped_bytes)}, held {format_size(stats.held_bytes)}, "
+                f"limit {format_size(stats.limit_bytes) if stats.limit_bytes else 'none'}")
+        if self.rank_held_bytes is not None:
+            line += ", ranks hold " + " / ".join(format_size(b) for b in self.rank_held_bytes())
+        if self.offload is not None:
+            o = self.offload.stats()
+            line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
+                     f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
+                     f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
+        return line
+
+
+class MetricsPublish:
+    """Writes the numbers behind the kvelastic_* metrics on every tick."""
+
+    under_scheduler_lock = False
+
+    def __init__(self, publisher: "StatsPublisher", queue: "PageAwareFreeQueue", cache: UpkeptCache,
+                 offload: OffloadStatistics | None = None):
+        self.publisher = publisher
+        self.queue = queue
+        self.cache = cache
+        self.offload = offload
+
+    def run(self, now: float) -> None:
+        self.publisher.publish(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        stats = self.cache.pool.stats()
+        values: dict[str, Any] = {"mapped_bytes": stats.mapped_bytes, "held_bytes": stats.held_bytes,
+                                  "limit_bytes": stats.limit_bytes or 0,
+                                  "cached_bytes": self.queue.cached_groups() * self.cache.group_bytes}
+        if self.offload is not None:
+            values.update(self.offload.stats())
+        return values

@@ -1,0 +1,74 @@
+"""What each file in a scope's directory is called, and whose process it belongs to.
+
+Every name of a file or folder one process owns carries that process's pid
+namespace, pid and start time, so the sweeper can tell, from the name alone,
+whether its owner is provably dead (:mod:`kvelastic.shared.sweep`); a pid
+reused by a new process, or a pid of another pid namespace, never counts as
+dead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from typing import NamedTuple
+
+ACCOUNT_PREFIX = "account-"
+STATS_PREFIX = "stats-"
+STATS_SUFFIX = ".json"
+ENGINE_PREFIX = "engine-"
+TEMP_PREFIX = ".tmp-"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_OWNED = re.compile(r"^(?:\.tmp-|stats-|engine-)(\d+)-(\d+)-(\d+)(?:[-.].*)?$")
+
+
+class Owner(NamedTuple):
+    """The process a file belongs to: pid namespace (inode of ``/proc/<pid>/ns/pid``), pid, start time."""
+
+    pid_ns: int
+    pid: int
+    start_time: int
+
+
+def own_owner() -> Owner:
+    from kvelastic.cluster.liveness import own_pid_namespace, own_start_time
+
+    return Owner(own_pid_namespace(), os.getpid(), own_start_time())
+
+
+def account_name(gpu_id: str) -> str:
+    """``account-<gpu id>``, with characters unsafe in a file name replaced by ``_``."""
+    if not gpu_id or not gpu_id.strip():
+        raise ValueError("gpu_id must be a non-empty GPU identifier (for example the GPU's UUID)")
+    return ACCOUNT_PREFIX + _UNSAFE.sub("_", gpu_id.strip())[:200]
+
+
+def gpu_of_account(name: str) -> str:
+    """The (file-name-safe) GPU id an account file name stands for."""
+    return name[len(ACCOUNT_PREFIX):]
+
+
+def _owned(prefix: str, owner: Owner, tail: str) -> str:
+    return f"{prefix}{owner.pid_ns}-{owner.pid}-{owner.start_time}{tail}"
+
+
+def stats_name(owner: Owner, number: int) -> str:
+    return _owned(STATS_PREFIX, owner, f"-{number}{STATS_SUFFIX}")
+
+
+def engine_dir_name(owner: Owner) -> str:
+    return _owned(ENGINE_PREFIX, owner, "")
+
+
+def temp_name() -> str:
+    """A fresh name for a file being written, unique, marked with this process (see :func:`owner_of`)."""
+    return _owned(TEMP_PREFIX, own_owner(), f"-{secrets.token_hex(6)}")
+
+
+def owner_of(name: str) -> Owner | None:
+    """The process a stats file, engine folder or temporary file belongs to, read from its name."""
+    match = _OWNED.match(name)
+    if match is None:
+        return None
+    return Owner(*(int(g) for g in match.groups()))

@@ -1,0 +1,144 @@
+"""What ranks and their scheduler write to each other as files: rank descriptions and idle commands.
+
+Both are bounded JSON checked against a fixed schema when read back
+(:mod:`kvelastic.shared.bounded_json`), never pickle: a file in a shared
+folder is untrusted input, and unpickling runs code. A command comes back as
+exactly the tuple :mod:`kvelastic.tp.protocol` builds, or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvelastic.shared import bounded_json
+from kvelastic.shared.bounded_json import expect, int_list
+from kvelastic.shared.errors import BadSharedData
+from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, STORE, UNMAP, Command, load_command, map_command,
+                                   reserve_command, store_command, unmap_command)
+
+MAX_INFO_BYTES = 4 << 20
+MAX_COMMANDS_BYTES = 64 << 20
+MAX_WORLD = 4096
+MAX_VALUE = 1 << 52  # no offset, size or count a rank describes comes near this
+MAX_ENTRIES = 1 << 16  # regions of a layout, runs of a region
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A rank's description of its KV cache, for the scheduler."""
+
+    rank: int
+    world: int
+    pid: int
+    layout: Any            # the rank's KVGroupLayout (identical on every rank)
+    group_bytes: int
+    page_bytes: int
+    limit_bytes: int | None
+    host_slots: int        # 0 without a host tier
+    slot_bytes: int
+
+
+_INFO = {"rank": int, "world": int, "pid": int, "group_bytes": int, "page_bytes": int,
+         "limit_bytes": (int, type(None)), "host_slots": int, "slot_bytes": int, "layout": dict}
+_LAYOUT = {"num_blocks": int, "page_bytes": int, "blocks_per_group": int, "regions": list}
+_REGION = {"region": int, "block_stride": int, "runs": list}
+
+
+def encode_info(info: RankInfo) -> bytes:
+    layout = info.layout
+    regions = [{"region": r.region, "block_stride": r.block_stride, "runs": [list(run) for run in r.runs]}
+               for r in layout.regions]
+    return bounded_json.dumps({
+        "rank": info.rank, "world": info.world, "pid": info.pid, "group_bytes": info.group_bytes,
+        "page_bytes": info.page_bytes, "limit_bytes": info.limit_bytes, "host_slots": info.host_slots,
+        "slot_bytes": info.slot_bytes,
+        "layout": {"num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
+                   "blocks_per_group": layout.blocks_per_group, "regions": regions}})
+
+
+def decode_info(data: bytes, what: str) -> RankInfo:
+    """The RankInfo a rank wrote; BadSharedData for anything out of shape or range."""
+    record = expect(bounded_json.loads(data, what), _INFO, what)
+    _in_range(record["world"], 1, MAX_WORLD + 1, f"{what}: world")
+    _in_range(record["rank"], 0, record["world"], f"{what}: rank")
+    _in_range(record["pid"], 1, 1 << 31, f"{what}: pid")
+    for key in ("group_bytes", "page_bytes"):
+        _in_range(record[key], 1, MAX_VALUE, f"{what}: {key}")
+    for key in ("host_slots", "slot_bytes"):
+        _in_range(record[key], 0, MAX_VALUE, f"{what}: {key}")
+    if record["limit_bytes"] is not None:
+        _in_range(record["limit_bytes"], 0, MAX_VALUE, f"{what}: limit_bytes")
+    return RankInfo(rank=record["rank"], world=record["world"], pid=record["pid"],
+                    layout=_decode_layout(record["layout"], what), group_bytes=record["group_bytes"],
+                    page_bytes=record["page_bytes"], limit_bytes=record["limit_bytes"],
+                    host_slots=record["host_slots"], slot_bytes=record["slot_bytes"])
+
+
+def _decode_layout(record: dict, what: str) -> Any:
+    from kvelastic.integration.kv_layout import BlockRuns, KVGroupLayout
+
+    expect(record, _LAYOUT, f"{what}: layout")
+    for key in ("num_blocks", "page_bytes", "blocks_per_group"):
+        _in_range(record[key], 1, MAX_VALUE, f"{what}: layout {key}")
+    if not 0 < len(record["regions"]) <= MAX_ENTRIES:
+        raise BadSharedData(f"{what}: layout has {len(record['regions'])} regions")
+    regions = []
+    for region in record["regions"]:
+        expect(region, _REGION, f"{what}: layout region")
+        _in_range(region["region"], 0, MAX_VALUE, f"{what}: region number")
+        _in_range(region["block_stride"], 1, MAX_VALUE, f"{what}: block stride")
+        if len(region["runs"]) > MAX_ENTRIES:
+            raise BadSharedData(f"{what}: a region has {len(region['runs'])} runs")
+        runs = tuple(tuple(int_list(run, f"{what}: run", high=MAX_VALUE, max_len=2)) for run in region["runs"])
+        if any(len(run) != 2 for run in runs):
+            raise BadSharedData(f"{what}: a run is not [start, length]")
+        regions.append(BlockRuns(region["region"], region["block_stride"], runs))  # type: ignore[arg-type]
+    return KVGroupLayout(regions, record["num_blocks"], record["page_bytes"], record["blocks_per_group"])
+
+
+def _in_range(value: int, low: int, high: int, what: str) -> None:
+    if not low <= value < high:
+        raise BadSharedData(f"{what} is {value}, not in [{low}, {high})")
+
+
+# ------------------------------------------------------------------ commands
+def encode_commands(commands: Sequence[Command]) -> bytes:
+    return bounded_json.dumps([list(c[:2]) + [list(a) if isinstance(a, tuple) else a for a in c[2:]]
+                               for c in commands])
+
+
+def decode_commands(data: bytes, what: str) -> tuple[Command, ...]:
+    """The commands the scheduler wrote, each rebuilt by its protocol constructor; BadSharedData otherwise."""
+    value = bounded_json.loads(data, what, max_depth=3)
+    if not isinstance(value, list):
+        raise BadSharedData(f"{what} is not a list of commands")
+    return tuple(_command(item, f"{what}: command {i}") for i, item in enumerate(value))
+
+
+def _command(item: Any, what: str) -> Command:
+    if not isinstance(item, list) or len(item) < 3 or not isinstance(item[1], str):
+        raise BadSharedData(f"{what} is not [seq, kind, ...]")
+    seq, kind, args = item[0], item[1], item[2:]
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise BadSharedData(f"{what}: sequence number {seq!r}")
+    if kind in (MAP, UNMAP) and len(args) == 1:
+        build = map_command if kind == MAP else unmap_command
+        return build(seq, int_list(args[0], f"{what}: groups", high=1 << 31))
+    if kind == STORE and len(args) == 3 and isinstance(args[2], bool):
+        blocks, slots = _pairs(args[0], args[1], what)
+        return store_command(seq, blocks, slots, args[2])
+    if kind == LOAD and len(args) == 2:
+        return load_command(seq, *_pairs(args[0], args[1], what))
+    if kind == RESERVE and len(args) == 1 and isinstance(args[0], int) and not isinstance(args[0], bool):
+        _in_range(args[0], 0, MAX_VALUE, f"{what}: reserve pages")
+        return reserve_command(seq, args[0])
+    raise BadSharedData(f"{what}: {kind[:20]!r} with {len(args)} arguments is not a command kvelastic sends")
+
+
+def _pairs(blocks: Any, slots: Any, what: str) -> tuple[list[int], list[int]]:
+    blocks = int_list(blocks, f"{what}: block ids", high=1 << 31)
+    slots = int_list(slots, f"{what}: host slots", high=1 << 31)
+    if len(blocks) != len(slots):
+        raise BadSharedData(f"{what}: {len(blocks)} block ids but {len(slots)} host slots")
+    return blocks, slots

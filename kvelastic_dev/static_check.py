@@ -1,0 +1,46 @@
+"""Source checks only the version matrix needs: what vLLM uses of an object, and the gate's refusal.
+
+The target lookup itself lives in ``kvelastic.patching.source``, which start-up
+uses too; these helpers scan more of a release's source than any declaration
+names, and are used by the tests alone.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from kvelastic.errors import PatchError
+from kvelastic.patching import gate
+from kvelastic.patching.source import parse
+from kvelastic.patching.versions import Version
+
+
+def attributes_used_on(root: Path, package: str, holder: str) -> set[str]:
+    """Names read or called on any ``<expr>.<holder>`` in ``package``'s modules (``x.holder.name``).
+
+    The integration replaces some vLLM objects (the block pool's free queue) with
+    its own; this lists what vLLM uses of them, so the replacement can be checked
+    against each release.
+    """
+    base = root.joinpath(*package.split("."))
+    used: set[str] = set()
+    for path in sorted(base.rglob("*.py")):
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == holder:
+                used.add(node.attr)
+    return used
+
+
+def refusal(version: Version) -> str | None:
+    """What the gate says for a release no patch set may claim (outside SUPPORTED); None if supported.
+
+    This calls the gate itself with no patches: its version test runs before
+    anything is imported, so this imports no vLLM either.
+    """
+    try:
+        gate.check((), version)
+    except PatchError as exc:
+        return str(exc)
+    return None

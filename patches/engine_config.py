@@ -1,0 +1,50 @@
+"""The configuration objects kvelastic reads, on the scheduler and in the workers.
+
+Nothing here is wrapped: these are the fields read off ``VllmConfig`` (the
+parallel layout, the model's name, the block size, the batch size). Declaring
+them lets the gate refuse a release that renamed one, where a ``getattr`` with
+a default would have carried on with a wrong value.
+"""
+
+from __future__ import annotations
+
+from kvelastic.patching.spec import Attributes, Target
+from kvelastic.patches._common import ALL
+
+VLLM_CONFIG = Target(
+    module="vllm.config",
+    qualname="VllmConfig",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("model_config", "parallel_config", "cache_config", "scheduler_config")),),
+)
+PARALLEL_CONFIG = Target(  # pipeline stages refuse start-up; the world size counts the ranks to wait for
+    module="vllm.config",
+    qualname="ParallelConfig",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("world_size", "pipeline_parallel_size", "distributed_executor_backend")),),
+)
+MODEL_CONFIG = Target(  # the model's name (shared account) and served name (the metrics' model_name)
+    module="vllm.config",
+    qualname="ModelConfig",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("model", "served_model_name")),),
+)
+CACHE_CONFIG = Target(  # tokens per block, to turn a request's remaining tokens into blocks
+    module="vllm.config",
+    qualname="CacheConfig",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("block_size",)),),
+)
+SCHEDULER_CONFIG = Target(  # the largest step, which sizes the KV cache's warm-up
+    module="vllm.config",
+    qualname="SchedulerConfig",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("max_num_batched_tokens",)),),
+)
+
+TARGETS = (VLLM_CONFIG, PARALLEL_CONFIG, MODEL_CONFIG, CACHE_CONFIG, SCHEDULER_CONFIG)
