@@ -13,16 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvelastic.errors import LayoutError
-from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._band_c import FROM_0_30
-from kvelastic.patches.single_backing_allocation import ALLOCATE_PARAMS
+from kvelastic.patching.spec import Patch
+from kvelastic.patches._common import since
+from kvelastic.patches.single_backing import allocator_name
 
-TARGET = Target(
-    module="vllm.v1.hisparse.binding",
-    qualname="allocate_kv_cache",
-    kind="function",
-    signatures=(Signature(FROM_0_30, ALLOCATE_PARAMS),),
-)
+WITH_HISPARSE = since("0.30")  # vllm.v1.hisparse exists
+
+TARGET = allocator_name("vllm.v1.hisparse.binding")
 
 
 def _refuse(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -35,4 +32,4 @@ def apply(patcher: Any, runtime: Any) -> None:
     patcher.wrap(TARGET, _refuse)
 
 
-PATCH = Patch("hisparse_refusal", "HiSparse: refused with a clear message (0.30+)", FROM_0_30, (TARGET,), apply)
+PATCH = Patch("hisparse_refusal", "HiSparse: refused with a clear message (0.30+)", WITH_HISPARSE, (TARGET,), apply)

@@ -1,113 +1,59 @@
-"""The band-C patches (vLLM 0.29-0.33) against those releases' sources and, where installed, vLLM itself.
+"""The band-C patches (vLLM 0.29-0.33) that decide things, against the installed vLLM 0.29+.
 
-The static part runs in every venv: each release's source is fetched once
-(cached) and every target the band-C patches declare is found there with the
-declared parameters; the one contact the allocation relies on inside vLLM's
-own function (a single ``torch.zeros`` backing) is checked in each source too.
-The rest needs vLLM 0.29+ installed and runs against the real engine-core
-planner, attention backends and layout enum.
+Every band-C contact is checked against each release's source by the version
+matrix (``tests/test_version_matrix.py``). Here the decisions run against vLLM
+itself: the layout preference with vLLM's real attention backends, specs and
+``select_common_block_size``; the whole-page rounding through the engine core's
+real ``get_kv_cache_configs``; the ``release_kv_cache_memory`` refusal on vLLM's
+real ``EngineCore`` method. Skipped where vLLM 0.29+ is not installed.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
-import functools
 
 import pytest
 
-from kvelastic.patching import static_check, vllm_source
-from kvelastic.patching.versions import Version
-from kvelastic.patches import (
-    hisparse_refusal,
-    kv_layout_preference,
-    single_backing_allocation,
-    single_backing_publish,
-    whole_page_num_blocks,
-)
-from kvelastic.patches._band_c import BAND_C
+pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.29+ installed (band C)")
 
-BAND_C_PATCHES = (single_backing_allocation.PATCH, single_backing_publish.PATCH, hisparse_refusal.PATCH,
-                  kv_layout_preference.PATCH, whole_page_num_blocks.PATCH)
-BAND_C_RELEASES = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+import torch  # noqa: E402
+
+from kvelastic.errors import UnsupportedOperation  # noqa: E402
+from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.patches import kv_layout_preference, release_kv_cache_refusal, whole_page_num_blocks  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.patching.spec import Patch  # noqa: E402
+from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
+from kvelastic.pool import HostBackend  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+
 KIB = 1024
 
 
-@functools.lru_cache(maxsize=None)
-def sources() -> dict:
-    return vllm_source.fetch_all(BAND_C_RELEASES)
+def patcher_for(patch: Patch) -> Patcher:
+    """A patcher cleared for ``patch``'s contacts on the installed release, as the gate would build it."""
+    version = installed_vllm_version()
+    assert patch.claims(version), f"{patch.name} does not claim vLLM {version}"
+    return Patcher(version, patch.targets)
 
 
-def _root(release: str):
-    found = sources()[release]
-    if isinstance(found, Exception):
-        pytest.fail(f"vLLM {release}'s source could not be fetched: {found}")
-    return found
+def attention(block_size: int, heads: int = 2):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-
-def test_every_band_c_patch_declares_each_release_it_claims():
-    for patch in BAND_C_PATCHES:
-        assert patch.versions.low >= BAND_C.low and patch.versions.high <= BAND_C.high
-        for release in BAND_C_RELEASES:
-            if patch.claims(Version.parse(release)):
-                assert all(t.expected_params(Version.parse(release)) for t in patch.targets), (patch.name, release)
-
-
-@pytest.mark.matrix
-@pytest.mark.parametrize("release", BAND_C_RELEASES)
-def test_release_source_matches_every_band_c_patch(release):
-    assert static_check.check_release(_root(release), Version.parse(release), BAND_C_PATCHES) == []
-
-
-@pytest.mark.matrix
-@pytest.mark.parametrize("release", BAND_C_RELEASES)
-def test_allocate_kv_cache_makes_one_int8_backing_with_torch_zeros(release):
-    """What ``single_backing.PoolZeros`` stands in for: one ``torch.zeros(size, dtype=torch.int8, device=...)``."""
-    tree = ast.parse((_root(release) / "vllm" / "v1" / "worker" / "utils.py").read_text())
-    (function,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "allocate_kv_cache"]
-    used = [n for n in ast.walk(function)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "torch"]
-    calls = [n for n in ast.walk(function) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"]
-    assert [c.func.attr for c in calls] == ["zeros"]
-    assert {n.attr for n in used} <= {"zeros", "int8", "Tensor", "device"}  # annotations and the dtype
-    (zeros,) = calls
-    assert {k.arg for k in zeros.keywords} == {"dtype", "device"} and len(zeros.args) == 1
-    assert ast.unparse(next(k.value for k in zeros.keywords if k.arg == "dtype")) == "torch.int8"
-
-
-# ----------------------------------------------------------- vLLM 0.29+ installed
-def _installed() -> Version:
-    pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.29+ installed")
-    from kvelastic.patching.versions import installed_vllm_version
-
-    return installed_vllm_version()
-
-
-def test_the_import_gate_accepts_every_band_c_target_on_installed_vllm():
-    from kvelastic.patching.gate import check_target
-
-    version = _installed()
-    problems = [p for patch in BAND_C_PATCHES if patch.claims(version) for t in patch.targets
-                if (p := check_target(t, version))]
-    assert problems == []
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
 
 
 def test_block_outermost_is_preferred_only_where_backends_take_the_block_whole():
-    _installed()
-    import torch
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MambaSpec
-    from vllm.v1.worker.utils import select_common_block_size
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
-    from kvelastic.integration.layout_preference import whole_blocks_everywhere
+    from kvelastic.integration.layout_preference import plain_attention, whole_blocks_everywhere
 
-    def attention(block_size, heads=2):
-        return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=64, dtype=torch.bfloat16)
+    select = kv_layout_preference.common_block_size(patcher_for(kv_layout_preference.PATCH))
 
     def allows(specs, backends):
-        return whole_blocks_everywhere(specs, backends, select_common_block_size, AttentionSpec)
+        return whole_blocks_everywhere(specs, backends, select, plain_attention)
 
     assert allows([attention(16)] * 3, [FlashAttentionBackend])
     assert allows([attention(128)], [FlashAttentionBackend])      # FlashAttention takes multiples of 16
@@ -117,13 +63,29 @@ def test_block_outermost_is_preferred_only_where_backends_take_the_block_whole()
     assert not allows([attention(16), attention(16, heads=4)], [FlashAttentionBackend])  # mixed pages
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     assert not allows([attention(16), mamba], [FlashAttentionBackend])
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert not allows([mla], [FlashAttentionBackend])
     assert not allows([], [FlashAttentionBackend]) and not allows([attention(16)], [])
 
 
-def test_the_reorder_keeps_every_layout_and_puts_block_outermost_first():
-    _installed()
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+def test_the_release_decides_how_vllms_common_block_size_is_asked():
+    """0.32 added ``kv_cache_specs``; the declaration, not a signature probe, picks the call."""
+    import inspect
+
+    from vllm.v1.worker.utils import select_common_block_size
+
+    patcher = patcher_for(kv_layout_preference.PATCH)
+    select = kv_layout_preference.common_block_size(patcher)
+    per_spec = "kv_cache_specs" in inspect.signature(select_common_block_size).parameters
+    assert (select is kv_layout_preference._select_per_spec) == per_spec
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    assert select(32, [FlashAttentionBackend], attention(32)) == 32
+
+
+def test_the_reorder_keeps_every_layout_and_puts_block_outermost_first():
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from kvelastic.integration.layout_preference import block_outermost_first
@@ -136,38 +98,59 @@ def test_the_reorder_keeps_every_layout_and_puts_block_outermost_first():
     assert [n for n in moved if n not in outer] == [n for n in reported if n not in outer]
 
 
+def test_the_wrapped_worker_reports_vllms_layouts_reordered_and_reverts(monkeypatch):
+    """The patch on vLLM's real ``WorkerBase``: a worker of plain attention layers gets block-outermost first.
+
+    The backends are what a loaded model's attention layers would report (none load on a CPU).
+    """
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import worker_base
+
+    from tests.scheduler_harness import vllm_config
+
+    class PlainWorker(worker_base.WorkerBase):
+        def get_kv_cache_spec(self):
+            return {f"layer.{i}": attention(16) for i in range(3)}
+
+    worker = PlainWorker.__new__(PlainWorker)
+    worker.vllm_config = vllm_config(64)
+    monkeypatch.setattr(worker_base, "get_current_attn_backends", lambda config, layer_names=None: [FlashAttentionBackend])
+    vanilla = worker.get_supported_kv_cache_layouts()
+    patcher = patcher_for(kv_layout_preference.PATCH)
+    kv_layout_preference.PATCH.apply(patcher, None)
+    try:
+        preferred = worker.get_supported_kv_cache_layouts()
+    finally:
+        patcher.revert()
+    assert worker.get_supported_kv_cache_layouts() == vanilla
+    assert sorted(preferred) == sorted(vanilla) and preferred != vanilla
+    assert KVCacheLayout[preferred[0]].is_block_outermost
+    assert not KVCacheLayout[vanilla[0]].is_block_outermost  # FlashAttention's own first choice is LBNHC
+
+
 @pytest.fixture
 def engine_core_planning():
     """vLLM's engine-core ``get_kv_cache_configs`` through the whole-page patch, on a host runtime."""
-    _installed()
-    from kvelastic.integration.runtime import Runtime
-    from kvelastic.patching.apply import Patcher
-    from kvelastic.pool import HostBackend
-    from kvelastic.settings import Settings
-
     runtime = Runtime(Settings(enabled=True, chunk_bytes=64 * KIB), backend_factory=HostBackend)
-    patcher = Patcher()
+    patcher = patcher_for(whole_page_num_blocks.PATCH)
     whole_page_num_blocks.PATCH.apply(patcher, runtime)
     yield
     patcher.revert()
 
 
 def _plan(layout: str, blocks: int, override: int | None = None):
-    import inspect
-
-    import torch
     from vllm.v1.engine import core
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from tests.scheduler_harness import vllm_config
 
     config = copy.deepcopy(vllm_config(64))
     config.cache_config.kv_cache_layout = layout
     config.cache_config.num_gpu_blocks_override = override
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)  # 8 KiB pages
+    spec = attention(16)  # 8 KiB pages
     specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(3)}]
     args = [config, specs, [blocks * 3 * spec.page_size_bytes + 100]]
-    if "global_kv_cache_groups" in inspect.signature(core.get_kv_cache_configs).parameters:
+    if "global_kv_cache_groups" in patcher_for(whole_page_num_blocks.PATCH).params(whole_page_num_blocks.TARGET):
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
 
         args.append(get_global_kv_cache_groups(config, specs))
@@ -188,3 +171,34 @@ def test_block_outermost_and_user_overrides_are_left_as_planned(engine_core_plan
     assert _plan("LBNHC", 1000)[1][0].num_blocks == 1000
     config, (planned,) = _plan("LBNHC", 1003, override=901)
     assert planned.num_blocks == 901 and config.cache_config.num_gpu_blocks_override == 901
+
+
+def test_release_kv_cache_memory_is_refused_before_vllm_resets_or_discards_anything():
+    if not release_kv_cache_refusal.PATCH.claims(installed_vllm_version()):
+        pytest.skip("release_kv_cache_memory arrived in vLLM 0.31")
+    from vllm.v1.engine.core import EngineCore
+
+    calls: list[str] = []
+
+    class Paused:  # what vLLM's own method would touch first: the pause check, then the caches
+        def is_scheduler_paused(self):
+            calls.append("is_scheduler_paused")
+            return True
+
+        def _reset_caches(self):
+            calls.append("_reset_caches")
+
+    vanilla = EngineCore.release_kv_cache_memory
+    patcher = patcher_for(release_kv_cache_refusal.PATCH)
+    release_kv_cache_refusal.PATCH.apply(patcher, None)
+    try:
+        with pytest.raises(UnsupportedOperation, match="release_kv_cache_memory is not supported") as refused:
+            EngineCore.release_kv_cache_memory(Paused())
+        assert isinstance(refused.value, RuntimeError)  # what vLLM's own refusals of this call raise
+        assert calls == []
+    finally:
+        patcher.revert()
+    assert EngineCore.release_kv_cache_memory is vanilla
+    with pytest.raises(AttributeError):  # vLLM's own method runs again: it reads state the stand-in lacks
+        EngineCore.release_kv_cache_memory(Paused())
+    assert calls == ["is_scheduler_paused"]

@@ -1,7 +1,7 @@
 """vLLM 0.29+'s one KV backing served by the page pool, with vLLM's own planner and views.
 
-kvelastic's band-C patches are applied (not activated: the gate still refuses
-0.29+ until they are registered) on a host-backed runtime. vLLM's real
+kvelastic's band-C worker patch (``v1_single_backing``) is applied through a
+patcher cleared for its contacts, on a host-backed runtime. vLLM's real
 ``get_kv_cache_config_from_groups`` plans each layout, vLLM's real
 ``allocate_kv_cache`` (through the runner's patched name) builds the views over
 the pool's backing, and kvelastic reads the group layout off those views. The
@@ -39,6 +39,7 @@ from kvelastic.integration.page_alignment import (  # noqa: E402
 from kvelastic.integration.runtime import Runtime  # noqa: E402
 from kvelastic.integration.single_backing import VIEW_BLOCK_DIM  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 from kvelastic.pool import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 
@@ -63,15 +64,20 @@ def plan(layout: KVCacheLayout, groups: list, num_blocks: int) -> KVCacheConfig:
     return _planner()(config, groups, 1 << 40)
 
 
+def patcher_for(patch) -> Patcher:
+    return Patcher(installed_vllm_version(), patch.targets)
+
+
 class BandC:
-    """A host-backed runtime with the band-C worker patches applied, undone on close."""
+    """A host-backed runtime with the V1 runner's band-C patch applied, undone on close."""
 
     def __init__(self, page_bytes: int):
-        from kvelastic.patches import single_backing_allocation
+        from kvelastic.patches import v1_single_backing
 
         self.runtime = Runtime(Settings(enabled=True, chunk_bytes=page_bytes), backend_factory=HostBackend)
-        self.patcher = Patcher()
-        single_backing_allocation.PATCH.apply(self.patcher, self.runtime)
+        self.patcher = patcher_for(v1_single_backing.PATCH)
+        v1_single_backing.PATCH.apply(self.patcher, self.runtime)
+        self.patchers: list[Patcher] = []  # further patches a test applies, undone first
 
     def allocate(self, config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int | None):
         from vllm.v1.worker import gpu_model_runner
@@ -80,10 +86,11 @@ class BandC:
         return gpu_model_runner.allocate_kv_cache(config, CPU, layout, sizes)
 
     def close(self) -> None:
-        self.patcher.revert()
+        for patcher in (*self.patchers, self.patcher):
+            patcher.revert()
         self.runtime.cache = None
-        for pool in list(self.runtime._pools):
-            pool.close()
+        for engine_pool in list(self.runtime._pools):
+            engine_pool.pool.close()
 
 
 @pytest.fixture
@@ -91,6 +98,9 @@ def band_c():
     made: list[BandC] = []
 
     def make(page_bytes: int = 64 * KIB) -> BandC:
+        """A fresh runtime; the one made before (a hypothesis example, a loop's turn) is undone first."""
+        while made:
+            made.pop().close()
         made.append(BandC(page_bytes))
         return made[-1]
 
@@ -226,10 +236,12 @@ def test_an_empty_config_allocates_no_pool(band_c):
 
 
 def test_host_resident_tensors_are_refused_before_any_allocation(band_c):
+    from kvelastic.patches.kv_cache_objects import KV_CACHE_TENSOR
+
     env = band_c()
-    config = plan(KVCacheLayout.LBNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
-    if not hasattr(config.kv_cache_tensors[0], "host_resident"):
+    if "host_resident" not in env.patcher.attributes(KV_CACHE_TENSOR):
         pytest.skip("this vLLM has no host-resident KV tensors (0.30+)")
+    config = plan(KVCacheLayout.LBNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     config.kv_cache_tensors[0].host_resident = True
     with pytest.raises(LayoutError, match="host-resident"):
         env.allocate(config, KVCacheLayout.LBNHC, None)
@@ -239,7 +251,7 @@ def test_host_resident_tensors_are_refused_before_any_allocation(band_c):
 def test_layers_without_views_are_refused(band_c):
     from vllm.v1 import kv_cache_interface
 
-    resident = getattr(kv_cache_interface, "HiSparseResidentSpec", None)
+    resident = vars(kv_cache_interface).get("HiSparseResidentSpec")
     if resident is None:
         pytest.skip("this vLLM has no spec without per-layer views (0.30+)")
     spec = resident(block_size=16, page_size=4 * KIB)
@@ -257,7 +269,9 @@ def test_hisparse_allocation_is_refused_with_a_clear_message(band_c):
     from kvelastic.patches import hisparse_refusal
 
     env = band_c()
-    hisparse_refusal.PATCH.apply(env.patcher, env.runtime)
+    patcher = patcher_for(hisparse_refusal.PATCH)
+    hisparse_refusal.PATCH.apply(patcher, env.runtime)
+    env.patchers.append(patcher)
     config = plan(KVCacheLayout.LBNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     with pytest.raises(LayoutError, match="HiSparse"):
         binding.allocate_kv_cache(config, CPU, KVCacheLayout.LBNHC, None)
@@ -277,7 +291,7 @@ def test_a_second_backing_or_another_dtype_is_refused():
 
 
 def _runner(layout: KVCacheLayout, env: BandC, sleep_mode: bool = False):
-    """What ``single_backing_publish`` reads of a model runner; its ``initialize_kv_cache`` allocates through
+    """What ``publish_one_backing`` reads of a model runner; its ``initialize_kv_cache`` allocates through
     the patched name and keeps the views, as both runners do (a real runner needs a GPU model)."""
     import copy
     import types
@@ -296,13 +310,13 @@ def _runner(layout: KVCacheLayout, env: BandC, sleep_mode: bool = False):
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.BLNHC, KVCacheLayout.LBNHC], ids=lambda layout: layout.name)
 def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layout):
-    from kvelastic.patches import single_backing_publish
+    from kvelastic.integration.single_backing import publish_one_backing
 
     env = band_c(64 * KIB)
     spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
     config = plan(layout, spec_groups, 256)
     runner, initialize = _runner(layout, env)
-    single_backing_publish._initialize(env.runtime, initialize, runner, (config,), {})
+    publish_one_backing(env.runtime, initialize, runner, (config,), {})
     cache = env.runtime.cache
     assert cache is not None and env.runtime.allocation_pool() is None
     assert cache.blocks_per_group == group_blocks_of_config(config, 64 * KIB)
@@ -314,11 +328,11 @@ def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layou
 
 def test_sleep_mode_is_refused_before_anything_is_allocated(band_c):
     from kvelastic.errors import PatchError
-    from kvelastic.patches import single_backing_publish
+    from kvelastic.integration.single_backing import publish_one_backing
 
     env = band_c()
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     runner, initialize = _runner(KVCacheLayout.BLNHC, env, sleep_mode=True)
     with pytest.raises(PatchError, match="sleep mode"):
-        single_backing_publish._initialize(env.runtime, initialize, runner, (config,), {})
+        publish_one_backing(env.runtime, initialize, runner, (config,), {})
     assert env.runtime.allocation_pool() is None and env.runtime.cache is None

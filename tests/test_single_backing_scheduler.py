@@ -63,7 +63,7 @@ def band_c_scheduler(tmp_path, monkeypatch):
     yield make
     schedulers.close()
     for env in envs:
-        env.patcher.revert()
+        env.close()
 
 
 def stamp(tokens: list[int]) -> float:

@@ -18,14 +18,18 @@ hand a backend a block size it did not declare. So the reorder is made only
 when every layer is plain attention, all with one block size and page size,
 and every backend takes that block size whole (vLLM's own
 ``select_common_block_size`` returns it unchanged). Anything else (Mamba or
-other non-attention state, mixed page sizes that vLLM may re-block later,
-MLA's ``storage_block_size`` of 0.30-0.31) keeps vLLM's order.
+other non-attention state, HiSparse's specs without layer views, mixed page
+sizes that vLLM may re-block later, MLA, whose ``storage_block_size`` of
+0.30-0.31 forces a split) keeps vLLM's order.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, Iterable, Sequence
+
+#: ``select(block_size, backends, spec)``: vLLM's common kernel block size for one spec's layers
+#: (``patches/kv_layout_preference.py:common_block_size`` picks the release's call).
+SelectBlockSize = Callable[[int, list[Any], Any], int]
 
 
 def block_outermost_first(names: Sequence[str], is_block_outermost: Callable[[str], bool]) -> list[str]:
@@ -34,32 +38,32 @@ def block_outermost_first(names: Sequence[str], is_block_outermost: Callable[[st
             + [name for name in names if not is_block_outermost(name)])
 
 
-def whole_blocks_everywhere(specs: Iterable[Any], backends: Sequence[Any], select_common_block_size: Callable[..., int],
-                            attention_spec: type) -> bool:
-    """True where every layer is attention of one block size that every backend takes whole."""
-    specs = [spec for spec in specs if getattr(spec, "has_layer_views", True)]
-    if not specs or not backends or not all(isinstance(spec, attention_spec) for spec in specs):
+def whole_blocks_everywhere(specs: Iterable[Any], backends: Sequence[Any], select: SelectBlockSize,
+                            is_plain_attention: Callable[[Any], bool]) -> bool:
+    """True where every layer is plain attention of one block size that every backend takes whole."""
+    specs = list(specs)
+    if not specs or not backends or not all(is_plain_attention(spec) for spec in specs):
         return False
     if len({(spec.block_size, spec.page_size_bytes) for spec in specs}) != 1:
         return False
     block_size = specs[0].block_size
-    if any(getattr(spec, "storage_block_size", None) not in (None, block_size) for spec in specs):
-        return False
-    per_spec = "kv_cache_specs" in inspect.signature(select_common_block_size).parameters  # 0.32+
     try:
-        if not per_spec:
-            return select_common_block_size(block_size, list(backends)) == block_size
-        return all(select_common_block_size(block_size, list(backends), [spec] * len(backends)) == block_size
+        return all(select(block_size, list(backends), spec) == block_size
                    for spec in {id(spec): spec for spec in specs}.values())
     except ValueError:  # no common kernel block size at all: leave the choice to vLLM
         return False
 
 
-def preferred_layouts(worker: Any, reported: list[str]) -> list[str]:
+def plain_attention(spec: Any) -> bool:
+    """An attention spec other than MLA's (whose 0.30-0.31 ``storage_block_size`` forces a kernel split)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    return isinstance(spec, AttentionSpec) and not isinstance(spec, MLAAttentionSpec)
+
+
+def preferred_layouts(worker: Any, reported: list[str], select: SelectBlockSize) -> list[str]:
     """The worker's reported layouts, block-outermost first where :func:`whole_blocks_everywhere` allows."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker import utils as worker_utils
     from vllm.v1.worker import worker_base
 
     try:
@@ -67,6 +71,6 @@ def preferred_layouts(worker: Any, reported: list[str]) -> list[str]:
     except NotImplementedError:  # a worker class without KV specs: nothing to judge by
         return reported
     backends = worker_base.get_current_attn_backends(worker.vllm_config)
-    if not whole_blocks_everywhere(specs, backends, worker_utils.select_common_block_size, AttentionSpec):
+    if not whole_blocks_everywhere(specs, backends, select, plain_attention):
         return reported
     return block_outermost_first(reported, lambda name: KVCacheLayout[name].is_block_outermost)

@@ -17,6 +17,9 @@ aligned only for some ``num_blocks``, which :func:`aligned_num_blocks` rounds
 down to. A group that shares a boundary page with its neighbour still works
 (the pool counts page references), but each shared page is mapped while either
 side is, and the free-memory estimate charges a group for both.
+
+Every ``KVCacheTensor`` of the config counts: HiSparse's host-resident ones
+(0.30+) never reach an allocation kvelastic serves (``hisparse_refusal``).
 """
 
 from __future__ import annotations
@@ -81,17 +84,13 @@ def run_starts_aligned(starts: Iterable[int], page_bytes: int) -> bool:
     return all(start % page_bytes == 0 for start in starts)
 
 
-def _device_tensors(kv_cache_config: Any) -> list[Any]:
-    return [t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)]
-
-
 def group_blocks_of_config(kv_cache_config: Any, page_bytes: int) -> int | None:
     """Blocks per group for a 0.29+ ``KVCacheConfig``: whole pages where that stays small enough.
 
     Every tensor of one backing shares one block stride in the layouts kvelastic
     accepts (``merge_runs`` checks it on the views); None where there is no tensor.
     """
-    strides = {t.block_stride for t in _device_tensors(kv_cache_config)}
+    strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors}
     if not strides:
         return None
     return blocks_per_group(min(strides), page_bytes)
@@ -104,7 +103,7 @@ def layer_outermost_multiple(kv_cache_config: Any, page_bytes: int) -> int | Non
     runs start at the page-aligned backing) and for configs without tensors.
     """
     num_blocks = kv_cache_config.num_blocks
-    tensors = _device_tensors(kv_cache_config)
+    tensors = kv_cache_config.kv_cache_tensors
     if not tensors or any(t.layer_stride < num_blocks * t.block_stride for t in tensors):
         return None
     if any(t.offset % num_blocks or t.layer_stride % num_blocks for t in tensors):

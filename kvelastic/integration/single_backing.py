@@ -21,6 +21,7 @@ model is refused here, before any page is mapped.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any, Callable
 
@@ -72,25 +73,30 @@ def with_torch(function: Callable[..., Any], stand_in: Any) -> Callable[..., Any
     return copy
 
 
-def check_allocator(function: Callable[..., Any]) -> None:
-    """``function`` must be vLLM's own ``allocate_kv_cache``, not something wrapping it."""
-    module = getattr(function, "__module__", None)
-    name = getattr(function, "__name__", None)
-    if module != ALLOCATOR_MODULE or name != ALLOCATOR_NAME or not hasattr(function, "__code__"):
-        raise PatchError(f"kvelastic expected vLLM's {ALLOCATOR_MODULE}.{ALLOCATOR_NAME}, found "
-                         f"{module}.{name}: something else wraps vLLM's KV allocation")
+def check_allocator(function: Any) -> None:
+    """``function`` must be vLLM's own ``allocate_kv_cache`` (``patches/single_backing.py:ALLOCATOR``)."""
+    from vllm.v1.worker import utils
+
+    if function is not utils.allocate_kv_cache or not isinstance(function, types.FunctionType):
+        raise PatchError(f"kvelastic expected vLLM's {ALLOCATOR_MODULE}.{ALLOCATOR_NAME}, found {function!r}: "
+                         "something else wraps or replaces vLLM's KV allocation")
 
 
-def allocate_in_pool(runtime: Runtime, allocate: Callable[..., Any], kv_cache_config: Any,
-                     *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Run vLLM's ``allocate_kv_cache`` with its backing reserved in a new page pool."""
+def allocate_in_pool(runtime: Runtime, allocate: Callable[..., Any], args: tuple, kwargs: dict, *,
+                     is_host_resident: Callable[[Any], bool]) -> dict[str, Any]:
+    """Run vLLM's ``allocate_kv_cache(*args, **kwargs)`` with its backing reserved in a new page pool.
+
+    ``is_host_resident`` tells a tensor kept in host memory (HiSparse, 0.30+), which the
+    GPU allocation never gets from vLLM itself; one that does is refused.
+    """
     check_allocator(allocate)
-    resident = [t.layers for t in kv_cache_config.kv_cache_tensors if getattr(t, "host_resident", False)]
+    kv_cache_config = inspect.signature(allocate).bind(*args, **kwargs).arguments["kv_cache_config"]
+    resident = [t.layers for t in kv_cache_config.kv_cache_tensors if is_host_resident(t)]
     if resident:
         raise LayoutError(f"host-resident KV tensors (layers {resident[0][:3]}...) reached the GPU "
                           "allocation; kvelastic backs only device tensors")
     stand_in = PoolZeros(runtime)
-    views: dict[str, Any] = with_torch(allocate, stand_in)(kv_cache_config, *args, **kwargs)
+    views: dict[str, Any] = with_torch(allocate, stand_in)(*args, **kwargs)
     if stand_in.backing is not None:
         refuse_raw_layers(views, stand_in.backing)
     return views
@@ -103,3 +109,19 @@ def refuse_raw_layers(views: dict[str, Any], backing: Any) -> None:
         raise LayoutError(f"KV layers {raw[:3]}{'...' if len(raw) > 3 else ''} take vLLM's raw KV backing "
                           "(a spec without per-layer views, such as HiSparse's): kvelastic cannot tell "
                           "which bytes their blocks use. Run this model with KVELASTIC=0")
+
+
+def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+    """A runner's ``initialize_kv_cache``: sleep mode refused first, then vLLM's, then its views published.
+
+    The group size is whole pages of the one backing where that stays small
+    (:func:`~kvelastic.integration.page_alignment.group_blocks_of_config`), and the
+    views' block dimension is known (:data:`VIEW_BLOCK_DIM`).
+    """
+    from kvelastic.integration.allocation import publish_after_initialize
+    from kvelastic.integration.page_alignment import group_blocks_of_config
+    from kvelastic.integration.sleep_mode import refuse_sleep_mode
+
+    refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode)
+    return publish_after_initialize(runtime, initialize, runner, args, kwargs, group_blocks=group_blocks_of_config,
+                                    block_dim=VIEW_BLOCK_DIM)

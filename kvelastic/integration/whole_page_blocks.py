@@ -21,7 +21,7 @@ from kvelastic.errors import LayoutError
 from kvelastic.integration.page_alignment import aligned_num_blocks, layer_outermost_multiple
 from kvelastic.integration.runtime import Runtime
 
-log = logging.getLogger("kvelastic")
+log = logging.getLogger("vllm.kvelastic")
 
 
 def plan_whole_pages(runtime: Runtime, plan: Callable[[], list[Any]], vllm_config: Any) -> list[Any]:
