@@ -32,6 +32,7 @@ from kvelastic.patches import (
     v2_allocate_kv_cache,
     v2_initialize_kv_cache,
     v2_single_backing,
+    vllm_logging,
     whole_page_num_blocks,
     worker_capacity,
     worker_execute_model,
@@ -53,4 +54,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     kv_layout_preference.PATCH,
     whole_page_num_blocks.PATCH,
     release_kv_cache_refusal.PATCH,
+    vllm_logging.PATCH,
 )

@@ -34,8 +34,9 @@ V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
 ONE_BACKING = {"v1_single_backing", "v2_single_backing", "kv_layout_preference", "whole_page_num_blocks"}
 EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "scheduler_block_pool"}
 #: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
-#: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31).
-SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal"}
+#: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
+#: activation (0.31+ configures it only when an engine starts).
+SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 
