@@ -23,6 +23,7 @@ from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import BAND_C
+from kvelastic.patches import kv_connector_pool
 from kvelastic.patches.engine_config import MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import ALLOCATION, PUBLISHING, host_resident_test
 
@@ -49,15 +50,15 @@ def _allocate(runtime: Any, is_host_resident: Any, wrapped: Any, instance: Any, 
     return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident)
 
 
-def _initialize(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def _initialize(runtime: Any, connector_has_pool: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from kvelastic.integration.single_backing import publish_one_backing
 
-    return publish_one_backing(runtime, wrapped, instance, args, kwargs)
+    return publish_one_backing(runtime, wrapped, instance, args, kwargs, connector_has_pool=connector_has_pool)
 
 
 def _apply(allocate: Target, initialize: Target, patcher: Any, runtime: Any) -> None:
     patcher.wrap(allocate, functools.partial(_allocate, runtime, host_resident_test(patcher)))
-    patcher.wrap(initialize, functools.partial(_initialize, runtime))
+    patcher.wrap(initialize, functools.partial(_initialize, runtime, kv_connector_pool.connector_pool_test(patcher)))
 
 
 def single_backing_patch(name: str, runner: str, allocate: Target, initialize: Target, runner_class: Target) -> Patch:
@@ -65,5 +66,5 @@ def single_backing_patch(name: str, runner: str, allocate: Target, initialize: T
     return Patch(name, f"{runner} runner: the one KV backing over CUDA virtual memory, vLLM's own views, "
                        "published in whole-page groups", BAND_C,
                  (allocate, initialize, ALLOCATOR, runner_class, *dict.fromkeys((*ALLOCATION, *PUBLISHING)),
-                  VLLM_CONFIG, MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG),
+                  VLLM_CONFIG, MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, *kv_connector_pool.TARGETS),
                  functools.partial(_apply, allocate, initialize))

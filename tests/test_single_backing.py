@@ -316,7 +316,7 @@ def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layou
     spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
     config = plan(layout, spec_groups, 256)
     runner, initialize = _runner(layout, env)
-    publish_one_backing(env.runtime, initialize, runner, (config,), {})
+    publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
     cache = env.runtime.cache
     assert cache is not None and env.runtime.allocation_pool() is None
     assert cache.blocks_per_group == group_blocks_of_config(config, 64 * KIB)
@@ -334,5 +334,40 @@ def test_sleep_mode_is_refused_before_anything_is_allocated(band_c):
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     runner, initialize = _runner(KVCacheLayout.BLNHC, env, sleep_mode=True)
     with pytest.raises(PatchError, match="sleep mode"):
-        publish_one_backing(env.runtime, initialize, runner, (config,), {})
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
+    assert env.runtime.allocation_pool() is None and env.runtime.cache is None
+
+
+def test_a_connector_with_its_own_kv_memory_pool_is_refused_before_anything_is_allocated(band_c, monkeypatch):
+    """0.31+: vLLM allocates the KV cache inside a connector's ``get_mem_pool_context()``; kvelastic cannot."""
+    import contextlib
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    from kvelastic.errors import PatchError
+    from kvelastic.integration.single_backing import publish_one_backing
+    from kvelastic.patches import kv_connector_pool
+
+    env = band_c()
+    has_pool = kv_connector_pool.connector_pool_test(env.patcher)
+    assert has_pool() is False  # no connector in this process
+    if not env.patcher.declares(kv_connector_pool.MEM_POOL_CONTEXT):
+        assert has_pool is kv_connector_pool._no_connector_pool  # before 0.31 no connector can ask
+        return
+
+    class PoolConnector:  # what vLLM reads of a connector here: the one method
+        def __init__(self, context):
+            self.context = context
+
+        def get_mem_pool_context(self):
+            return self.context
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", PoolConnector(None))
+    assert has_pool() is False  # a connector that uses vLLM's default pool is fine
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", PoolConnector(contextlib.nullcontext()))
+    assert has_pool() is True
+    config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
+    runner, initialize = _runner(KVCacheLayout.BLNHC, env)
+    with pytest.raises(PatchError, match="memory pool of its own"):
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=has_pool)
     assert env.runtime.allocation_pool() is None and env.runtime.cache is None

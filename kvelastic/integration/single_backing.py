@@ -111,10 +111,22 @@ def refuse_raw_layers(views: dict[str, Any], backing: Any) -> None:
                           "which bytes their blocks use. Run this model with KVELASTIC=0")
 
 
-def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
-    """A runner's ``initialize_kv_cache``: sleep mode refused first, then vLLM's, then its views published.
+def refuse_connector_pool(connector_has_pool: bool) -> None:
+    """A KV connector that allocates the KV cache in its own pool (0.31+) would never get kvelastic's pages."""
+    if connector_has_pool:
+        raise PatchError("kvelastic: this KV connector allocates the KV cache in a memory pool of its own "
+                         "(get_mem_pool_context, such as Mooncake's), but kvelastic serves the KV cache from its "
+                         "page pool, so the connector would not hold it. Run this connector with KVELASTIC=0")
 
-    The group size is whole pages of the one backing where that stays small
+
+def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tuple, kwargs: dict, *,
+                        connector_has_pool: Callable[[], bool]) -> Any:
+    """A runner's ``initialize_kv_cache``: refusals first, then vLLM's, then its views published.
+
+    Refused before anything is allocated: sleep mode, and a KV connector with a
+    memory pool of its own (``connector_has_pool``, from
+    ``patches/kv_connector_pool.py``). The group size is whole pages of the one
+    backing where that stays small
     (:func:`~kvelastic.integration.page_alignment.group_blocks_of_config`), and the
     views' block dimension is known (:data:`VIEW_BLOCK_DIM`).
     """
@@ -123,5 +135,6 @@ def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tu
     from kvelastic.integration.sleep_mode import refuse_sleep_mode
 
     refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode)
+    refuse_connector_pool(connector_has_pool())
     return publish_after_initialize(runtime, initialize, runner, args, kwargs, group_blocks=group_blocks_of_config,
                                     block_dim=VIEW_BLOCK_DIM)
