@@ -19,7 +19,7 @@ here: the allocator's parameters are the same in 0.29-0.33.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import BAND_C
@@ -43,14 +43,15 @@ def allocator_name(module: str) -> Target:
                   shapes=(Signature(BAND_C, ALLOCATE_PARAMS),))
 
 
-def _allocate(runtime: Any, is_host_resident: Any, wrapped: Any, instance: Any, args: tuple,
+def _allocate(runtime: Any, is_host_resident: Callable[[Any], bool], wrapped: Any, instance: Any, args: tuple,
               kwargs: dict) -> dict[str, Any]:
     from kvelastic.integration.single_backing import allocate_in_pool
 
     return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident)
 
 
-def _initialize(runtime: Any, connector_has_pool: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], wrapped: Any, instance: Any, args: tuple,
+                kwargs: dict) -> Any:
     from kvelastic.integration.single_backing import publish_one_backing
 
     return publish_one_backing(runtime, wrapped, instance, args, kwargs, connector_has_pool=connector_has_pool)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build one test venv: a torch release, a vLLM release on top of it, kvelastic (editable) and its
-# test tools. The same steps as scripts/run_tests.sh's suite(), as a script of their own so that
-# a third band (vLLM 0.29-0.33) can be installed and timed by hand before run_tests.sh runs it.
+# test tools. The same steps as scripts/run_tests.sh's suite(), as a script of their own so that a
+# band's venv can be installed (and timed) by hand without running the suite.
 #   bash scripts/install_band.sh VENV TORCH VLLM
 #   bash scripts/install_band.sh .venv-band-c 2.14.0 0.33.0     # band C: 0.33.0 pins torch 2.14.0
 #
