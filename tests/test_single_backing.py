@@ -69,21 +69,27 @@ def patcher_for(patch) -> Patcher:
 
 
 class BandC:
-    """A host-backed runtime with the V1 runner's band-C patch applied, undone on close."""
+    """A host-backed runtime with both runners' band-C patches applied, undone on close."""
 
     def __init__(self, page_bytes: int):
-        from kvelastic.patches import v1_single_backing
+        from kvelastic.patches import v1_single_backing, v2_single_backing
 
         self.runtime = Runtime(Settings(enabled=True, chunk_bytes=page_bytes), backend_factory=HostBackend)
-        self.patcher = patcher_for(v1_single_backing.PATCH)
-        v1_single_backing.PATCH.apply(self.patcher, self.runtime)
+        self.patcher = Patcher(installed_vllm_version(), (*v1_single_backing.PATCH.targets,
+                                                          *v2_single_backing.PATCH.targets))
+        for patch in (v1_single_backing.PATCH, v2_single_backing.PATCH):
+            patch.apply(self.patcher, self.runtime)
         self.patchers: list[Patcher] = []  # further patches a test applies, undone first
 
-    def allocate(self, config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int | None):
+    def allocate(self, config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int | None,
+                 runner: str = "v1"):
+        """Through the name the V1 runner's module calls, or (``runner="v2"``) the V2 runner's ``attn_utils``."""
         from vllm.v1.worker import gpu_model_runner
+        from vllm.v1.worker.gpu import attn_utils
 
         sizes = None if kernel_block_size is None else [kernel_block_size] * len(config.kv_cache_groups)
-        return gpu_model_runner.allocate_kv_cache(config, CPU, layout, sizes)
+        module = {"v1": gpu_model_runner, "v2": attn_utils}[runner]
+        return module.allocate_kv_cache(config, CPU, layout, sizes)
 
     def close(self) -> None:
         for patcher in (*self.patchers, self.patcher):
@@ -204,14 +210,15 @@ def test_block_outermost_layouts_cannot_split_kernel_blocks(band_c):
             band_c().allocate(plan(layout, spec_groups, 8), layout, 16)
 
 
-def test_views_are_vllms_own_over_the_pool_backing(band_c):
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_views_are_vllms_own_over_the_pool_backing(band_c, runner):
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
     for layout in KVCacheLayout:
         config = plan(layout, spec_groups, 40)
         env = band_c()
-        pooled = env.allocate(config, layout, None)
+        pooled = env.allocate(config, layout, None, runner)
         plain = allocate_kv_cache(config, CPU, layout, None)  # vLLM unpatched: torch.zeros
         pool = env.runtime.finish_allocation()
         backing = pool.regions[0]
@@ -226,6 +233,24 @@ def test_views_are_vllms_own_over_the_pool_backing(band_c):
             mine.copy_(torch.randn(mine.shape).to(mine.dtype))
             theirs.copy_(mine)
             assert torch.equal(mine, theirs)
+
+
+def test_another_wrapper_around_vllms_allocator_is_refused(band_c):
+    """kvelastic runs vLLM's own function with a stand-in torch: a wrapper in between would hide it."""
+    import functools
+
+    from vllm.v1.worker import utils
+
+    from kvelastic.errors import PatchError
+    from kvelastic.integration.single_backing import allocate_in_pool
+
+    env = band_c()
+    config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
+    wrapped = functools.wraps(utils.allocate_kv_cache)(lambda *args, **kwargs: utils.allocate_kv_cache(*args))
+    with pytest.raises(PatchError, match="something else wraps"):
+        allocate_in_pool(env.runtime, wrapped, (config, CPU, KVCacheLayout.BLNHC, None), {},
+                         is_host_resident=lambda tensor: False)
+    assert env.runtime.allocation_pool() is None
 
 
 def test_an_empty_config_allocates_no_pool(band_c):

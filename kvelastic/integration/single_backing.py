@@ -17,6 +17,11 @@ refuses with :class:`~kvelastic.errors.LayoutError` rather than guess.
 Layers whose spec has no per-layer views (HiSparse's raw tensors, 0.30+) get the
 backing itself; kvelastic cannot tell which bytes their blocks use, so such a
 model is refused here, before any page is mapped.
+
+After a runner's ``initialize_kv_cache`` the views are published in whole-page
+groups (:func:`publish_one_backing`). Refused before vLLM's method allocates
+anything: sleep mode (``sleep_mode.py``) and a KV connector that allocates the
+KV cache in a memory pool of its own (:func:`refuse_connector_pool`).
 """
 
 from __future__ import annotations
