@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
+#   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
+#   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
 # One stage per device call: a call stops at 10 minutes, and the tarball is written at the end.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -59,6 +61,16 @@ copy)
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+connectors-simple|connectors-offload)  # issue 17: each about 4-6 min on an H100 (4 engines, enforce-eager)
+    # 256 MiB of GPU KV (8k tokens; vanilla: --kv-cache-memory-bytes, kvelastic: KVELASTIC_LIMIT) under
+    # 48 prompts of up to ~2.5k tokens, twice: the second pass must load from the connector's CPU copies.
+    # Outputs token-identical to the same connector on vanilla; memory after 8 idle seconds (TTL 2 s).
+    if [ "$stage" = connectors-simple ]; then modes="simple-eager simple-lazy"; else modes="offload-lru offload-arc"; fi
+    ver=$(python3 -c 'import vllm; print(vllm.__version__)')
+    e2e --model scripts/models/llama-1b --outdir "$W/$stage-$ver" --matrix $modes --label="-vllm$ver" \
+        --kve-env KVELASTIC_LIMIT=256MiB KVELASTIC_CACHE_TTL=2 --summary "$W/$stage-$ver/summary.json" \
+        --extra --eager --vanilla-kv-bytes $((256 << 20)) --cpu-bytes $((4 << 30)) --prompts 48 \
+        --min-len 1000 --max-len 1800 --max-tokens 32 --idle-after 8 2>&1 | tee "$W/$stage-$ver.log" ;;
 serve)
     python3 scripts/check_serve_metrics.py --outdir "$W/serve" 2>&1 | tee "$W/serve.log" ;;
 reload)

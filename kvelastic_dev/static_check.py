@@ -33,6 +33,20 @@ def attributes_used_on(root: Path, package: str, holder: str) -> set[str]:
     return used
 
 
+def attributes_used_on_name(root: Path, package: str, name: str) -> set[str]:
+    """Names read or called on a variable called ``name`` in ``package``'s modules (``name.attr``).
+
+    SimpleCPUOffloadConnector's lazy mode reads the GPU free queue through a
+    local (``free_queue = gpu_pool.free_block_queue``), which the scan above
+    does not see.
+    """
+    base = root.joinpath(*package.split("."))
+    if not base.is_dir():
+        return set()
+    return {node.attr for path in sorted(base.rglob("*.py")) for node in ast.walk(parse(path))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == name}
+
+
 def refusal(version: Version) -> str | None:
     """What the gate says for a release no patch set may claim (outside SUPPORTED); None if supported.
 

@@ -11,6 +11,7 @@ the modules named below, and checked by the gate before anything changes:
 - ``admission_check``: the block estimate the commit guard wraps;
 - ``host_tier_lookup``: the prefix-cache map the host tier answers from;
 - ``engine_config``: the configuration read;
+- ``offload_connectors``: vLLM's offload connector the scheduler made, if any;
 - here: the scheduler itself, its entry points, and the requests it queues.
 
 Version differences handled here: ``Scheduler.__init__`` takes ``hash_block_size``
@@ -25,7 +26,7 @@ import functools
 from typing import Any
 
 from kvelastic.patching.spec import Attributes, Patch, Signature, Target
-from kvelastic.patches import admission_check, block_pool_queue, engine_config, host_tier_lookup
+from kvelastic.patches import admission_check, block_pool_queue, engine_config, host_tier_lookup, offload_connectors
 from kvelastic.patches._common import ALL, before, since
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
@@ -43,7 +44,8 @@ SCHEDULER = Target(  # read: what the attachment and the tensor-parallel step ho
     qualname="Scheduler",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("kv_cache_manager", "vllm_config", "cache_config", "running", "waiting")),),
+    shapes=(Attributes(ALL, ("kv_cache_manager", "vllm_config", "cache_config", "running", "waiting", "connector",
+                             "finished_req_ids")),),
 )
 SCHEDULE = Target(  # the entry points below take the lock shared with the reclaimer thread
     module=_SCHEDULER,
@@ -85,7 +87,7 @@ REQUEST = Target(  # read: under tensor parallelism, what the queued requests st
 #: The scheduler's methods that read or change the GPU block pool, called by the engine thread.
 LOCKED = (SCHEDULE, UPDATE_FROM_OUTPUT, FINISH_REQUESTS, RESET_PREFIX_CACHE)
 TARGETS = (SCHEDULER_INIT, SCHEDULER, *LOCKED, REQUEST, *block_pool_queue.TARGETS, admission_check.ESTIMATE,
-           *host_tier_lookup.TARGETS, *engine_config.TARGETS)
+           *host_tier_lookup.TARGETS, *engine_config.TARGETS, *offload_connectors.TARGETS)
 
 
 def _init(runtime: Any, patcher: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:

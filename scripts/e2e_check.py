@@ -27,6 +27,11 @@ CONFIGS = {
     "v1-mp1": ["--v1", "--mp"],
     "tp2": ["--tp", "2"],
     "v1-tp2": ["--v1", "--tp", "2"],
+    # vLLM's own offload connectors (issue 17); vllm_run.py counts the blocks each stores and loads
+    "simple-eager": ["--connector", "simple-eager"],
+    "simple-lazy": ["--connector", "simple-lazy"],
+    "offload-lru": ["--connector", "offload-lru"],
+    "offload-arc": ["--connector", "offload-arc"],
 }
 
 
@@ -95,8 +100,13 @@ def main() -> int:
             continue
         same, total = compare(vanilla, elastic)
         failed |= same != total
+        counted = elastic.get("connector")
+        if counted is not None and not counted["loaded_blocks"]:
+            print(f"== {name}: the connector loaded nothing on kvelastic: the workload did not exercise it")
+            failed = True
         rows.append({"config": name, "identical": same, "total": total,
-                     "vanilla": summary(vanilla), "kvelastic": summary(elastic)})
+                     "vanilla": summary(vanilla), "kvelastic": summary(elastic),
+                     "connector": {"vanilla": vanilla.get("connector"), "kvelastic": elastic.get("connector")}})
     print(f"\n{'config':<12} {'identical':>9} {'tok/s van':>10} {'tok/s kve':>10} {'ratio':>6} "
           f"{'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'GiB kve ready/peak/end':>23}")
     for row in rows:
@@ -106,6 +116,8 @@ def main() -> int:
               f"{v['peak_gib']:>13.1f} {k['ready_gib']:>9.1f} / {k['peak_gib']:.1f} / {k['end_gib']:.1f}")
     for row in rows:
         for label in ("vanilla", "kvelastic"):
+            if row["connector"][label]:
+                print(f"{row['config']:<12} {label:<9} connector {row['connector'][label]}")
             if "peak_gib_per_gpu" in row[label]:
                 print(f"{row['config']:<12} {label:<9} per-GPU peak GiB "
                       f"{[round(v, 1) for v in row[label]['peak_gib_per_gpu']]}, at the end "

@@ -4,6 +4,10 @@ Run it twice, with and without ``KVELASTIC=1``, and compare the JSON files:
 ``scripts/e2e_check.py`` does exactly that for a matrix of configurations.
 
     python scripts/vllm_run.py --model scripts/models/llama-1b --out run.json [--v1] [--offload]
+
+``--connector MODE`` runs one of vLLM's own offload connectors (SimpleCPUOffloadConnector
+eager or lazy, OffloadingConnector lru or arc) with the engine core in this process, and
+counts the GPU blocks it stores and loads from its own scheduler-side metadata.
 """
 
 from __future__ import annotations
@@ -15,8 +19,15 @@ import random
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 MIB = 1024 * 1024
+CONNECTORS = {  # mode: (connector, extra config besides cpu_bytes_to_use)
+    "simple-eager": ("SimpleCPUOffloadConnector", {}),
+    "simple-lazy": ("SimpleCPUOffloadConnector", {"lazy_offload": True}),
+    "offload-lru": ("OffloadingConnector", {"block_size": 16, "eviction_policy": "lru"}),
+    "offload-arc": ("OffloadingConnector", {"block_size": 16, "eviction_policy": "arc"}),
+}
 
 
 class GpuMemorySampler:
@@ -86,6 +97,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--idle-after", type=float, default=0.0, help="seconds to keep sampling memory at the end")
     p.add_argument("--kv-bytes", type=str, default=None, help="--kv-cache-memory-bytes for vLLM")
+    p.add_argument("--vanilla-kv-bytes", type=int, default=None,
+                   help="--kv-cache-memory-bytes for a run without kvelastic only (kvelastic: KVELASTIC_LIMIT)")
+    p.add_argument("--connector", choices=sorted(CONNECTORS), default=None, help="one of vLLM's offload connectors")
+    p.add_argument("--cpu-bytes", type=int, default=4 << 30, help="the connector's cpu_bytes_to_use")
     return p.parse_args()
 
 
@@ -97,6 +112,8 @@ def build_llm(args: argparse.Namespace):
                   enable_prefix_caching=True, enforce_eager=args.eager, disable_log_stats=False)
     if args.kv_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_bytes
+    if args.vanilla_kv_bytes and os.environ.get("KVELASTIC", "0") != "1":
+        kwargs["kv_cache_memory_bytes"] = args.vanilla_kv_bytes
     if args.tp > 1:
         kwargs["tensor_parallel_size"] = args.tp
     if args.mp or args.tp > 1:
@@ -107,13 +124,49 @@ def build_llm(args: argparse.Namespace):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"block_size": 64, "cpu_bytes_to_use": 4 << 30})
+    if args.connector:
+        from vllm.config import KVTransferConfig
+
+        name, extra = CONNECTORS[args.connector]
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=name, kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": args.cpu_bytes,
+                                                                              **extra})
     return LLM(**kwargs)
+
+
+def count_connector_transfers(llm) -> dict:
+    """GPU blocks the connector asks its workers to store and load, read off its own metadata each step.
+
+    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    """
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvelastic_dev.connector_transfers import transfers_of
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    counts = {"connector": type(connector).__name__, "stored_blocks": 0, "loaded_blocks": 0, "steps_with_loads": 0}
+    build = connector.build_connector_meta
+
+    def counting(scheduler_output):
+        meta = build(scheduler_output)
+        transfers = transfers_of(meta)
+        counts["stored_blocks"] += sum(len(t.gpu_blocks) for t in transfers if t.kind == "store")
+        loaded = sum(len(t.gpu_blocks) for t in transfers if t.kind == "load")
+        counts["loaded_blocks"] += loaded
+        counts["steps_with_loads"] += loaded > 0
+        return meta
+
+    connector.build_connector_meta = counting
+    return counts
 
 
 def main() -> None:
     args = parse_args()
     if args.v1:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if args.connector:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler (and its connector) in this process
     from vllm import SamplingParams, TokensPrompt
 
     result: dict = {"args": vars(args), "kvelastic": os.environ.get("KVELASTIC", "0"), "passes": []}
@@ -121,6 +174,8 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = build_llm(args)
         result["startup_s"] = time.perf_counter() - t0
+        if args.connector:
+            result["connector"] = count_connector_transfers(llm)
         sampler.mark("engine ready")
         prompts = make_prompts(1234, args.prompts, args.min_len, args.max_len, args.shared_prefix)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -151,7 +206,8 @@ def main() -> None:
     print(f"RUN kvelastic={result['kvelastic']} v1={args.v1} offload={args.offload} "
           f"startup={result['startup_s']:.1f}s pass0={p0['seconds']:.2f}s "
           f"peak_mem={max(m for _, m in sampler.samples) / 2**30:.2f}GiB "
-          f"cached={sum(c or 0 for c in result['passes'][-1]['cached_tokens'])}")
+          f"cached={sum(c or 0 for c in result['passes'][-1]['cached_tokens'])} "
+          f"connector={result.get('connector')}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.cluster_link import ClusterLink
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
@@ -33,7 +34,7 @@ def engine(name: str, budget: int, limit: int | None):
     runs = runs_of_view(view.shape, view.stride(), 1, 0, N)
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    queue = make_page_aware(bp, cache, patcher=scheduler_patcher())
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
     link = ClusterLink(cache, gate, Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
     return pool, raw, cache, bp, queue, link
 

@@ -401,7 +401,7 @@ def test_upkeep_runs_its_jobs_in_order_and_only_block_pool_jobs_under_the_lock()
 # ------------------------------------------------------------ attach_scheduler
 def _scheduler_with(world: int = 1, pipeline: int = 1) -> types.SimpleNamespace:
     parallel = types.SimpleNamespace(world_size=world * pipeline, pipeline_parallel_size=pipeline)
-    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel))
+    return types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel), connector=None)
 
 
 def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp_path):
@@ -443,6 +443,7 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
     scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=bp, coordinator=coordinator),
                                       schedule=schedule, update_from_output=lambda *a: a,
                                       finish_requests=lambda *a: None, reset_prefix_cache=lambda *a: True,
+                                      connector=None, finished_req_ids=set(),
                                       vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(
                                           model="stand-in", served_model_name="stand-in")))
     reclaimer = attach_scheduler(scheduler, runtime, scheduler_patcher())

@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from kvelastic.integration.offload_setup import attach_offload, block_views
+from kvelastic.integration.local_connection import LocalConnection
+from kvelastic.integration.offload_setup import block_views, local_host_tier, wire_offload
 from kvelastic.offload.copier import BlockCopier
 from kvelastic.integration.scheduler import _attach_offload
 from kvelastic.offload.host_tier import HostTier
@@ -59,7 +60,7 @@ def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_pa
     slot_bytes = sum(v.shape[1] for v in block_views(cache))
     settings = Settings(cpu_bytes=64 * slot_bytes, cpu_policy=policy, copy_path=copy_path)
     scheduler = types.SimpleNamespace()
-    manager = _attach_offload(scheduler, bp, queue, cache, None, False, settings,  # as the scheduler patch does
+    manager = _attach_offload(scheduler, bp, queue, LocalConnection(cache, None), settings,  # as the patch does
                               scheduler_patcher())
     assert scheduler.kvelastic_offload is manager and manager.copier.path == copy_path
     assert type(manager.tier.policy).__name__ == policy.upper()
@@ -88,7 +89,7 @@ def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_pa
 
 def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
     pool, views, cache, bp, queue = build(limit_groups=2)
-    manager = attach_offload(bp, queue, cache, 1 << 20, scheduler_patcher())
+    manager = wire_offload(bp, queue, *local_host_tier(cache, Settings(cpu_bytes=1 << 20)), scheduler_patcher())
     first = bp.get_new_blocks(30)
     for i, block in enumerate(first):
         _stamp(views, block.block_id, 7)
@@ -108,7 +109,7 @@ def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
 
 def test_loads_under_full_memory_evict_unmatched_cached_blocks_only():
     pool, views, cache, bp, queue = build(limit_groups=1)  # one group: 31 usable blocks
-    manager = attach_offload(bp, queue, cache, 1 << 20, scheduler_patcher())
+    manager = wire_offload(bp, queue, *local_host_tier(cache, Settings(cpu_bytes=1 << 20)), scheduler_patcher())
     old = bp.get_new_blocks(31)
     for block in old:
         _stamp(views, block.block_id, 5)

@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvelastic.integration.block_pool import make_page_aware
+from kvelastic.integration.mapper import GroupMapper
 
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache  # noqa: E402,F401
 from tests.scheduler_harness import scheduler_patcher
@@ -27,7 +28,7 @@ BlockPool = block_pool_module.BlockPool
 def build(limit_groups: int | None):
     pool, views, cache = build_cache(limit_groups)
     block_pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
-    queue = make_page_aware(block_pool, cache, patcher=scheduler_patcher())
+    queue = make_page_aware(block_pool, cache, GroupMapper(cache), patcher=scheduler_patcher())
     return pool, views, cache, block_pool, queue
 
 

@@ -25,7 +25,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from kvelastic.integration.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from kvelastic.tp.scheduler_side import connect_boards  # noqa: E402
+from kvelastic.tp.scheduler_side import RankConnection  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
 from tests.scheduler_harness import scheduler_patcher  # noqa: E402
 
@@ -67,6 +67,9 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
     conn.send("closed")
 
 
+RANK_START_S = 240
+
+
 class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
@@ -80,8 +83,8 @@ class RankProcesses:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        for conn in self.conns:
-            assert conn.poll(60) and conn.recv() == "ready"
+        for conn in self.conns:  # a spawned rank imports torch and vLLM: minutes on a loaded 2-core machine
+            assert conn.poll(RANK_START_S) and conn.recv() == "ready"
         self.mapped_bytes = [0] * WORLD
 
     def send(self, plan, writes=(), checks=(), live=None) -> list:
@@ -112,7 +115,8 @@ class Cluster(RankProcesses):
     def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None):
         self.folder = tmp_path / "engine"
         super().__init__(self.folder, limits, cpu_bytes)
-        self.cache, self.mapper = connect_boards(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
+        self.connection = RankConnection(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
+        self.cache, self.mapper = self.connection.cache, self.connection.mapper
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.queue = make_page_aware(self.bp, self.cache, self.mapper, patcher=scheduler_patcher(),
                                      max_ahead_groups=2)
@@ -248,11 +252,13 @@ def test_a_dead_rank_is_noticed_and_never_waited_for(cluster):
 
 
 def test_spilled_blocks_come_back_on_every_rank(cluster):
-    from kvelastic.tp.scheduler_side import attach_remote_offload
+    from kvelastic.integration.offload_setup import wire_offload
+    from kvelastic.settings import Settings
 
     c = cluster(cpu_bytes=CPU_BYTES)
-    manager = attach_remote_offload(c.bp, c.queue, c.cache, c.mapper, scheduler_patcher())
-    assert manager.tier.stats().slots == c.cache.host_slots > 0
+    tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES))
+    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher())
+    assert manager.tier.stats().slots == c.connection.host_slots > 0
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
     c.step(writes=[(b.block_id, 40 + i % 50) for i, b in enumerate(blocks)])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 
 from kvelastic.tp.protocol import MAP, StepPlan
-from kvelastic.tp.scheduler_side import demand_of, locked_schedule
+from kvelastic.integration.scheduler import locked_wrapper
+from kvelastic.tp.scheduler_side import demand_of, end_step
 
 
 def request(tokens: int, computed: int = 0) -> types.SimpleNamespace:
@@ -54,7 +56,8 @@ def test_each_step_carries_the_commands_queued_by_its_own_scheduling_and_flush()
     queue = RecordingQueue(mapper)
     s = scheduler(waiting=[request(40)])
     flushed: list[int] = []
-    wrapper = locked_schedule(threading.RLock(), lambda: flushed.append(1), mapper, queue, s)
+    plan = functools.partial(end_step, s, queue, mapper)  # what the connection to the ranks hooks onto each step
+    wrapper = locked_wrapper(threading.RLock(), lambda: flushed.append(1), plan)
 
     def schedule():  # as the wrapped instance method is called
         return wrapper(types.SimpleNamespace, s, (), {})

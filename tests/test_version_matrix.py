@@ -18,7 +18,9 @@ import pytest
 from kvelastic.errors import PatchError
 from kvelastic.integration.free_queue import PageAwareFreeQueue
 from kvelastic.patches import ALL_PATCHES, single_backing
+from kvelastic.integration.free_order import ListEnd
 from kvelastic.patches.block_pool_queue import FREE_QUEUE_MEMBERS, free_queue_members
+from kvelastic.patches.offload_connectors import lazy_walk_members
 from kvelastic.patching import gate, source
 from kvelastic.patching.spec import Target
 from kvelastic.patching.versions import BANDS, FIRST_UNSUPPORTED, OLDEST_SUPPORTED, SUPPORTED, Version, \
@@ -129,6 +131,17 @@ def test_page_aware_queue_offers_what_the_block_pool_uses(sources: dict, release
     used = static_check.attributes_used_on(_source(sources, release), "vllm.v1.core", "free_block_queue")
     assert {"popleft_n", "append_n"} <= used, "the scan found no use of the free queue"
     assert used == set(free_queue_members(Version.parse(release))), "patches/block_pool_queue.py is out of date"
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", RELEASES)
+def test_page_aware_queue_offers_what_lazy_offload_walks(sources: dict, release: str) -> None:
+    """SimpleCPUOffloadConnector's lazy mode walks the GPU free queue itself; kvelastic replaced that queue."""
+    root = _source(sources, release)
+    used = static_check.attributes_used_on_name(root, "vllm.v1.simple_kv_offload", "free_queue")
+    assert used == set(lazy_walk_members(Version.parse(release))), "patches/offload_connectors.py is out of date"
+    on_nodes = static_check.attributes_used_on_name(root, "vllm.v1.simple_kv_offload", "node")
+    assert on_nodes <= {name for name in dir(ListEnd) if not name.startswith("_")} | {"next_free_block"}
 
 
 def test_page_aware_queue_offers_every_declared_free_queue_member() -> None:

@@ -12,16 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from kvelastic.errors import PatchError
-from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.integration.mapper import GroupMapper
 from kvelastic.patches.block_pool_queue import BLOCK_POOL, EVICT_BLOCKS, GET_USAGE, RESET_PREFIX_CACHE
 from kvelastic.patching.apply import Patcher
+from kvelastic.roles import Mapper, SchedulerCache
 
 
-def make_page_aware(block_pool: Any, cache: ElasticKVCache, mapper: GroupMapper | None = None, *,
+def make_page_aware(block_pool: Any, cache: SchedulerCache, mapper: Mapper, *,
                     patcher: Patcher, max_ahead_groups: int = 1) -> PageAwareFreeQueue:
-    """Swap ``block_pool``'s free queue for a page-aware one over ``cache``; return it."""
+    """Swap ``block_pool``'s free queue for a page-aware one over ``cache``, mapped by ``mapper``; return it."""
     if block_pool.num_gpu_blocks != cache.num_blocks:
         raise PatchError(f"the scheduler's block pool has {block_pool.num_gpu_blocks} blocks but the "
                          f"elastic KV tensors hold {cache.num_blocks}: they were sized from different configs")

@@ -3,27 +3,46 @@
 The worker side creates it when vLLM allocates KV tensors; the scheduler side
 looks it up to map a group before handing out its blocks and to unmap a group
 once its blocks are free. Both run in the engine-core process on one GPU.
+Under tensor parallelism each rank holds one and the scheduler sees them all
+through :class:`~kvelastic.tp.sharded_cache.ShardedKVCache`; what both views
+compute alike (block arithmetic, the groups that still fit) is
+:class:`GroupedBlocks`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from abc import abstractmethod
+from typing import Callable, Iterable, Sequence
 
+from kvelastic.errors import PoolExhausted
 from kvelastic.integration.kv_layout import KVGroupLayout
 from kvelastic.pool import Fence, PagePool
-
-if TYPE_CHECKING:
-    from kvelastic.pool.stats import PoolStats
+from kvelastic.roles import PoolView, SchedulerCache
 
 DEVICE_MARGIN_BYTES = 256 * 1024 * 1024  # left free on the GPU for others' allocations
 NULL_GROUP = 0  # holds vLLM's null block (block 0), read by dummy and padded runs
+DEVICE_FREE_TTL_S = 0.05
 
 
-class GroupedBlocks:
-    """Block-to-group arithmetic over ``self.layout``, shared by every view of an engine's KV cache."""
+def groups_within(room: int | None, unmapped: int, group_bytes: int) -> int:
+    """How many of ``unmapped`` groups fit in ``room`` bytes (no room figure: all of them)."""
+    if room is None:
+        return unmapped
+    return max(0, min(unmapped, room // max(1, group_bytes)))
+
+
+class GroupedBlocks(SchedulerCache):
+    """Block arithmetic and the room left, computed alike by every view of an engine's KV cache.
+
+    How many more groups fit is the pool's room within the device's free
+    memory less a margin kept for others' allocations; each view says how it
+    reads the device (:meth:`device_room`).
+    """
 
     layout: KVGroupLayout
+    group_bytes: int
+    pool: PoolView
 
     @property
     def blocks_per_group(self) -> int:
@@ -43,16 +62,28 @@ class GroupedBlocks:
     def blocks_of_group(self, group: int) -> range:
         return self.layout.blocks_of_group(group)
 
+    @property
+    def device_margin(self) -> int:
+        """Bytes left free on the device for others' allocations: 256 MiB, or two groups if larger."""
+        return max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
 
-def groups_within(room: int | None, unmapped: int, group_bytes: int) -> int:
-    """How many of ``unmapped`` groups fit in ``room`` bytes (no room figure: all of them)."""
-    if room is None:
-        return unmapped
-    return max(0, min(unmapped, room // max(1, group_bytes)))
+    def beyond_margin(self, device_free: int | None) -> int | None:
+        """``device_free`` bytes less the margin (None stays None: the device's size is unknown)."""
+        return None if device_free is None else max(0, device_free - self.device_margin)
+
+    @abstractmethod
+    def device_room(self) -> int | None:
+        """Bytes the device can still give this cache after the margin; None if unknown."""
+
+    def mappable_groups(self, unmapped: int) -> int:
+        """How many of ``unmapped`` groups could be mapped now, within the limit and the device."""
+        return groups_within(self.pool.headroom_estimate(self.device_room()), unmapped, self.group_bytes)
 
 
 class ElasticKVCache(GroupedBlocks):
     """The KV tensors of one engine, mapped a group of blocks at a time."""
+
+    pool: PagePool
 
     def __init__(self, pool: PagePool, layout: KVGroupLayout):
         self.pool = pool
@@ -60,7 +91,6 @@ class ElasticKVCache(GroupedBlocks):
         pool.set_layout(layout)
         self.group_bytes = layout.bytes_per_group()
         self._device_free_cache: tuple[float, int | None] = (0.0, None)
-        self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
         #: Bytes a budget outside this process still grants us (the GPU's shared account), or None.
         self.external_headroom: Callable[[], int | None] | None = None
         pool.map_groups([NULL_GROUP])
@@ -69,6 +99,24 @@ class ElasticKVCache(GroupedBlocks):
         """Map groups before their blocks are handed out; raises PoolExhausted."""
         self.pool.map_groups(groups, force=force)
         self.forget_device_free()
+
+    def map_as_many(self, groups: Sequence[int], *, force: bool = False) -> int:
+        """Map ``groups`` in order, as far as the pool allows; return how many, counted from the front.
+
+        All at once where they fit (one driver batch); else one by one up to
+        the first the pool refuses: every group after it would need as much.
+        """
+        try:
+            self.map_groups(groups, force=force)
+            return len(groups)
+        except PoolExhausted:
+            pass
+        for done, group in enumerate(groups):
+            try:
+                self.map_groups([group], force=force)
+            except PoolExhausted:
+                return done
+        return len(groups)
 
     def unmap_groups(self, groups: Iterable[int], after: Sequence[Fence] = ()) -> None:
         """Unmap groups whose blocks are all free, once the GPU (and every ``after`` fence) is done."""
@@ -87,24 +135,19 @@ class ElasticKVCache(GroupedBlocks):
         reading promised): read it again next time."""
         self._device_free_cache = (0.0, None)
 
-    def mappable_groups(self, unmapped: int) -> int:
-        """How many of ``unmapped`` groups could be mapped now, within the limit and the device.
+    def device_room(self) -> int | None:
+        """The device's free bytes less the margin, within the shared account's grant.
 
-        Called several times per scheduling step, so it takes no lock and reads
-        the device's free memory at most every 50 ms, keeping a safety margin
-        for what others allocate in between.
+        Asked several times per scheduling step, so it takes no lock and reads
+        the device at most every 50 ms; the margin covers what others allocate
+        in between.
         """
-        stamp, device_free = self._device_free_cache
+        stamp, room = self._device_free_cache
         now = time.monotonic()
-        if now - stamp > 0.05:
-            device_free = self.pool.backend.device_free_bytes()
-            if device_free is not None:
-                device_free = max(0, device_free - self.device_margin)
+        if now - stamp > DEVICE_FREE_TTL_S:
+            room = self.beyond_margin(self.pool.backend.device_free_bytes())
             external = self.external_headroom() if self.external_headroom is not None else None
             if external is not None:
-                device_free = external if device_free is None else min(device_free, external)
-            self._device_free_cache = (now, device_free)
-        return groups_within(self.pool.headroom_estimate(device_free), unmapped, self.group_bytes)
-
-    def stats(self) -> "PoolStats":
-        return self.pool.stats()
+                room = external if room is None else min(room, external)
+            self._device_free_cache = (now, room)
+        return room

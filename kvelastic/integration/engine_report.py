@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvelastic.integration.reclaimer import OffloadStatistics, UpkeptCache
+from kvelastic.integration.reclaimer import OffloadStatistics
+from kvelastic.roles import SchedulerCache
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class StatsLog:
 
     under_scheduler_lock = False
 
-    def __init__(self, cache: UpkeptCache, offload: OffloadStatistics | None = None, *,
+    def __init__(self, cache: SchedulerCache, offload: OffloadStatistics | None = None, *,
                  rank_held_bytes: Callable[[], list[int]] | None = None, period_s: float = STATS_PERIOD_S):
         """``rank_held_bytes``: under tensor parallelism, what each GPU really holds."""
         self.cache = cache
@@ -64,7 +65,7 @@ class MetricsPublish:
 
     under_scheduler_lock = False
 
-    def __init__(self, publisher: "StatsPublisher", queue: "PageAwareFreeQueue", cache: UpkeptCache,
+    def __init__(self, publisher: "StatsPublisher", queue: "PageAwareFreeQueue", cache: SchedulerCache,
                  offload: OffloadStatistics | None = None):
         self.publisher = publisher
         self.queue = queue

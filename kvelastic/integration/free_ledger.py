@@ -5,7 +5,10 @@ a cached prefix, when a block of it was last taken or freed, and, for a mapped
 group, which free blocks hold nothing. Across groups it keeps the cached free
 blocks in LRU order (vLLM's eviction order), the mapped groups with a free
 block (lowest first: blocks are handed out from the lowest), the unmapped
-groups (lowest first: mapped next) and the mapped groups that are empty.
+groups (lowest first: mapped next), the mapped groups that are empty, and every
+free block of a mapped group in vLLM's own free-queue order
+(:class:`~kvelastic.integration.free_order.FreeOrder`, what a connector's walk
+of the free queue sees).
 
 It decides nothing: the queue chooses what to map, release and evict, and the
 ledger keeps the counts right. It sees block ids and hashes, never the pool.
@@ -17,13 +20,15 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
-from kvelastic.integration.elastic_cache import NULL_GROUP, GroupedBlocks
+from kvelastic.integration.elastic_cache import NULL_GROUP
+from kvelastic.integration.free_order import FreeOrder
+from kvelastic.roles import SchedulerCache
 
 
 class FreeBlockLedger:
     """The free blocks of one block pool, grouped by page group."""
 
-    def __init__(self, layout: GroupedBlocks, blocks: list[Any], free_blocks: Iterable[Any],
+    def __init__(self, layout: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
                  is_mapped: Callable[[int], bool]):
         """Start from vLLM's free blocks (every other block is in use) and the groups mapped now."""
         self.layout = layout
@@ -33,12 +38,14 @@ class FreeBlockLedger:
         self.cached_count = [0] * groups
         self.last_used = [0.0] * groups
         self.empty: set[int] = set()  # mapped groups with no block in use or cached
+        self.held: set[int] = set()  # groups a connector's copy may still read: not released
         self.mapped_blocks = 0
         self._free_uncached: dict[int, set[int]] = {}  # a key per mapped group
         self._free_uncached_total = 0
         self._cached: OrderedDict[int, Any] = OrderedDict()
         self._open: list[int] = []  # a heap of groups that may have free uncached blocks
         self._unmapped = [g for g in range(groups) if not is_mapped(g)]  # a heap
+        self.order = FreeOrder()  # the free blocks below, in the order vLLM's queue would keep them
         for g in range(groups):
             if is_mapped(g):
                 self.adopt_group(g, free=False)
@@ -87,15 +94,17 @@ class FreeBlockLedger:
         if free:
             for block_id in self.layout.blocks_of_group(g):
                 self._add_uncached(g, block_id)
+                self.order.append(self._blocks[block_id])
             self.empty.add(g)
 
     def release_empty(self, groups: list[int]) -> list[int]:
         """Stop tracking those of ``groups`` that are empty; return them (to be unmapped)."""
-        groups = [g for g in groups if g in self.empty]
+        groups = [g for g in groups if g in self.empty and g not in self.held]
         self.empty.difference_update(groups)
         for g in groups:
             members = self._free_uncached.pop(g)
             self._free_uncached_total -= len(members)
+            self.order.unlink_all((self._blocks[b] for b in members), restart=True)
             self.mapped_blocks -= len(self.layout.blocks_of_group(g))
             heapq.heappush(self._unmapped, g)
         return groups
@@ -116,7 +125,8 @@ class FreeBlockLedger:
     def cache_only_groups(self) -> list[tuple[float, int]]:
         """``(last_used, group)`` of groups holding cached blocks and none in use, oldest first."""
         return sorted((self.last_used[g], g) for g in range(len(self.cached_count))
-                      if self.cached_count[g] and not self.in_use[g] and g != NULL_GROUP)
+                      if self.cached_count[g] and not self.in_use[g] and g != NULL_GROUP
+                      and g not in self.held)
 
     def cached_blocks_in(self, groups: list[int]) -> list[Any]:
         return [self._cached[b] for g in groups for b in self.layout.blocks_of_group(g) if b in self._cached]
@@ -138,7 +148,9 @@ class FreeBlockLedger:
                 heapq.heappop(self._open)
                 continue
             while members and len(taken) < n:
-                taken.append(self._blocks[members.pop()])
+                block = self._blocks[members.pop()]
+                self.order.unlink(block)
+                taken.append(block)
                 self._free_uncached_total -= 1
 
     def evict_lru(self, n: int) -> list[Any]:
@@ -147,6 +159,7 @@ class FreeBlockLedger:
         while len(evicted) < n and self._cached:
             _, block = self._cached.popitem(last=False)
             self.cached_count[self.layout.group_of_block(block.block_id)] -= 1
+            self.order.unlink(block)
             evicted.append(block)
         return evicted
 
@@ -156,6 +169,7 @@ class FreeBlockLedger:
         if victim is not None:
             del self._cached[victim.block_id]
             self.cached_count[self.layout.group_of_block(victim.block_id)] -= 1
+            self.order.unlink(victim)
         return victim
 
     def uncache(self, block: Any) -> None:
@@ -191,6 +205,7 @@ class FreeBlockLedger:
         else:
             self._free_uncached[g].remove(block.block_id)
             self._free_uncached_total -= 1
+        self.order.unlink(block)
         self.mark_taken([block], now)
 
     def mark_freed(self, blocks: list[Any], now: float) -> None:
@@ -208,6 +223,7 @@ class FreeBlockLedger:
     def to_free(self, block: Any) -> None:
         """Count ``block`` as free: cached if it holds a prefix, else holding nothing."""
         g = self.layout.group_of_block(block.block_id)
+        self.order.append(block)
         if block.block_hash is not None:
             self._cached[block.block_id] = block
             self.cached_count[g] += 1

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from kvelastic.integration.commit_guard import AllocationHold
-from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_ledger import FreeBlockLedger
-from kvelastic.integration.mapper import GroupMapper
 from kvelastic.integration.prefetch import BurstPrefetch
+from kvelastic.roles import Mapper, SchedulerCache
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -41,17 +40,18 @@ MAPPABLE_TTL_S = 0.001
 class PageAwareFreeQueue:
     """Implements the interface of vLLM's ``FreeKVCacheBlockQueue`` over page groups."""
 
-    def __init__(self, cache: ElasticKVCache, blocks: list[Any], free_blocks: Iterable[Any],
-                 evict_cached: Callable[[Any], Any], mapper: GroupMapper | None = None, *,
+    def __init__(self, cache: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
+                 evict_cached: Callable[[Any], Any], mapper: Mapper, *,
                  max_ahead_groups: int = 1, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
-        self.mapper = mapper or GroupMapper(cache)
+        self.mapper = mapper
         self._evict_cached = evict_cached
         self._clock = clock
         self.prefetch = BurstPrefetch(cache.blocks_per_group, max_ahead_groups)
         self.demand_groups = 0  # empty groups the waiting requests need (see want_blocks)
         self.report_all_free = False
         self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
+        self.transfers_in_flight: Callable[[], bool] | None = None  # set for a connector freeing blocks mid-copy
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
         self.last_allocation = clock()
@@ -160,7 +160,21 @@ class PageAwareFreeQueue:
         self._release(blocks)
 
     def prepend_n(self, blocks: list[Any]) -> None:
-        self._release(blocks)
+        self._release(blocks, first=True)
+
+    # ------------------------------------------- what a connector's own walk of the queue reads
+    @property
+    def fake_free_list_head(self) -> Any:
+        """The front end of the free blocks of mapped groups, in vLLM's order (lazy offload, up to 0.25)."""
+        return self.free.order.head
+
+    @property
+    def fake_free_list_tail(self) -> Any:
+        return self.free.order.tail
+
+    def iter_blocks_after(self, cursor: Any | None) -> Iterator[Any]:
+        """The free blocks of mapped groups after ``cursor``, least recently freed first (from 0.26)."""
+        return self.free.order.after(cursor)
 
     def get_all_free_blocks(self) -> list[Any]:
         """Every free block in eviction order: uncached first, then cached LRU, then unmapped."""
@@ -178,6 +192,7 @@ class PageAwareFreeQueue:
         Groups idle since before ``idle_before`` go first (oldest first); with
         ``groups_wanted`` set, up to that many are released whatever their age.
         """
+        self._lift_holds()
         candidates = self.free.cache_only_groups()
         chosen = [g for t, g in candidates if idle_before is not None and t < idle_before]
         if groups_wanted is not None:
@@ -237,7 +252,7 @@ class PageAwareFreeQueue:
         confirm a group first): blocks are promised only once really mapped;
         zero too for the rest of a step in which the device refused a map.
         """
-        if not getattr(self.mapper, "synchronous", True) or self.hold.refused:
+        if not self.mapper.synchronous or self.hold.refused:
             return 0
         now = self._clock()
         if now < self._mappable_until:
@@ -266,7 +281,7 @@ class PageAwareFreeQueue:
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
-        if not getattr(self.mapper, "synchronous", True):
+        if not self.mapper.synchronous:
             return  # ranks in other processes confirm groups a step later: nothing to wait for here
         if not self._mappable_blocks() and not self._requested:
             return  # the pool can map nothing now: do not wait on the worker for a refusal
@@ -276,13 +291,25 @@ class PageAwareFreeQueue:
         self.mapper.map_now(groups)  # commands run in order: the earlier requests are done too
         self._adopt_mapped()
 
-    def _release(self, blocks: list[Any]) -> None:
+    def _release(self, blocks: list[Any], *, first: bool = False) -> None:
+        """``blocks`` are free again: last in vLLM's order, or (``first``) at its front."""
         self.free.mark_freed(blocks, self._clock())
+        if first:
+            self.free.order.move_to_head(blocks)
+        if self.transfers_in_flight is not None and blocks and self.transfers_in_flight():
+            self.free.held.update(self.cache.group_of_block(b.block_id) for b in blocks)
         self._balance()
+
+    def _lift_holds(self) -> None:
+        """Groups held for a connector's copies may go once it has nothing in flight."""
+        if self.free.held and not (self.transfers_in_flight is not None and self.transfers_in_flight()):
+            self.free.note_empty(self.free.held)
+            self.free.held.clear()
 
     def _balance(self) -> None:
         """Keep the prefetch's empty groups mapped: request more, or release the surplus."""
         self._adopt_mapped()
+        self._lift_holds()
         want = max(self.prefetch.groups, self.demand_groups)
         empty = self.free.empty
         have = len(empty) + len(self._requested)
@@ -293,7 +320,8 @@ class PageAwareFreeQueue:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)
         elif len(empty) > want and not self.hold.secured:
-            self._release_groups(sorted(empty)[want:] if want else sorted(empty))
+            releasable = sorted(empty - self.free.held)
+            self._release_groups(releasable[max(0, want - (len(empty) - len(releasable))):])
 
     def _release_groups(self, groups: list[int], after: Any = None) -> None:
         """Stop using empty groups and have the worker unmap them once the GPU (and ``after``) is done."""

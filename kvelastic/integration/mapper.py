@@ -18,27 +18,36 @@ import threading
 from collections import deque
 from typing import Any, Iterable
 
-from kvelastic.errors import PoolExhausted
 from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.pool.backend import Fence
+from kvelastic.roles import Mapper
 
 log = logging.getLogger("vllm.kvelastic")
 
 MAP, UNMAP, FORCE_MAP, BARRIER = "map", "unmap", "force-map", "barrier"
 
 
-class GroupMapper:
-    """Executes map/unmap commands for one elastic cache, inline or on a daemon thread."""
+class GroupMapper(Mapper):
+    """Executes map/unmap commands for one elastic cache in this process, inline or on a daemon thread."""
 
     synchronous = True  # map_now returns with the groups mapped (or refused)
 
     def __init__(self, cache: ElasticKVCache):
         self.cache = cache
-        self.mapped: deque[int] = deque()    # groups now mapped, for the queue to adopt
-        self.refused: deque[int] = deque()   # groups the pool could not map
+        self._mapped: deque[int] = deque()
+        self._refused: deque[int] = deque()
         self._commands: deque[tuple[str, int, threading.Event | None, Any]] = deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def mapped(self) -> deque[int]:
+        return self._mapped
+
+    @property
+    def refused(self) -> deque[int]:
+        return self._refused
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvelastic-mapper", daemon=True)
@@ -54,7 +63,7 @@ class GroupMapper:
     def request_map(self, groups: Iterable[int]) -> None:
         self._submit(MAP, groups, None)
 
-    def request_unmap(self, groups: Iterable[int], after: Any = None) -> None:
+    def request_unmap(self, groups: Iterable[int], after: Fence | None = None) -> None:
         """Unmap ``groups`` once the GPU is done with them, and once fence ``after`` passes."""
         self._submit(UNMAP, groups, None, after)
 
@@ -114,16 +123,6 @@ class GroupMapper:
                         done.set()
 
     def _map(self, groups: list[int], force: bool = False) -> None:
-        try:
-            self.cache.map_groups(groups, force=force)
-            self.mapped.extend(groups)
-            return
-        except PoolExhausted:
-            pass
-        for i, group in enumerate(groups):
-            try:
-                self.cache.map_groups([group], force=force)
-            except PoolExhausted:
-                self.refused.extend(groups[i:])
-                return
-            self.mapped.append(group)
+        done = self.cache.map_as_many(groups, force=force)
+        self._mapped.extend(groups[:done])
+        self._refused.extend(groups[done:])

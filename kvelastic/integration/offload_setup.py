@@ -5,6 +5,12 @@ wrapped on its map instance, through the Patcher, so a GPU miss that the host
 tier can serve becomes a GPU hit, and the page-aware queue spills cached
 blocks before evicting them. The contacts are declared in
 ``patches/host_tier_lookup.py``.
+
+The wiring (:func:`wire_offload`) is the same wherever the KV tensors live;
+only the tier and its copier differ, and the engine's
+:class:`~kvelastic.roles.CacheConnection` makes them: here
+:func:`local_host_tier`, under tensor parallelism an index on the scheduler
+and a :class:`BlockRows` copier on each rank.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import torch
 
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.offload.copier import DEFAULT_PATH, BlockCopier, CopyPath
+from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.patches.host_tier_lookup import GET_ONE_BLOCK, hash_assigner
 from kvelastic.patching.apply import Change, Patcher
+from kvelastic.roles import Copier
+from kvelastic.settings import Settings
 
 
 def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
@@ -35,13 +43,30 @@ def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
     return views
 
 
-def attach_offload(block_pool: Any, queue: PageAwareFreeQueue, cache: ElasticKVCache, cpu_bytes: int,
-                   patcher: Patcher, policy: str = "arc", copy_path: CopyPath = DEFAULT_PATH) -> OffloadManager:
-    views = block_views(cache)
-    slot_bytes = sum(v.shape[1] for v in views)
-    pin = views[0].device.type == "cuda"
-    tier = HostTier(cpu_bytes, slot_bytes, pin=pin, policy=policy)
-    copier = BlockCopier(views, tier.buffer, path=copy_path)
+class BlockRows:
+    """An elastic cache's blocks as rows of bytes: one host slot's width, and copies to slots that wide."""
+
+    def __init__(self, cache: ElasticKVCache):
+        self.views = block_views(cache)
+        self.slot_bytes = sum(v.shape[1] for v in self.views)
+        self.pin = self.views[0].device.type == "cuda"  # pinned host memory serves a GPU's copies only
+
+    def copier(self, host: torch.Tensor, path: str) -> BlockCopier:
+        """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own)."""
+        return BlockCopier(self.views, host, path=path)  # type: ignore[arg-type]
+
+
+def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
+    """A tier of ``settings.cpu_bytes`` pinned now, and the copier between it and ``cache``'s blocks."""
+    rows = BlockRows(cache)
+    tier = HostTier(settings.cpu_bytes or 0, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy)
+    assert tier.buffer is not None  # a tier that allocates (the default) always has its buffer
+    return tier, rows.copier(tier.buffer, settings.copy_path)
+
+
+def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,
+                 patcher: Patcher) -> OffloadManager:
+    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload."""
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher))
     queue.spill_hook = manager.spill
     hook_lookup(block_pool, manager, patcher)

@@ -19,31 +19,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvelastic.roles import PoolView, SchedulerCache
+
 if TYPE_CHECKING:
     from kvelastic.integration.cluster_link import ClusterLink
     from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.pool.stats import PoolStats
-
-
-class UpkeptPool(Protocol):
-    """What upkeep does to a pool: a :class:`~kvelastic.pool.PagePool`, or the ranks' pools under TP."""
-
-    page_bytes: int
-
-    def stats(self) -> "PoolStats": ...
-
-    def collect(self, wait: bool = False) -> int: ...
-
-    def grow_reserve(self, pages: int) -> int: ...
-
-    def trim_reserve(self, keep_pages: int = 0) -> int: ...
-
-
-class UpkeptCache(Protocol):
-    """The engine's KV cache as upkeep sees it: a pool, and the bytes of one page group."""
-
-    pool: UpkeptPool
-    group_bytes: int
 
 
 class OffloadStatistics(Protocol):
@@ -57,7 +37,7 @@ def recently_busy(queue: "PageAwareFreeQueue", now: float, cache_ttl_s: float) -
     return now - queue.last_allocation < max(cache_ttl_s, 1.0)
 
 
-def groups_for(nbytes: int, cache: UpkeptCache) -> int:
+def groups_for(nbytes: int, cache: SchedulerCache) -> int:
     """Page groups that make up ``nbytes``, rounded up."""
     return -(-nbytes // max(1, cache.group_bytes))
 
@@ -82,7 +62,7 @@ class CacheReclaim:
 
     under_scheduler_lock = True
 
-    def __init__(self, queue: "PageAwareFreeQueue", cache: UpkeptCache, *, cache_ttl_s: float,
+    def __init__(self, queue: "PageAwareFreeQueue", cache: SchedulerCache, *, cache_ttl_s: float,
                  account: AccountSync | None = None):
         self.queue = queue
         self.cache = cache
@@ -114,7 +94,7 @@ class WarmReserve:
 
     under_scheduler_lock = False
 
-    def __init__(self, queue: "PageAwareFreeQueue", pool: UpkeptPool, *, reserve_pages: int,
+    def __init__(self, queue: "PageAwareFreeQueue", pool: PoolView, *, reserve_pages: int,
                  cache_ttl_s: float):
         self.queue = queue
         self.pool = pool

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from kvelastic.settings import Settings
 from kvelastic.units import format_size
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvelastic.cluster.source import SharedBudgetSource
     from kvelastic.integration.elastic_cache import ElasticKVCache
     from kvelastic.pool import PagePool, PhysicalBackend
+    from kvelastic.tp.rank import RankWorker
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -62,7 +63,7 @@ class Runtime:
         #: The shared-budget layer under the published cache's pool (None if another made that pool).
         self.budget: "SharedBudgetSource | None" = None
         self._pools: list[EnginePool] = []
-        self.rank_worker: Any = None  # set on a worker rank whose scheduler is another process
+        self.rank_worker: "RankWorker | None" = None  # set on a worker rank whose scheduler is another process
         self._allocating = threading.local()
         self._lock = threading.Lock()
 
@@ -77,6 +78,11 @@ class Runtime:
         log.info("kvelastic: KV cache virtual %s, physical limit %s (vLLM profiled %s)",
                  format_size(virtual), format_size(limit), format_size(profiled_bytes))
         return self.plan
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The physical KV limit: the capacity plan's once there is one, else the user's setting."""
+        return self.plan.limit_bytes if self.plan else self.settings.limit_bytes
 
     # ------------------------------------------------------------ allocation
     def new_pool(self) -> "PagePool":

@@ -5,7 +5,8 @@ page-aware, the scheduler's entry points that touch the block pool take one
 lock (shared with the reclaimer thread), and the reclaimer starts. The cache
 is in this process (one GPU, uniprocess executor) or sharded over worker ranks
 in child processes (tensor parallelism, multiprocess executor: see
-:mod:`kvelastic.tp`).
+:mod:`kvelastic.tp`); :func:`_connect` decides which, once, and everything
+after it works on the :class:`~kvelastic.roles.CacheConnection` it returns.
 
 Every change to the scheduler's objects goes through the activation's
 :class:`~kvelastic.patching.apply.Patcher`, on contacts the gate checked
@@ -19,16 +20,23 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.mapper import GroupMapper
+from kvelastic.integration.connector_fence import check_offload_owner, transfers_in_flight
+from kvelastic.integration.local_connection import LocalConnection
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE
 from kvelastic.patching.apply import Patcher
+from kvelastic.roles import CacheConnection
 from kvelastic.settings import Settings
+
+if TYPE_CHECKING:
+    from kvelastic.integration.commit_guard import CommitGuard
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.offload.manager import OffloadManager
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -50,34 +58,25 @@ def attach_scheduler(scheduler: Any, runtime: Runtime, patcher: Patcher) -> Upke
 
 def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[Any]) -> UpkeepThread:
     settings = runtime.settings
-    cache = runtime.cache
-    remote = cache is None
-    if remote:
-        from kvelastic.tp.scheduler_side import connect_ranks
-
-        cache, mapper = connect_ranks(scheduler, runtime)
-        limit = cache.pool.limit_bytes
-    else:
-        limit = runtime.plan.limit_bytes if runtime.plan else settings.limit_bytes
-        cache.pool.set_limit(limit)  # start-up warm-up ran unlimited; from here the limit holds
-        mapper = GroupMapper(cache)
-        mapper.start()
+    check_offload_owner(scheduler.connector, settings.cpu_bytes)
+    lock = threading.RLock()
+    connection = _connect(scheduler, runtime, lock)
+    cache, mapper = connection.cache, connection.mapper
+    mapper.start()
     started.append(mapper)
     manager = scheduler.kv_cache_manager
     block_pool = manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
     queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead)
+    queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
-    lock = threading.RLock()
-    offload = _attach_offload(scheduler, block_pool, queue, cache, mapper, remote, settings, patcher)
-    _lock_entry_points(scheduler, patcher, lock, guard, offload, queue if remote else None, mapper)
-    if remote:
-        cache.pool.lock = lock  # idle delivery of commands must not race a scheduling step
-    link = None if remote else _join_cluster(scheduler, runtime, cache, limit)
+    offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher)
+    _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
+    link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                               reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
                               publisher=_publisher(link, scheduler),
-                              rank_held_bytes=mapper.rank_held_bytes if remote else None,
+                              rank_held_bytes=connection.rank_held_bytes,
                               after_tick=runtime.retire_unused_pools)
     patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
     reclaimer.start()
@@ -87,14 +86,23 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     return reclaimer
 
 
-def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, guard: Any, offload: Any,
-                       remote_queue: Any, mapper: Any) -> None:
+def _connect(scheduler: Any, runtime: Runtime, lock: threading.RLock) -> CacheConnection:
+    """Where the KV cache is, decided once: in this process, or (none here) on the worker ranks."""
+    if runtime.cache is not None:
+        return LocalConnection.of(runtime, runtime.cache)
+    from kvelastic.tp.scheduler_side import connect_ranks
+
+    return connect_ranks(scheduler, runtime, lock)
+
+
+def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, guard: CommitGuard,
+                       offload: OffloadManager | None, step_hook: Callable[[Any], None] | None) -> None:
     """Each declared entry point runs under ``lock``, then what must follow it before the lock is let go.
 
     No host copy outlives a call (``offload.flush``); what was secured for a
     step's allocations is not held past it (``guard.end_step``); a reset hooks
-    the host tier into the new prefix-cache map. Under tensor parallelism
-    (``remote_queue`` given) the step's output also carries the ranks' commands.
+    the host tier into the new prefix-cache map; ``step_hook`` gets each
+    ``schedule()`` output last (under tensor parallelism: the ranks' commands).
     """
     flush = offload.flush if offload is not None else None
     for target in LOCKED:
@@ -103,29 +111,18 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
             then = _chain(guard.end_step, flush)
         if target is RESET_PREFIX_CACHE and offload is not None:
             then = offload.reset  # the host copies go too; the lookup hook follows the new map
-        if remote_queue is not None and target is SCHEDULE:
-            from kvelastic.tp.scheduler_side import locked_schedule
-
-            wrapper = locked_schedule(lock, then, mapper, remote_queue, scheduler)
-        else:
-            wrapper = functools.partial(_locked, lock, then)
-        patcher.wrap_instance(scheduler, target, wrapper)
+        on_result = step_hook if target is SCHEDULE else None
+        patcher.wrap_instance(scheduler, target, locked_wrapper(lock, then, on_result))
 
 
-def _attach_offload(scheduler: Any, block_pool: Any, queue: Any, cache: Any, mapper: Any, remote: bool,
-                    settings: Settings, patcher: Patcher) -> Any:
+def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, connection: CacheConnection,
+                    settings: Settings, patcher: Patcher) -> OffloadManager | None:
     """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
     if not settings.cpu_bytes:
         return None
-    if remote:
-        from kvelastic.tp.scheduler_side import attach_remote_offload
+    from kvelastic.integration.offload_setup import wire_offload
 
-        offload = attach_remote_offload(block_pool, queue, cache, mapper, patcher, policy=settings.cpu_policy)
-    else:
-        from kvelastic.integration.offload_setup import attach_offload
-
-        offload = attach_offload(block_pool, queue, cache, settings.cpu_bytes, patcher, policy=settings.cpu_policy,
-                                 copy_path=settings.copy_path)
+    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
 
@@ -145,32 +142,21 @@ def _publisher(link: Any, scheduler: Any) -> Any:
     return publisher
 
 
-def _join_cluster(scheduler: Any, runtime: Runtime, cache: Any, limit: int | None) -> Any:
-    """Join the GPU's shared account; None where the pool has no shared-budget gate."""
-    source = runtime.budget
-    if source is None:
-        return None
-    from kvelastic.cluster.errors import NameInUse
-    from kvelastic.integration.cluster_link import ClusterLink
-
-    model = str(scheduler.vllm_config.model_config.model or "")
-    try:
-        return ClusterLink(cache, source, runtime.settings, model, limit)
-    except NameInUse:
-        raise  # a configuration error the user must fix: two live engines with one name
-    except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
-        log.warning("kvelastic: could not join this GPU's shared KV account (%s); this engine runs "
-                    "with its own limit only", exc)
-        return None
+def locked_wrapper(lock: ContextManager, then: Callable[[], None] | None = None,
+                   on_result: Callable[[Any], None] | None = None) -> Callable[..., Any]:
+    """A wrapper (wrapt's form) that calls the wrapped method under ``lock``, then ``then()``, then
+    ``on_result`` with what it returned, all before the lock is let go."""
+    return functools.partial(_locked, lock, then, on_result)
 
 
-def _locked(lock: threading.RLock, then: Callable[[], None] | None, wrapped: Any, instance: Any,
-            args: tuple, kwargs: dict) -> Any:
-    """``wrapped`` under ``lock``; ``then()`` runs after it, still under the lock."""
+def _locked(lock: ContextManager, then: Callable[[], None] | None, on_result: Callable[[Any], None] | None,
+            wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     with lock:
         result = wrapped(*args, **kwargs)
         if then is not None:
             then()
+        if on_result is not None:
+            on_result(result)
         return result
 
 

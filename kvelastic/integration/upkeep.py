@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 
 from kvelastic.integration.engine_report import MetricsPublish, StatsLog
-from kvelastic.integration.reclaimer import AccountSync, CacheReclaim, OffloadStatistics, UpkeptCache, WarmReserve
+from kvelastic.integration.reclaimer import AccountSync, CacheReclaim, OffloadStatistics, WarmReserve
+from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
     from kvelastic.integration.cluster_link import ClusterLink
@@ -86,7 +87,7 @@ class UpkeepThread:
                 job.run(now)
 
 
-def engine_upkeep(queue: "PageAwareFreeQueue", cache: UpkeptCache, lock: ContextManager, *,
+def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: ContextManager, *,
                   cache_ttl_s: float, reserve_bytes: int, offload: OffloadStatistics | None = None,
                   link: "ClusterLink | None" = None, publisher: "StatsPublisher | None" = None,
                   rank_held_bytes: Callable[[], list[int]] | None = None,

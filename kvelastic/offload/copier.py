@@ -26,6 +26,7 @@ from kvelastic.offload.direct_copy import DirectCopy
 from kvelastic.offload.fences import EventFence
 from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
+from kvelastic.roles import Copier
 from kvelastic.settings import Settings
 
 __all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH"]
@@ -36,8 +37,8 @@ DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
 
 
-class BlockCopier:
-    """Moves whole blocks between ``block_views`` (each (num_blocks, bytes)) and host rows."""
+class BlockCopier(Copier):
+    """Moves whole blocks between ``block_views`` (each (num_blocks, bytes)) and host rows in this process."""
 
     def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
                  path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES):

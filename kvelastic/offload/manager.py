@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
-from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.pool.backend import Fence
+from kvelastic.roles import Copier
 
 
 @dataclass
@@ -39,10 +39,11 @@ class OffloadManager:
 
     ``enter_block(block, key)`` gives a free block the hash ``key`` and enters
     it in the pool's prefix-cache map, the way the running vLLM release does
-    (``kvelastic/integration/offload_setup.py`` builds it).
+    (``kvelastic/integration/offload_setup.py`` builds it). ``copier`` moves the
+    bytes in this process, or sends each rank the command to move its shard.
     """
 
-    def __init__(self, tier: HostTier, copier: BlockCopier, queue: Any,
+    def __init__(self, tier: HostTier, copier: Copier, queue: Any,
                  enter_block: Callable[[Any, Hashable], None]):
         self.tier = tier
         self.copier = copier

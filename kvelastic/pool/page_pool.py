@@ -23,6 +23,7 @@ from kvelastic.pool.placement import PagePlacer
 from kvelastic.pool.region import Region, RegionLease
 from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
 from kvelastic.pool.stats import PoolStats, StatisticsSource
+from kvelastic.roles import PoolView
 from kvelastic.units import align_up
 
 if TYPE_CHECKING:
@@ -31,8 +32,11 @@ if TYPE_CHECKING:
 DEFAULT_PAGE_BYTES = 2 * 1024 * 1024
 
 
-class PagePool:
-    """Tensors over reserved virtual memory, backed page group by page group."""
+class PagePool(PoolView):
+    """Tensors over reserved virtual memory, backed page group by page group.
+
+    The scheduler side sees it through the :class:`~kvelastic.roles.PoolView` role.
+    """
 
     def __init__(self, backend: PhysicalBackend, source: ReserveSource, *, zero_on_map: bool | str = True):
         """Map pages from ``source``, the top of a stack whose root creates pages on ``backend``.

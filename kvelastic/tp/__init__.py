@@ -7,5 +7,7 @@ map/unmap (and host-tier copy) decisions into numbered commands that ride the
 step's ``SchedulerOutput``; each rank's :class:`~kvelastic.tp.rank.RankWorker`
 applies them before the forward pass and reports what it mapped on a
 shared-memory board. A group's blocks are handed out only once every rank has
-confirmed it.
+confirmed it. :class:`~kvelastic.tp.scheduler_side.RankConnection` hands the
+scheduler these objects in the roles of :mod:`kvelastic.roles`, the same the
+in-process cache fills.
 """

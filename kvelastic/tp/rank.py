@@ -16,14 +16,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from kvelastic.errors import PoolExhausted
-from kvelastic.integration.elastic_cache import NULL_GROUP
+from kvelastic.errors import KvelasticError
+from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
+
+if TYPE_CHECKING:
+    from kvelastic.offload.copier import BlockCopier
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -34,7 +37,9 @@ DEVICE_FREE_PERIOD_S = 0.05
 class RankWorker:
     """Applies page-group and copy commands on one rank's elastic KV cache."""
 
-    def __init__(self, cache: Any, folder: Path, info: shm.RankInfo, copier: Any = None):
+    def __init__(self, cache: ElasticKVCache, folder: Path, info: shm.RankInfo,
+                 copier: "BlockCopier | None" = None):
+        """``copier``: this rank's share of the host tier (None without one; then no store or load comes)."""
         self.cache = cache
         self.folder = folder
         self.info = info
@@ -82,7 +87,8 @@ class RankWorker:
         shm.remove_rank_files(self.folder, self.info.rank)
 
     def _run(self) -> None:
-        _use_device_of(self.cache.pool.backend)
+        if self.copier is not None:
+            _use_device_of(self.copier)
         while not self._stop.wait(IDLE_POLL_S):
             try:
                 with self._lock:
@@ -122,9 +128,9 @@ class RankWorker:
             elif kind == UNMAP:
                 self._unmap(command[2])
             elif kind == STORE:
-                self._copies.append(self.copier.store(command[2], command[3], block_compute=command[4]))
+                self._copies.append(self._copier().store(command[2], command[3], block_compute=command[4]))
             elif kind == LOAD:
-                self.copier.load(command[2], command[3])
+                self._copier().load(command[2], command[3])
             elif kind == RESERVE:
                 self.reserve_pages = command[2]
             else:
@@ -138,27 +144,24 @@ class RankWorker:
         self._report_memory(force=True)
 
     def _map(self, seq: int, groups: Sequence[int]) -> None:
-        pool = self.cache.pool
-        todo = [g for g in groups if not pool.is_mapped(g)]
-        try:
-            self.cache.map_groups(todo)
-            todo = []
-        except PoolExhausted:
-            pass
-        for g in groups:
-            if g in todo:
-                try:
-                    self.cache.map_groups([g])
-                except PoolExhausted:
-                    self.board.groups[g] = -seq
-                    continue
+        """Map what this rank can; the board shows ``seq`` for each group mapped, ``-seq`` for each refused."""
+        done = self.cache.map_as_many(groups)
+        for g in groups[:done]:
             self.board.groups[g] = seq
+        for g in groups[done:]:
+            self.board.groups[g] = -seq
 
     def _unmap(self, groups: Sequence[int]) -> None:
         groups = [g for g in groups if g != NULL_GROUP]
         for g in groups:
             self.board.groups[g] = 0
         self.cache.unmap_groups(groups, after=list(self._copies))
+
+    def _copier(self) -> "BlockCopier":
+        if self.copier is None:
+            raise KvelasticError(f"rank {self.info.rank} was sent a host-tier copy but has no host tier; "
+                                 "give every process of the engine the same KVELASTIC_CPU_BYTES")
+        return self.copier
 
     def _fit_reserve(self, *, grow: bool) -> None:
         """Give back warm pages beyond the target; create missing ones only off the step path."""
@@ -181,10 +184,9 @@ class RankWorker:
         self.board.set(shm.HELD_BYTES, stats.held_bytes)
 
 
-def _use_device_of(backend: Any) -> None:
-    """Make this thread's current CUDA device the pool's (copies issued here allocate on it)."""
-    device = getattr(backend, "device", None)
-    if isinstance(device, int):
+def _use_device_of(copier: "BlockCopier") -> None:
+    """Make this thread's current CUDA device the copier's (copies issued here allocate on it)."""
+    if copier.cuda:
         import torch
 
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(copier.device)

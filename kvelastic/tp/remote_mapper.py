@@ -1,4 +1,4 @@
-"""The scheduler side: a stand-in for ``GroupMapper`` whose commands go to every rank.
+"""The scheduler side's :class:`~kvelastic.roles.Mapper` when the ranks hold the cache: commands to every rank.
 
 The page-aware queue asks for groups to be mapped ahead of need and unmapped
 once free, exactly as on one GPU. Here each request becomes a numbered command
@@ -20,9 +20,11 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from kvelastic.cluster.liveness import is_alive
+from kvelastic.pool.backend import Fence
+from kvelastic.roles import Mapper
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command)
@@ -33,7 +35,7 @@ LIVENESS_PERIOD_S = 1.0
 REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long
 
 
-class RemoteMapper:
+class RemoteMapper(Mapper):
     """Queues map/unmap/copy commands for all ranks and adopts groups every rank confirmed."""
 
     synchronous = False  # the queue must never wait for a map: it cannot be confirmed in the call
@@ -54,7 +56,7 @@ class RemoteMapper:
         self.backoff_until = 0.0
         self._seen_marks: tuple[int, ...] = ()
 
-    # ------------------------------------------------- the GroupMapper interface
+    # ------------------------------------------------------ the Mapper role
     @property
     def mapped(self) -> deque[int]:
         if self._pending:
@@ -82,7 +84,7 @@ class RemoteMapper:
             self._pending[g] = seq
         self._outbox.append(map_command(seq, groups))
 
-    def request_unmap(self, groups: Iterable[int], after: Any = None) -> None:
+    def request_unmap(self, groups: Iterable[int], after: Fence | None = None) -> None:
         """Unmap on every rank; ``after`` is moot: earlier copies precede this command on each rank."""
         groups = list(groups)
         if groups:

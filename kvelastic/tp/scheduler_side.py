@@ -2,8 +2,10 @@
 
 Called by ``attach_scheduler`` when its process holds no KV cache: the ranks
 (children of this engine-core process) have already allocated their caches and
-described them in the engine's folder. Builds the remote mapper and sharded
-cache view, and the step hook that attaches each step's commands to its
+described them in the engine's folder. :class:`RankConnection` is the
+scheduler's :class:`~kvelastic.roles.CacheConnection` to them: the remote
+mapper and sharded cache view, the host tier's index with a copier that sends
+commands, and the step hook that attaches each step's commands to its
 ``SchedulerOutput``.
 """
 
@@ -14,21 +16,34 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 from kvelastic.errors import PatchError
 from kvelastic.pool.backend import DoneFence
+from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
 from kvelastic.tp.remote_mapper import RemoteMapper
 from kvelastic.tp.sharded_cache import ShardedKVCache
+
+if TYPE_CHECKING:
+    from kvelastic.integration.cluster_link import ClusterLink
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.integration.runtime import Runtime
+    from kvelastic.offload.host_tier import HostTier
+    from kvelastic.settings import Settings
 
 log = logging.getLogger("vllm.kvelastic")
 
 RANKS_WAIT_S = 30.0
 
 
-def connect_ranks(scheduler: Any, runtime: Any, wait_s: float | None = None) -> tuple[ShardedKVCache, RemoteMapper]:
-    """The ranks' caches, found through the engine's folder; PatchError if they never show up."""
+def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
+                  wait_s: float | None = None) -> "RankConnection":
+    """The ranks' caches, found through the engine's folder; PatchError if they never show up.
+
+    ``lock``: the scheduler's, taken to send commands while the engine idles.
+    """
     wait_s = RANKS_WAIT_S if wait_s is None else wait_s
     parallel = scheduler.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     world = int(parallel.world_size)
@@ -37,36 +52,59 @@ def connect_ranks(scheduler: Any, runtime: Any, wait_s: float | None = None) -> 
                          "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
-    cache, mapper = connect_boards(folder, infos, runtime.settings.limit_bytes)
+    connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock)
     atexit.register(_remove_idle_files, folder)
     log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
-    return cache, mapper
+    return connection
 
 
-def connect_boards(folder: Any, infos: list[shm.RankInfo],
-                   limit_bytes: int | None = None) -> tuple[ShardedKVCache, RemoteMapper]:
-    """The scheduler's view of ranks that described themselves in ``folder``.
+class RankConnection(CacheConnection):
+    """The scheduler's side of KV caches sharded over worker ranks: commands out with each step, boards in.
 
     Groups mapped on every rank at start-up are adopted; a group mapped on
     only some ranks is unmapped with the first step. ``limit_bytes`` (the
     user's) overrides the smallest limit the ranks profiled.
     """
-    first = infos[0]
-    if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
-           != first.layout.blocks_per_group for i in infos):
-        raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
-                         "every rank must hold the same blocks")
-    groups = range(first.layout.num_groups)
-    boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
-    mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)])
-    mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
-                          and any(int(b.groups[g]) > 0 for b in boards)])
-    limits = [i.limit_bytes for i in infos if i.limit_bytes]
-    cache = ShardedKVCache(mapper, infos, limit_bytes or (min(limits) if limits else None))
-    return cache, mapper
+
+    def __init__(self, folder: Path, infos: Sequence[shm.RankInfo], limit_bytes: int | None = None,
+                 lock: ContextManager | None = None):
+        first = infos[0]
+        if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
+               != first.layout.blocks_per_group for i in infos):
+            raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
+                             "every rank must hold the same blocks")
+        groups = range(first.layout.num_groups)
+        boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
+        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)])
+        mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
+                              and any(int(b.groups[g]) > 0 for b in boards)])
+        limits = [i.limit_bytes for i in infos if i.limit_bytes]
+        self.mapper = mapper
+        self.cache = ShardedKVCache(mapper, first, limit_bytes or (min(limits) if limits else None), lock)
+        self.rank_held_bytes = mapper.rank_held_bytes
+        self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
+        self.slot_bytes = first.slot_bytes * first.world  # one slot of the index: every rank's share of a block
+
+    def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
+        """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
+        from kvelastic.offload.host_tier import HostTier
+
+        if not self.host_slots:
+            raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
+                             "set up no host tier; give every process of the engine the same environment")
+        tier = HostTier(self.host_slots * self.slot_bytes, self.slot_bytes, pin=False, allocate=False,
+                        policy=settings.cpu_policy)
+        return tier, RemoteCopier(self.mapper, self.slot_bytes)
+
+    def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None]:
+        return functools.partial(end_step, scheduler, queue, self.mapper)
+
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
+        """None: each rank would have to join its own GPU's account (not done under TP)."""
+        return None
 
 
-def _remove_idle_files(folder: Any) -> None:
+def _remove_idle_files(folder: Path) -> None:
     for _, _, path in shm.idle_files(folder):
         path.unlink(missing_ok=True)
     try:
@@ -75,7 +113,7 @@ def _remove_idle_files(folder: Any) -> None:
         pass
 
 
-def _wait_for_ranks(folder: Any, world: int, wait_s: float) -> list[shm.RankInfo]:
+def _wait_for_ranks(folder: Path, world: int, wait_s: float) -> list[shm.RankInfo]:
     deadline = time.monotonic() + wait_s
     while True:
         infos = [shm.read_info(folder, r) for r in range(world)]
@@ -110,55 +148,26 @@ def _blocks_left(request: Any, block: int) -> int:
     return -(-max(0, request.num_tokens - request.num_computed_tokens) // block)
 
 
-def locked_schedule(lock: Any, flush: Callable[[], None] | None, mapper: RemoteMapper, queue: Any,
-                    scheduler: Any) -> Callable[..., Any]:
-    """A wrapper (wrapt's form) for ``schedule``: under the lock; the step's output then carries every
-    command queued so far, as ``kvelastic_plan``."""
-    return functools.partial(_schedule, lock, flush, mapper, queue, scheduler)
+def end_step(scheduler: Any, queue: "PageAwareFreeQueue", mapper: RemoteMapper, output: Any) -> None:
+    """After ``schedule()``: ask for what the requests need soon, then give the step's output every
+    command queued so far, as ``kvelastic_plan`` (vLLM broadcasts it to every rank)."""
+    queue.want_blocks(demand_of(scheduler))
+    output.kvelastic_plan = mapper.take_plan()
 
 
-def _schedule(lock: Any, flush: Callable[[], None] | None, mapper: RemoteMapper, queue: Any, scheduler: Any,
-              wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    with lock:
-        output = wrapped(*args, **kwargs)
-        if flush is not None:
-            flush()
-        queue.want_blocks(demand_of(scheduler))
-        output.kvelastic_plan = mapper.take_plan()
-        return output
-
-
-class RemoteCopier:
-    """The copier interface of the offload manager, as commands every rank runs on its own shard."""
+class RemoteCopier(Copier):
+    """The :class:`~kvelastic.roles.Copier` role as commands every rank runs on its own shard."""
 
     def __init__(self, mapper: RemoteMapper, bytes_per_block: int):
         self.mapper = mapper
         self.bytes_per_block = bytes_per_block
 
-    def store(self, block_ids: Any, slots: Any, *, block_compute: bool = False) -> DoneFence:
+    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = False) -> DoneFence:
         if block_ids:
             self.mapper.request_store(block_ids, slots, block_compute)
         return DoneFence()  # each rank orders the copy before any later unmap of those blocks
 
-    def load(self, block_ids: Any, slots: Any) -> DoneFence:
+    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> DoneFence:
         if block_ids:
             self.mapper.request_load(block_ids, slots)
         return DoneFence()
-
-
-def attach_remote_offload(block_pool: Any, queue: Any, cache: ShardedKVCache, mapper: RemoteMapper,
-                          patcher: Any, policy: str = "arc") -> Any:
-    """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
-    from kvelastic.integration.offload_setup import block_entry, hook_lookup
-    from kvelastic.offload.host_tier import HostTier
-    from kvelastic.offload.manager import OffloadManager
-
-    if not cache.host_slots:
-        raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
-                         "set up no host tier; give every process of the engine the same environment")
-    slot_bytes = cache.info.slot_bytes * cache.world
-    tier = HostTier(cache.host_slots * slot_bytes, slot_bytes, pin=False, allocate=False, policy=policy)
-    manager = OffloadManager(tier, RemoteCopier(mapper, slot_bytes), queue, block_entry(block_pool, patcher))
-    queue.spill_hook = manager.spill
-    hook_lookup(block_pool, manager, patcher)
-    return manager

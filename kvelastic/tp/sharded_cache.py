@@ -1,33 +1,36 @@
 """The scheduler's view of a KV cache whose tensors live on other processes' GPUs.
 
-It offers what the page-aware queue and the reclaimer use of an
-:class:`~kvelastic.integration.elastic_cache.ElasticKVCache` (the block-to-group
-layout, bytes per group, how many more groups could be mapped) and a
-:class:`ShardedPoolView` in place of the pool: accounting, not memory. Bytes
-are per rank: every rank maps the same groups, and vLLM profiled the limit per
-GPU.
+:class:`ShardedKVCache` fills the :class:`~kvelastic.roles.SchedulerCache` role
+(the block-to-group layout, bytes per group, how many more groups could be
+mapped) and :class:`ShardedPoolView` the :class:`~kvelastic.roles.PoolView`
+role: accounting, not memory. Bytes are per rank: every rank maps the same
+groups, and vLLM profiled the limit per GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import threading
+from typing import ContextManager
 
-from kvelastic.integration.elastic_cache import DEVICE_MARGIN_BYTES, GroupedBlocks, groups_within
+from kvelastic.integration.elastic_cache import GroupedBlocks
 from kvelastic.pool.stats import PoolStats
+from kvelastic.roles import PoolView
 from kvelastic.tp.board import RankInfo
 from kvelastic.tp.remote_mapper import RemoteMapper
 
 
-class ShardedPoolView:
+class ShardedPoolView(PoolView):
     """Pool-shaped accounting over the groups the scheduler has mapped on every rank."""
 
-    def __init__(self, mapper: RemoteMapper, info: RankInfo, limit_bytes: int | None):
+    def __init__(self, mapper: RemoteMapper, info: RankInfo, limit_bytes: int | None,
+                 lock: ContextManager | None = None):
+        """``lock``: the scheduler's, so that commands sent while idle never race a scheduling step."""
         self.mapper = mapper
         self.page_bytes = info.page_bytes
         self.group_bytes = info.group_bytes
         self.num_groups = info.layout.num_groups
         self.limit_bytes = limit_bytes
-        self.lock: Any = None  # the scheduler's lock, set at attach
+        self.lock: ContextManager = lock if lock is not None else threading.RLock()
         self.reserve_pages = 0  # the warm reserve every rank was last told to keep
 
     def is_mapped(self, group: int) -> bool:
@@ -52,9 +55,6 @@ class ShardedPoolView:
 
     def collect(self, wait: bool = False) -> int:
         """The reclaimer's periodic call: commands queued while idle go out now."""
-        if self.lock is None:
-            self.mapper.deliver_idle()
-            return 0
         with self.lock:
             self.mapper.deliver_idle()
         return 0
@@ -77,28 +77,20 @@ class ShardedPoolView:
 class ShardedKVCache(GroupedBlocks):
     """Layout and capacity of the KV cache every rank holds a shard of."""
 
-    def __init__(self, mapper: RemoteMapper, infos: Sequence[RankInfo], limit_bytes: int | None):
-        info = infos[0]
+    pool: ShardedPoolView
+
+    def __init__(self, mapper: RemoteMapper, info: RankInfo, limit_bytes: int | None,
+                 lock: ContextManager | None = None):
         self.mapper = mapper
-        self.info = info
         self.layout = info.layout
         self.group_bytes = info.group_bytes
-        self.pool = ShardedPoolView(mapper, info, limit_bytes)
-        self.device_margin = max(DEVICE_MARGIN_BYTES, 2 * self.group_bytes)
-        self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
+        self.pool = ShardedPoolView(mapper, info, limit_bytes, lock)
 
-    @property
-    def world(self) -> int:
-        return self.info.world
-
-    def mappable_groups(self, unmapped: int) -> int:
-        """Groups that could still be mapped on every rank: the limit and the fullest GPU decide."""
+    def device_room(self) -> int | None:
+        """The fullest GPU decides; none at all while the ranks back off (a refusal, or a dead rank)."""
         if self.mapper.backing_off():
             return 0
-        device_free = self.mapper.device_free_bytes()
-        if device_free is not None:
-            device_free = max(0, device_free - self.device_margin)
-        return groups_within(self.pool.headroom_estimate(device_free), unmapped, self.group_bytes)
+        return self.beyond_margin(self.mapper.device_free_bytes())
 
-    def stats(self) -> PoolStats:
-        return self.pool.stats()
+    def forget_device_free(self) -> None:
+        """Nothing is kept to forget: every estimate reads the ranks' boards afresh."""

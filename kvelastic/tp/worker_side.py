@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp.rank import RankWorker
+
+if TYPE_CHECKING:
+    from kvelastic.integration.runtime import Runtime
+    from kvelastic.offload.copier import BlockCopier
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -35,12 +41,10 @@ def rank_and_world(runner: Any) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
+def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> RankWorker:
     rank, world = rank_and_world(runner)
     settings = runtime.settings
-    plan = runtime.plan
-    limit = plan.limit_bytes if plan else settings.limit_bytes
-    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, limit, settings.cpu_bytes,
+    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, runtime.limit_bytes, settings.cpu_bytes,
                         copy_path=settings.copy_path)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
@@ -48,7 +52,7 @@ def serve_as_rank(runtime: Any, runner: Any, cache: Any) -> RankWorker:
     return worker
 
 
-def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int | None,
+def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit_bytes: int | None,
                cpu_bytes: int | None, copy_path: str = Settings.copy_path) -> RankWorker:
     """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
     copier, slots, slot_bytes = None, 0, 0
@@ -62,16 +66,15 @@ def start_rank(cache: Any, folder: Any, rank: int, world: int, limit_bytes: int 
     return worker
 
 
-def _host_share(cache: Any, cpu_bytes: int, world: int, copy_path: str) -> tuple[Any, int, int]:
+def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
+                copy_path: str) -> tuple["BlockCopier | None", int, int]:
     """This rank's pinned slots: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
-    from kvelastic.integration.offload_setup import block_views
-    from kvelastic.offload.copier import BlockCopier
+    from kvelastic.integration.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
-    views = block_views(cache)
-    slot_bytes = sum(v.shape[1] for v in views)
-    slots = cpu_bytes // (slot_bytes * world)
+    rows = BlockRows(cache)
+    slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
-        return None, 0, slot_bytes
-    buffer = allocate_slots(slots, slot_bytes, pin=views[0].device.type == "cuda")
-    return BlockCopier(views, buffer, path=copy_path), slots, slot_bytes  # type: ignore[arg-type]
+        return None, 0, rows.slot_bytes
+    host = allocate_slots(slots, rows.slot_bytes, pin=rows.pin)
+    return rows.copier(host, copy_path), slots, rows.slot_bytes

@@ -1,0 +1,84 @@
+"""The free blocks of mapped groups in the order vLLM's own free queue would keep them.
+
+vLLM's ``FreeKVCacheBlockQueue`` is a doubly linked list through the blocks'
+own ``prev_free_block`` / ``next_free_block`` fields, least recently freed
+first. The page-aware queue hands blocks out in another order (lowest group
+first), but a connector that walks the free queue itself (SimpleCPUOffload's
+lazy mode, from ``fake_free_list_head`` up to 0.25 and ``iter_blocks_after``
+from 0.26) expects that list. This keeps it, with two differences that follow
+from pages: only blocks of mapped groups are in it (a walker must never be
+offered memory that is not there), and the blocks of a group mapped anew count
+as freed when it is mapped (appended in block order).
+
+A block leaving the list because its group is released keeps a forward link to
+the head end: a walker whose saved position was that block starts over from the
+head, as vLLM's walker does when its position is taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+
+class ListEnd:
+    """One end of the list: looks like an empty free block to a walker that reads one."""
+
+    block_id = -1
+    block_hash = None
+    is_null = False
+    ref_cnt = 0
+
+    def __init__(self) -> None:
+        self.prev_free_block: Any = None
+        self.next_free_block: Any = None
+
+
+class FreeOrder:
+    """A doubly linked list through the blocks' own free-list fields, with two end markers."""
+
+    def __init__(self) -> None:
+        self.head = ListEnd()
+        self.tail = ListEnd()
+        self.head.next_free_block = self.tail
+        self.tail.prev_free_block = self.head
+
+    def append(self, block: Any) -> None:
+        last = self.tail.prev_free_block
+        block.prev_free_block = last
+        block.next_free_block = self.tail
+        last.next_free_block = block
+        self.tail.prev_free_block = block
+
+    def move_to_head(self, blocks: list[Any]) -> None:
+        """Put ``blocks`` (already in the list) first, ``blocks[0]`` at the very front."""
+        for block in reversed(blocks):
+            self.unlink(block)
+            first = self.head.next_free_block
+            block.prev_free_block = self.head
+            block.next_free_block = first
+            first.prev_free_block = block
+            self.head.next_free_block = block
+
+    def unlink(self, block: Any, *, restart: bool = False) -> None:
+        """Take ``block`` out; with ``restart`` its forward link leads a walker back to the head."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = None
+        block.next_free_block = self.head if restart else None
+
+    def unlink_all(self, blocks: Iterable[Any], *, restart: bool = False) -> None:
+        for block in blocks:
+            self.unlink(block, restart=restart)
+
+    def after(self, cursor: Any | None) -> Iterator[Any]:
+        """The blocks after ``cursor`` (from the front if None, or if it is no longer in the list)."""
+        node = self.head.next_free_block if cursor is None else cursor.next_free_block
+        if node is None or node is self.head:
+            node = self.head.next_free_block
+        while node is not self.tail and node is not None:
+            yield node
+            node = node.next_free_block
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.after(None)

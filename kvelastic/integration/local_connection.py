@@ -1,0 +1,72 @@
+"""The scheduler and its engine's KV cache in one process (one GPU, the uniprocess executor).
+
+:class:`LocalConnection` is the :class:`~kvelastic.roles.CacheConnection` for
+this case: the cache itself, a mapper thread that makes the driver calls off
+the scheduler's thread, a host tier pinned here with a copier on this GPU, and
+the GPU's shared account, which the engine joins where its pool has a
+shared-budget gate. Its counterpart under tensor parallelism is
+:class:`~kvelastic.tp.scheduler_side.RankConnection`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.mapper import GroupMapper
+from kvelastic.roles import CacheConnection
+
+if TYPE_CHECKING:
+    from kvelastic.integration.cluster_link import ClusterLink
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.integration.runtime import Runtime
+    from kvelastic.offload.copier import BlockCopier
+    from kvelastic.offload.host_tier import HostTier
+    from kvelastic.settings import Settings
+
+log = logging.getLogger("vllm.kvelastic")
+
+
+class LocalConnection(CacheConnection):
+    """A KV cache in the scheduler's own process; from here on its pool holds ``limit_bytes``."""
+
+    rank_held_bytes = None  # one pool, in this process: its own statistics say what it holds
+
+    def __init__(self, cache: ElasticKVCache, limit_bytes: int | None):
+        cache.pool.set_limit(limit_bytes)  # start-up warm-up ran unlimited; from here the limit holds
+        self.cache = cache
+        self.mapper = GroupMapper(cache)
+        self.limit_bytes = limit_bytes
+
+    @classmethod
+    def of(cls, runtime: "Runtime", cache: ElasticKVCache) -> "LocalConnection":
+        """The runtime's cache under the runtime's limit."""
+        return cls(cache, runtime.limit_bytes)
+
+    def host_tier(self, settings: "Settings") -> tuple["HostTier", "BlockCopier"]:
+        from kvelastic.integration.offload_setup import local_host_tier
+
+        return local_host_tier(self.cache, settings)
+
+    def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None] | None:
+        """None: the pool is in this process; a step's output carries nothing for it."""
+        return None
+
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
+        """Join the GPU's shared account; None where the pool has no shared-budget gate."""
+        source = runtime.budget
+        if source is None:
+            return None
+        from kvelastic.cluster.errors import NameInUse
+        from kvelastic.integration.cluster_link import ClusterLink
+
+        model = str(scheduler.vllm_config.model_config.model or "")
+        try:
+            return ClusterLink(self.cache, source, runtime.settings, model, self.limit_bytes)
+        except NameInUse:
+            raise  # a configuration error the user must fix: two live engines with one name
+        except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
+            log.warning("kvelastic: could not join this GPU's shared KV account (%s); this engine runs "
+                        "with its own limit only", exc)
+            return None

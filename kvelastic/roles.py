@@ -1,0 +1,176 @@
+"""The roles the scheduler side works with, each filled in two ways: in this process, or on worker ranks.
+
+With one GPU and the uniprocess executor the scheduler shares its process
+with the KV cache; under tensor parallelism (or the multiprocess executor)
+the cache lives on worker ranks in other processes. Everything above these
+roles (the page-aware queue, the commit guard, the host tier's manager, the
+upkeep jobs) is written once, against them:
+
+============================  ====================================  ===================================
+role                          in this process                       on worker ranks (:mod:`kvelastic.tp`)
+============================  ====================================  ===================================
+:class:`PoolView`             :class:`~kvelastic.pool.PagePool`     ``ShardedPoolView``
+:class:`SchedulerCache`       ``ElasticKVCache``                    ``ShardedKVCache``
+:class:`Mapper`               ``GroupMapper`` (a thread)            ``RemoteMapper`` (numbered commands)
+:class:`Copier`               ``BlockCopier``                       ``RemoteCopier``
+:class:`CacheConnection`      ``LocalConnection``                   ``RankConnection``
+============================  ====================================  ===================================
+
+Every implementation subclasses its role, so a method it lacks is an error
+when it is built, not a silent ``None`` later. Which of the two an engine
+gets is decided once, when the scheduler attaches
+(:func:`kvelastic.integration.scheduler.attach_scheduler`); nothing after that
+asks which one it holds.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from kvelastic.integration.cluster_link import ClusterLink
+    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.integration.kv_layout import KVGroupLayout
+    from kvelastic.integration.runtime import Runtime
+    from kvelastic.offload.host_tier import HostTier
+    from kvelastic.pool.backend import Fence
+    from kvelastic.pool.stats import PoolStats
+    from kvelastic.settings import Settings
+
+__all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "CacheConnection"]
+
+
+class PoolView(Protocol):
+    """What the scheduler side reads and asks of the page pool: mapped groups, room, upkeep."""
+
+    page_bytes: int
+
+    @abstractmethod
+    def is_mapped(self, group: int) -> bool: ...
+
+    @abstractmethod
+    def headroom_estimate(self, device_free: int | None) -> int | None:
+        """Bytes that could still be mapped, given ``device_free`` bytes free on the device (None: unknown)."""
+
+    @abstractmethod
+    def stats(self) -> "PoolStats": ...
+
+    @abstractmethod
+    def collect(self, wait: bool = False) -> int:
+        """Finish what waits on the GPU (fenced unmaps, or commands queued while idle)."""
+
+    @abstractmethod
+    def grow_reserve(self, pages: int) -> int: ...
+
+    @abstractmethod
+    def trim_reserve(self, keep_pages: int = 0) -> int: ...
+
+
+class SchedulerCache(Protocol):
+    """The engine's KV cache as the scheduler side sees it: its block layout, its pool, the room left."""
+
+    layout: "KVGroupLayout"
+    group_bytes: int
+    pool: PoolView
+
+    @property
+    @abstractmethod
+    def blocks_per_group(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_groups(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    @abstractmethod
+    def group_of_block(self, block_id: int) -> int: ...
+
+    @abstractmethod
+    def blocks_of_group(self, group: int) -> range: ...
+
+    @abstractmethod
+    def mappable_groups(self, unmapped: int) -> int:
+        """How many of ``unmapped`` groups could be mapped now, within the limit and the device."""
+
+    @abstractmethod
+    def forget_device_free(self) -> None:
+        """A map was refused that the last free-memory reading allowed: read it again next time."""
+
+
+class Mapper(Protocol):
+    """Maps and unmaps page groups for the page-aware queue, in the order asked.
+
+    Groups come back through ``mapped`` and ``refused``, which the queue
+    drains. ``synchronous``: :meth:`map_now` returns with its groups mapped or
+    refused; where it cannot (ranks in other processes confirm a step later)
+    the queue promises only groups already mapped.
+    """
+
+    synchronous: bool
+
+    @property
+    @abstractmethod
+    def mapped(self) -> deque[int]:
+        """Groups mapped since the queue last looked, for it to adopt (it pops them)."""
+
+    @property
+    @abstractmethod
+    def refused(self) -> deque[int]:
+        """Groups that could not be mapped, for the queue to put back among the unmapped ones."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    @abstractmethod
+    def request_map(self, groups: Iterable[int]) -> None: ...
+
+    @abstractmethod
+    def request_unmap(self, groups: Iterable[int], after: "Fence | None" = None) -> None:
+        """Unmap ``groups`` once the GPU is done with them and ``after`` (a copy out of them) has passed."""
+
+    @abstractmethod
+    def map_now(self, groups: list[int], *, force: bool = False) -> None:
+        """Map ``groups`` after everything requested before; wait for it where the mapper is synchronous."""
+
+
+class Copier(Protocol):
+    """Copies whole KV blocks to host slots and back, one batch a call."""
+
+    bytes_per_block: int
+
+    @abstractmethod
+    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = False) -> "Fence":
+        """Blocks to host slots; ``block_compute``: later compute waits for it (the blocks are reused)."""
+
+    @abstractmethod
+    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> "Fence":
+        """Host slots into blocks, before the next forward pass reads them."""
+
+
+class CacheConnection(Protocol):
+    """How a scheduler reaches its engine's KV cache: the cache and mapper, and what differs around them."""
+
+    cache: SchedulerCache
+    mapper: Mapper
+    #: What each GPU's pool really holds, for the log line; None with a single pool in this process.
+    rank_held_bytes: Callable[[], list[int]] | None
+
+    @abstractmethod
+    def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
+        """The host tier's index of ``settings.cpu_bytes`` and the copier that fills its slots."""
+
+    @abstractmethod
+    def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None] | None:
+        """What must happen to each ``schedule()`` output before it leaves the scheduler; None: nothing."""
+
+    @abstractmethod
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
+        """This engine's membership in its GPU's shared account; None where it joins none."""
