@@ -80,9 +80,9 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
         except PatchError as exc:
             _Once.current = None
             _Once.failed = True
+            report_start(settings)
             if settings.strict:
                 raise
-            report_start(settings)
             log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
             return None
         report_start(settings)  # after the patches present now: from 0.31 one sets up vLLM's logging (vllm_logging)
