@@ -34,12 +34,12 @@ def test_whole_page_groups_are_the_smallest_whole_number_of_pages(stride, page):
     k = whole_page_blocks(stride, page)
     if k is None:
         assert stride * page // math.gcd(stride, page) // page > MAX_GROUP_PAGES
-        assert blocks_per_group(stride, page) == max(1, page // stride)
+        assert blocks_per_group([stride], page) == max(1, page // stride)
         return
     assert k * stride % page == 0
     assert k * stride // page <= MAX_GROUP_PAGES
     assert all(j * stride % page for j in range(1, k))  # no smaller group is whole pages
-    assert blocks_per_group(stride, page) == k
+    assert blocks_per_group([stride], page) == k
 
 
 def test_whole_page_groups_of_common_models():
@@ -92,6 +92,21 @@ def test_layer_outermost_multiple_reads_kv_cache_tensor_placement():
 def test_group_size_of_a_config_follows_its_block_stride():
     assert group_blocks_of_config(_config(1000, (32, 64 * KIB, 2 * MIB, 0)), 8 * MIB) == 4
     assert group_blocks_of_config(_config(1000), 8 * MIB) is None
+    # Layer-outermost layers of 16 and 24 KiB pages in one group: whole pages at both strides.
+    mixed = _config(1000, (3, 16 * KIB * 1000, 16 * KIB, 0), (2, 24 * KIB * 1000, 24 * KIB, 48 * KIB * 1000))
+    assert group_blocks_of_config(mixed, 64 * KIB) == 8  # 8 x 16 KiB = 2 pages, 8 x 24 KiB = 3 pages
+
+
+@given(st.lists(STRIDES, min_size=1, max_size=3), PAGES)
+def test_groups_over_several_strides_are_whole_pages_at_each_or_the_plain_size(strides, page):
+    k = blocks_per_group(strides, page)
+    whole = all(k * stride % page == 0 for stride in strides) and k * max(strides) // page <= MAX_GROUP_PAGES
+    if whole:
+        assert all(any(j * stride % page for stride in strides) for j in range(1, k))  # and the least such
+    else:
+        assert k == max(1, page // min(strides))
+    with pytest.raises(ValueError):
+        blocks_per_group([], page)
 
 
 def test_block_outermost_layouts_move_to_the_front_in_their_own_order():

@@ -202,6 +202,45 @@ def test_every_block_of_every_layer_lies_in_its_groups_pages(band_c, layout, lay
                 assert seen.setdefault(ref.page, group) == group, f"page {ref.page} shared by groups"
 
 
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+def test_layers_of_one_group_with_different_page_sizes_map_their_blocks_whole(band_c, layout):
+    """A group of ``UniformTypeKVCacheSpecs`` (2 and 3 KV heads): under a layer-outermost layout each page
+    size steps through the one backing with its own stride, and each stride's layers keep runs of their own."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    page_bytes = 64 * KIB
+    narrow, wide = specs(2, 64, 16, torch.bfloat16, False), specs(3, 64, 16, torch.bfloat16, False)
+    group = KVCacheGroupSpec(["a0", "a1", "b0"], UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs={"a0": narrow, "a1": narrow, "b0": wide}))
+    num_blocks = 48
+    try:
+        config = plan(layout, [group], num_blocks)
+    except ValueError as refused:  # vLLM's planner: this layout cannot express mixed pages (0.33: LHBNC, BHLNC)
+        assert "mixed page sizes" in str(refused)
+        assert layout not in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)  # the layouts this is about are planned
+        return
+    multiple = layer_outermost_multiple(config, page_bytes)
+    if multiple is not None:  # what whole_page_num_blocks does
+        num_blocks -= num_blocks % multiple
+        config = plan(layout, [group], num_blocks)
+    env = band_c(page_bytes)
+    views = env.allocate(config, layout, None)
+    pool = env.runtime.finish_allocation()
+    cache = publish_views(env.runtime, pool, views.values(), num_blocks,
+                          blocks_per_group=group_blocks_of_config(config, page_bytes), block_dim=VIEW_BLOCK_DIM)
+    strides = {runs.block_stride for runs in cache.layout.regions}
+    assert len(strides) == (2 if not layout.is_block_outermost else 1)
+    owner: dict[int, int] = {}
+    for name, view in views.items():
+        for block in range(num_blocks):
+            group_pages = {ref.page for ref in cache.layout.pages(cache.group_of_block(block))}
+            touched = block_pages(view, block, num_blocks, page_bytes)
+            assert touched <= group_pages, (name, block, sorted(touched - group_pages))
+    for group_index in range(cache.num_groups):
+        for ref in cache.layout.pages(group_index):
+            assert owner.setdefault(ref.page, group_index) == group_index, f"page {ref.page} shared by groups"
+
+
 def test_block_outermost_layouts_cannot_split_kernel_blocks(band_c):
     """Why the layout preference leaves models that split kernel blocks alone (0.29-0.31 fail here)."""
     spec_groups = [KVCacheGroupSpec(["a", "b"], specs(2, 64, 32, torch.bfloat16, sliding=False))]

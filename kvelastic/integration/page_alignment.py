@@ -50,10 +50,22 @@ def whole_page_blocks(block_stride: int, page_bytes: int, max_group_pages: int =
     return span // block_stride
 
 
-def blocks_per_group(block_stride: int, page_bytes: int, max_group_pages: int = MAX_GROUP_PAGES) -> int:
-    """:func:`whole_page_blocks` where it exists, else the plain ``page_bytes // block_stride``."""
-    whole = whole_page_blocks(block_stride, page_bytes, max_group_pages)
-    return whole if whole is not None else max(1, page_bytes // block_stride)
+def blocks_per_group(block_strides: Iterable[int], page_bytes: int, max_group_pages: int = MAX_GROUP_PAGES) -> int:
+    """Blocks per group whose span is whole pages at every one of ``block_strides``, where that stays within
+    ``max_group_pages``; else the plain ``page_bytes // smallest stride``."""
+    strides = sorted(set(block_strides))
+    if not strides:
+        raise ValueError("no block stride to group blocks by")
+    blocks = 1
+    for stride in strides:
+        whole = whole_page_blocks(stride, page_bytes, max_group_pages)
+        if whole is None:
+            break
+        blocks = lcm(blocks, whole)
+    else:
+        if blocks * strides[-1] // page_bytes <= max_group_pages:
+            return blocks
+    return max(1, page_bytes // strides[0])
 
 
 def num_blocks_multiple(bytes_per_block_of_run: Iterable[int], page_bytes: int) -> int:
@@ -87,13 +99,15 @@ def run_starts_aligned(starts: Iterable[int], page_bytes: int) -> bool:
 def group_blocks_of_config(kv_cache_config: Any, page_bytes: int) -> int | None:
     """Blocks per group for a 0.29+ ``KVCacheConfig``: whole pages where that stays small enough.
 
-    Every tensor of one backing shares one block stride in the layouts kvelastic
-    accepts (``merge_runs`` checks it on the views); None where there is no tensor.
+    The tensors of one backing share one block stride, except layer-outermost layers
+    of different page sizes in one group, which step with their own page; the group
+    is then whole pages at each stride where that stays small. None where there is
+    no tensor.
     """
     strides = {t.block_stride for t in kv_cache_config.kv_cache_tensors}
     if not strides:
         return None
-    return blocks_per_group(min(strides), page_bytes)
+    return blocks_per_group(strides, page_bytes)
 
 
 def layer_outermost_multiple(kv_cache_config: Any, page_bytes: int) -> int | None:
