@@ -39,7 +39,10 @@ matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GP
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
     e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
         --kve-env KVELASTIC_CACHE_TTL=2 --summary "$W/matrix-$ver/summary.json" --extra --idle-after 6 \
-        2>&1 | tee "$W/matrix-$ver.log" ;;
+        2>&1 | tee "$W/matrix-$ver.log"
+    r=$?
+    grep -h "kvelastic .* (band \|kvelastic: .*KV tensors" "$W/matrix-$ver"/*-kve-*.log  # band, patches, groups
+    (exit $r) ;;
 spill)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
     e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-vllm$ver" \
