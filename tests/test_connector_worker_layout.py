@@ -21,7 +21,8 @@ from kvelastic.patches import v1_allocate_kv_cache  # noqa: E402
 from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 
 if not v1_allocate_kv_cache.PATCH.claims(installed_vllm_version()):
-    pytest.skip("vLLM 0.29+ allocates one backing (band C), whose worker side this test does not model yet",
+    pytest.skip("vLLM 0.29+ allocates one backing (band C), not per-layer tensors: "
+                "tests/test_connector_worker_layout_band_c.py runs the connectors' own workers over it",
                 allow_module_level=True)
 
 import torch  # noqa: E402
