@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
+#   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes
+#   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
@@ -37,7 +39,22 @@ matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GP
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
     e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
         --kve-env KVELASTIC_CACHE_TTL=2 --summary "$W/matrix-$ver/summary.json" --extra --idle-after 6 \
-        2>&1 | tee "$W/matrix-$ver.log" ;;
+        2>&1 | tee "$W/matrix-$ver.log"
+    r=$?
+    grep -h "kvelastic .* (band \|kvelastic: .*KV tensors" "$W/matrix-$ver"/*-kve-*.log  # band, patches, groups
+    (exit $r) ;;
+spill)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
+    ver=$(python3 -c 'import vllm; print(vllm.__version__)')
+    e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-vllm$ver" \
+        --kve-env KVELASTIC_LIMIT=384MiB KVELASTIC_CPU_BYTES=4GiB KVELASTIC_CACHE_TTL=1 \
+        --summary "$W/spill-$ver/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/spill-$ver.log"
+    r=$?
+    grep -h "kvelastic: .*host tier" "$W/spill-$ver"/*-kve-*.log | tail -5  # the host tier's hits and misses
+    (exit $r) ;;
+overhead)
+    ver=$(python3 -c 'import vllm; print(vllm.__version__)')
+    python3 scripts/bench_overhead.py --model scripts/models/llama-8b --chunks ${OVERHEAD_CHUNKS:-8} \
+        --outdir "$W/overhead-$ver" --json "$W/overhead-$ver/overhead.json" 2>&1 | tee "$W/overhead-$ver.log" ;;
 demo)
     python3 scripts/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 copy)

@@ -64,3 +64,7 @@ class LayoutError(KvelasticError):
 class PatchError(KvelasticError):
     """vLLM cannot be patched: unsupported version or a target that moved."""
 
+
+
+class UnsupportedOperation(KvelasticError, RuntimeError):
+    """A vLLM operation that would do something other than it says while kvelastic backs the KV cache."""

@@ -27,7 +27,7 @@ PREFIX = "KVELASTIC_"
 #: ``KVELASTIC_*`` variables read outside :class:`Settings` (launcher, tests, CI).
 OTHER_VARIABLES = ("KVELASTIC_LAUNCH_NO_GPU", "KVELASTIC_VLLM_SRC_CACHE",
                    "KVELASTIC_REQUIRE_VLLM", "KVELASTIC_DROP_VENVS", "KVELASTIC_BAND_A", "KVELASTIC_VENV",
-                   "KVELASTIC_VENV_BAND_A")
+                   "KVELASTIC_VENV_BAND_A", "KVELASTIC_BAND_C", "KVELASTIC_VENV_BAND_C")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 
 

@@ -38,8 +38,10 @@ class StartupRefused(SystemExit):
 def use_vllm_logging() -> None:
     """Make sure vLLM has configured its ``vllm`` logger, whose handler and level ours inherit.
 
-    vLLM configures it when ``vllm.logger`` is first imported, which ``import
-    vllm`` does; importing it here covers an activation that comes first.
+    Up to 0.30 vLLM configures it when ``vllm.logger`` is first imported, which
+    ``import vllm`` does; importing it here covers an activation that comes first.
+    From 0.31 vLLM configures it only when an engine or server starts; the
+    ``vllm_logging`` patch, applied at activation, does it then.
     """
     try:
         import vllm.logger  # noqa: F401

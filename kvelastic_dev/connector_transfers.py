@@ -2,7 +2,7 @@
 
 Used by the CPU tests' stand-in worker and by the GPU script that counts a
 connector's own transfers. It reads vLLM's metadata objects as the releases in
-CI (0.23, 0.28) and on the GPU machine (0.25) shape them:
+CI (0.23, 0.28, 0.33) and on the GPU machine (0.25) shape them:
 SimpleCPUOffloadConnector's ``store_gpu_blocks`` / ``load_gpu_blocks``, and
 OffloadingConnector's ``store_jobs`` / ``load_jobs`` (a job's specs are one
 ``transfer_spec`` pair up to 0.23, ``src_spec`` and ``dst_spec`` from 0.24).

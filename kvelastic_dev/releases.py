@@ -31,6 +31,11 @@ RELEASES: tuple[str, ...] = (
     "0.26.0",
     "0.27.0", "0.27.1",
     "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
 )
 
 # Just outside SUPPORTED on each side: the gate must refuse these.

@@ -58,3 +58,17 @@ def refusal(version: Version) -> str | None:
     except PatchError as exc:
         return str(exc)
     return None
+
+
+def torch_calls(root: Path, module: str, function: str) -> list[ast.Call]:
+    """Every ``torch.<name>(...)`` call in the module-level ``function`` of ``module``, in source order.
+
+    vLLM 0.29+'s ``allocate_kv_cache`` is run by kvelastic with a stand-in for
+    ``torch`` that serves one ``zeros`` backing from the page pool; this is how
+    the version matrix checks that each release's function asks for nothing else.
+    """
+    tree = parse(root.joinpath(*module.split(".")).with_suffix(".py"))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"]
+    return sorted(calls, key=lambda call: (call.lineno, call.col_offset))

@@ -10,13 +10,16 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from kvelastic.patching.versions import BANDS, SUPPORTED, before, since
+from kvelastic.patching.versions import BANDS, SUPPORTED, VersionRange, before, since
 
 BAND_A = BANDS[0].versions
 BAND_B = BANDS[1].versions
+BAND_C = BANDS[2].versions
+#: Bands A and B: a KV tensor per entry of the config, allocated by each runner itself.
+BEFORE_BAND_C = VersionRange(SUPPORTED.low, BAND_C.low)
 ALL = SUPPORTED
 
-__all__ = ["ALL", "BAND_A", "BAND_B", "argument", "before", "since"]
+__all__ = ["ALL", "BAND_A", "BAND_B", "BAND_C", "BEFORE_BAND_C", "argument", "before", "since"]
 
 
 def argument(wrapped: Any, args: tuple, kwargs: dict, name: str) -> Any:

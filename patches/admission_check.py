@@ -40,8 +40,10 @@ ESTIMATE = Target(  # wrapped on the scheduler's coordinator instance; the class
                                                            "num_tokens_main_model")),
             Signature(VersionRange.of("0.20.2", "0.26"), (*_ESTIMATE, "total_computed_tokens",
                                                           "num_tokens_main_model", FLAG)),
-            Signature(since("0.26"), (*_ESTIMATE, "total_computed_tokens", "num_local_computed_tokens",
-                                      "num_tokens_main_model", FLAG))),
+            Signature(VersionRange.of("0.26", "0.31"), (*_ESTIMATE, "total_computed_tokens",
+                                                        "num_local_computed_tokens", "num_tokens_main_model", FLAG)),
+            Signature(since("0.31"), (*_ESTIMATE, "total_computed_tokens", "num_local_computed_tokens",
+                                      "num_tokens_main_model", FLAG, "prefill_end"))),
 )
 CAN_FIT = Target(
     module="vllm.v1.core.kv_cache_manager",

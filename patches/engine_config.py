@@ -1,7 +1,8 @@
 """The configuration objects kvelastic reads, on the scheduler and in the workers.
 
 Nothing here is wrapped: these are the fields read off ``VllmConfig`` (the
-parallel layout, the model's name, the block size, the batch size). Declaring
+parallel layout, the model's name, the block size, the batch size; from 0.29
+also whether sleep mode is on and the block count override). Declaring
 them lets the gate refuse a release that renamed one, where a ``getattr`` with
 a default would have carried on with a wrong value.
 """
@@ -9,7 +10,7 @@ a default would have carried on with a wrong value.
 from __future__ import annotations
 
 from kvelastic.patching.spec import Attributes, Target
-from kvelastic.patches._common import ALL
+from kvelastic.patches._common import ALL, BAND_C, BEFORE_BAND_C
 
 VLLM_CONFIG = Target(
     module="vllm.config",
@@ -25,19 +26,21 @@ PARALLEL_CONFIG = Target(  # pipeline stages refuse start-up; the world size cou
     use="read",
     shapes=(Attributes(ALL, ("world_size", "pipeline_parallel_size", "distributed_executor_backend")),),
 )
-MODEL_CONFIG = Target(  # the model's name (shared account) and served name (the metrics' model_name)
+_NAMES = ("model", "served_model_name")
+MODEL_CONFIG = Target(  # the model's name (shared account), served name (metrics' model_name); sleep mode (0.29+)
     module="vllm.config",
     qualname="ModelConfig",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("model", "served_model_name")),),
+    shapes=(Attributes(BEFORE_BAND_C, _NAMES), Attributes(BAND_C, (*_NAMES, "enable_sleep_mode"))),
 )
-CACHE_CONFIG = Target(  # tokens per block, to turn a request's remaining tokens into blocks
+CACHE_CONFIG = Target(  # tokens per block; from 0.29 the block count override the whole-page rounding sets
     module="vllm.config",
     qualname="CacheConfig",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("block_size",)),),
+    shapes=(Attributes(BEFORE_BAND_C, ("block_size",)),
+            Attributes(BAND_C, ("block_size", "num_gpu_blocks_override"))),
 )
 SCHEDULER_CONFIG = Target(  # the largest step, which sizes the KV cache's warm-up
     module="vllm.config",

@@ -5,22 +5,26 @@ asked to allocate (its tensors, its groups and their block size); after
 ``initialize_kv_cache`` the publishing step reads the runner's reshaped
 ``kv_caches``, its batch size (for the warm-up blocks) and its parallel layout.
 
-Version difference handled here: ``KVCacheTensor.block_stride`` exists from
+Version differences handled here: ``KVCacheTensor.block_stride`` exists from
 0.24; tensors with a positive one share one packed backing
-(:func:`packs_tensors`).
+(:func:`packs_tensors`). From 0.29 a ``KVCacheTensor`` places its layers in the
+one backing (``layers``, ``layer_stride``, ``offset``; no ``shared_by``), and from
+0.30 it may be ``host_resident`` (HiSparse's host pool; :func:`host_resident_test`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvelastic.patching.spec import Attributes, Target
+from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import ALL, before, since
 
 if TYPE_CHECKING:
     from kvelastic.patching.apply import Patcher
 
 _INTERFACE = "vllm.v1.kv_cache_interface"
+_PLACED = ("size", "layers", "layer_stride", "block_stride", "offset")  # one backing: where each layer lies
 KV_CACHE_CONFIG = Target(
     module=_INTERFACE,
     qualname="KVCacheConfig",
@@ -34,7 +38,9 @@ KV_CACHE_TENSOR = Target(
     kind="class",
     use="read",
     shapes=(Attributes(before("0.24"), ("size", "shared_by")),
-            Attributes(since("0.24"), ("size", "shared_by", "block_stride"))),
+            Attributes(VersionRange.of("0.24", "0.29"), ("size", "shared_by", "block_stride")),
+            Attributes(VersionRange.of("0.29", "0.30"), _PLACED),
+            Attributes(since("0.30"), (*_PLACED, "host_resident"))),
 )
 KV_CACHE_GROUP = Target(
     module=_INTERFACE,
@@ -43,12 +49,12 @@ KV_CACHE_GROUP = Target(
     use="read",
     shapes=(Attributes(ALL, ("layer_names", "kv_cache_spec")),),
 )
-KV_CACHE_SPEC = Target(  # the base of every attention spec: tokens per block
+KV_CACHE_SPEC = Target(  # the base of every spec: tokens per block, bytes per block of a layer
     module=_INTERFACE,
     qualname="KVCacheSpec",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("block_size",)),),
+    shapes=(Attributes(ALL, ("block_size", "page_size_bytes")),),
 )
 V1_RUNNER = Target(
     module="vllm.v1.worker.gpu_model_runner",
@@ -73,3 +79,18 @@ PUBLISHING = (KV_CACHE_CONFIG, KV_CACHE_GROUP, KV_CACHE_SPEC)
 def packs_tensors(patcher: Patcher) -> bool:
     """Whether KV tensors may share one packed backing (``block_stride > 0``) in the patched release."""
     return patcher.declares(KV_CACHE_TENSOR) and "block_stride" in patcher.attributes(KV_CACHE_TENSOR)
+
+
+def host_resident_test(patcher: Patcher) -> Callable[[Any], bool]:
+    """How to tell a ``KVCacheTensor`` kept in host memory (HiSparse, 0.30+) in the patched release."""
+    if "host_resident" in patcher.attributes(KV_CACHE_TENSOR):
+        return _host_resident
+    return _never_host_resident
+
+
+def _host_resident(tensor: Any) -> bool:
+    return bool(tensor.host_resident)
+
+
+def _never_host_resident(tensor: Any) -> bool:
+    return False

@@ -1,4 +1,8 @@
-"""V1 runner: once vLLM has shaped the KV tensors, publish their layout to the scheduler."""
+"""V1 runner: once vLLM has shaped the KV tensors, publish their layout to the scheduler (up to 0.28).
+
+The target is declared for every release: from 0.29 ``v1_single_backing`` wraps
+it (with the sleep-mode ``kv_cache_allocation_context`` its callers pass).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,21 @@ import functools
 from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._common import ALL, before, since
+from kvelastic.patching.versions import VersionRange
+from kvelastic.patches._common import BAND_C, BEFORE_BAND_C, before
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V1_RUNNER
 
 BEFORE_PROFILING_FLAG = before("0.20")
-WITH_PROFILING_FLAG = since("0.20")  # 0.20 also calls it with is_profiling=True while profiling
+WITH_PROFILING_FLAG = VersionRange.of("0.20", "0.29")  # 0.20 also calls it with is_profiling=True while profiling
 
 TARGET = Target(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner.initialize_kv_cache",
     kind="method",
     shapes=(Signature(BEFORE_PROFILING_FLAG, ("self", "kv_cache_config")),
-                Signature(WITH_PROFILING_FLAG, ("self", "kv_cache_config", "is_profiling"))),
+            Signature(WITH_PROFILING_FLAG, ("self", "kv_cache_config", "is_profiling")),
+            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"))),
 )
 
 
@@ -29,4 +35,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("v1_initialize_kv_cache", "V1 runner: publish the KV block layout to the scheduler",
-              ALL, (TARGET, V1_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)
+              BEFORE_BAND_C, (TARGET, V1_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)

@@ -1,4 +1,8 @@
-"""V2 runner: once vLLM has shaped the KV tensors, publish their layout to the scheduler."""
+"""V2 runner: once vLLM has shaped the KV tensors, publish their layout to the scheduler (up to 0.28).
+
+The target is declared for every release: from 0.29 ``v2_single_backing`` wraps
+it (with ``is_profiling`` and the sleep-mode ``kv_cache_allocation_context``).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import functools
 from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._common import ALL
+from kvelastic.patches._common import BAND_C, BEFORE_BAND_C
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V2_RUNNER
 
@@ -14,7 +18,8 @@ TARGET = Target(
     module="vllm.v1.worker.gpu.model_runner",
     qualname="GPUModelRunner.initialize_kv_cache",
     kind="method",
-    shapes=(Signature(ALL, ("self", "kv_cache_config")),),
+    shapes=(Signature(BEFORE_BAND_C, ("self", "kv_cache_config")),
+            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"))),
 )
 
 
@@ -25,4 +30,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("v2_initialize_kv_cache", "V2 runner: publish the KV block layout to the scheduler",
-              ALL, (TARGET, V2_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)
+              BEFORE_BAND_C, (TARGET, V2_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)

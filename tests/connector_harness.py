@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvelastic_dev.connector_transfers import is_simple, transfers_of
-from tests.kv_fixtures import BS, D, H, N
+from tests.kv_fixtures import BS, D, H, N, kv_cache_tensors
 from tests.scheduler_harness import MODEL, model_output, step_of
 
 #: (connector, extra config) per mode; the CPU side holds 512 blocks (more than any test stores).
@@ -62,13 +62,12 @@ def connector_config(mode: str, **extra: Any):
 def make_connector_scheduler(mode: str, **extra: Any):
     """vLLM's Scheduler with the connector of ``mode``; its KV config has the fixture's three layers."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = connector_config(mode, **extra)
     layers = ["l0", "l1", "l2"]
-    kv_config = KVCacheConfig(num_blocks=N, kv_cache_tensors=[KVCacheTensor(size=N * page_bytes(), shared_by=[l])
-                                                               for l in layers],
+    kv_config = KVCacheConfig(num_blocks=N, kv_cache_tensors=kv_cache_tensors(layers, N, page_bytes()),
                               kv_cache_groups=[KVCacheGroupSpec(layers, kv_spec())])
     return Scheduler(vllm_config=config, kv_cache_config=kv_config,
                      structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=False)

@@ -51,3 +51,20 @@ def build_cache(limit_groups: int | None = None, backend: HostBackend | None = N
     if limit_groups is not None:
         pool.set_limit(limit_groups * GROUP_BYTES)
     return pool, views, ElasticKVCache(pool, layout)
+
+
+def kv_cache_tensors(layers: list[str], num_blocks: int, page_bytes: int) -> list:
+    """vLLM's ``KVCacheTensor`` entries for one group of ``layers``, in the installed release's declared shape.
+
+    Up to 0.28 an entry per layer (``shared_by``); from 0.29 one backing that places the
+    layers one after another (layer-outermost, as vLLM's planner lays out ``LBNHC``).
+    """
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    from kvelastic.patches.kv_cache_objects import KV_CACHE_TENSOR
+    from kvelastic.patching.versions import installed_vllm_version
+
+    if "shared_by" in KV_CACHE_TENSOR.shape(installed_vllm_version()).names:
+        return [KVCacheTensor(size=num_blocks * page_bytes, shared_by=[layer]) for layer in layers]
+    return [KVCacheTensor(size=len(layers) * num_blocks * page_bytes, layers=list(layers),
+                          layer_stride=num_blocks * page_bytes, block_stride=page_bytes)]

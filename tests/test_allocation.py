@@ -1,4 +1,4 @@
-"""vLLM's own (patched) KV allocation over a host-backed page pool, and publishing its layout.
+"""vLLM's own (patched) KV allocation over a host-backed page pool, and publishing its layout (0.12-0.28).
 
 kvelastic is activated in this process with the host backend, then vLLM's real
 ``_allocate_kv_cache`` (V2 runner) and ``GPUModelRunner._allocate_kv_cache_tensors``
@@ -16,6 +16,13 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="needs vllm installed")
+
+from kvelastic.patches import v1_allocate_kv_cache  # noqa: E402
+from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
+
+if not v1_allocate_kv_cache.PATCH.claims(installed_vllm_version()):
+    pytest.skip("vLLM 0.29+ allocates one backing (band C): tests/test_single_backing.py covers it",
+                allow_module_level=True)
 
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,

@@ -55,16 +55,16 @@ loaded_after_vllm = sorted(m for m in sys.modules if m == "kvelastic" or m.start
 vllm_after_import = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
 import wrapt
 import vllm.v1.worker.gpu_model_runner as v1
-import vllm.v1.worker.gpu.attn_utils as v2
+import vllm.v1.worker.gpu.model_runner as v2
 for module in {TRIGGERS!r}:
     importlib.import_module(module)
 result = {{
     "loaded_after_vllm": loaded_after_vllm,
     "vllm_after_import": vllm_after_import,
-    "v1_type": type(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"]).__name__,
-    "v1_wrapped": isinstance(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"], wrapt.FunctionWrapper),
-    "v1_plain": type(vars(v1.GPUModelRunner)["_allocate_kv_cache_tensors"]) is types.FunctionType,
-    "v2_wrapped": isinstance(vars(v2)["_allocate_kv_cache"], wrapt.FunctionWrapper),
+    "v1_type": type(vars(v1.GPUModelRunner)["initialize_kv_cache"]).__name__,
+    "v1_wrapped": isinstance(vars(v1.GPUModelRunner)["initialize_kv_cache"], wrapt.FunctionWrapper),
+    "v1_plain": type(vars(v1.GPUModelRunner)["initialize_kv_cache"]) is types.FunctionType,
+    "v2_wrapped": isinstance(vars(v2.GPUModelRunner)["initialize_kv_cache"], wrapt.FunctionWrapper),
     "loaded_at_end": "kvelastic" in sys.modules,
 }}
 if "kvelastic" in sys.modules:
@@ -204,12 +204,12 @@ def test_register_does_nothing_when_kvelastic_is_off(monkeypatch, no_leaked_patc
         monkeypatch.delenv("KVELASTIC", raising=False)
     else:
         monkeypatch.setenv("KVELASTIC", value)
-    before = vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"]
+    before = vars(gpu_model_runner.GPUModelRunner)["initialize_kv_cache"]
     from kvelastic.plugin import register
 
     assert register() is None
     assert activation.current() is None
-    after = vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"]
+    after = vars(gpu_model_runner.GPUModelRunner)["initialize_kv_cache"]
     assert after is before and not isinstance(after, wrapt.ObjectProxy)
 
 
@@ -224,7 +224,7 @@ def test_register_activates_when_kvelastic_is_on(monkeypatch, no_leaked_patches)
 
     register()
     assert activation.current() is not None
-    assert isinstance(vars(gpu_model_runner.GPUModelRunner)["_allocate_kv_cache_tensors"], wrapt.FunctionWrapper)
+    assert isinstance(vars(gpu_model_runner.GPUModelRunner)["initialize_kv_cache"], wrapt.FunctionWrapper)
     register()  # vLLM loads plugins once per process, but twice must be harmless
     for module in TRIGGERS:  # the rest is patched as vLLM imports it
         importlib.import_module(module)
@@ -249,7 +249,7 @@ def test_kvelastic_1_patches_vllm_on_import(interpreters):
     assert result["active"] is True
     assert result["v1_wrapped"] is True, result["v1_type"]
     assert result["v2_wrapped"] is True
-    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors" in result["patches"]
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in result["patches"]
     assert len(result["patches"]) == _wrapped_targets()
     _, out, err = interpreters["on"].finish()
     assert "patches applied" in out + err  # through vLLM's logging, whose default stream is stdout

@@ -17,6 +17,14 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_cache_interface", reason="needs vllm installed")
 
+from kvelastic.patches import v1_allocate_kv_cache  # noqa: E402
+from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
+
+if not v1_allocate_kv_cache.PATCH.claims(installed_vllm_version()):
+    pytest.skip("vLLM 0.29+ allocates one backing (band C), not per-layer tensors: "
+                "tests/test_connector_worker_layout_band_c.py runs the connectors' own workers over it",
+                allow_module_level=True)
+
 import torch  # noqa: E402
 
 from kvelastic.integration.allocation import allocate_kv_tensors, publish_views  # noqa: E402

@@ -13,7 +13,7 @@ wrapt = pytest.importorskip("wrapt")
 from kvelastic.errors import PatchError  # noqa: E402
 from kvelastic.integration import activate as activation  # noqa: E402
 from kvelastic.integration.runtime import Runtime  # noqa: E402
-from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, v1_allocate_kv_cache, v2_allocate_kv_cache  # noqa: E402
+from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, worker_capacity, worker_execute_model  # noqa: E402
 from kvelastic.patches._common import ALL  # noqa: E402
 from kvelastic.patching import gate  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
@@ -22,10 +22,11 @@ from kvelastic.patching.spec import Patch, Signature, Target  # noqa: E402
 from kvelastic.patching.versions import SUPPORTED, Version, VersionRange, band_of, installed_vllm_version  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 
-V2_ALLOCATE = "vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"
-#: The patches the installed release claims (admission_check claims only 0.19.0-0.20.1).
+#: A contact every supported release has with the same parameters: the subject of the refusal tests.
+EXECUTE_MODEL = "vllm.v1.worker.gpu_worker:Worker.execute_model"
+REAL_PARAMS = ("self", "scheduler_output")
+#: The patches the installed release claims (each band has its own KV path; some patches claim a few releases).
 CLAIMED = tuple(patch for patch in ALL_PATCHES if patch.claims(installed_vllm_version()))
-REAL_V2_PARAMS = ("kv_cache_config", "shared_layers", "device")
 
 
 @pytest.fixture(autouse=True)
@@ -71,10 +72,9 @@ class Recorder:
         self.calls += 1
 
 
-def wrong_v2_patch(apply=None) -> Patch:
-    target = Target("vllm.v1.worker.gpu.attn_utils", "_allocate_kv_cache",
-                    (Signature(ALL, ("kv_cache_config", "device")),))
-    return Patch("stale_v2_allocate", "written against an older vLLM", ALL, (target,), apply or Recorder())
+def wrong_patch(apply=None) -> Patch:
+    target = Target("vllm.v1.worker.gpu_worker", "Worker.execute_model", (Signature(ALL, ("self",)),), kind="method")
+    return Patch("stale_execute_model", "written against another vLLM", ALL, (target,), apply or Recorder())
 
 
 # ----------------------------------------------------------------------- gate
@@ -90,18 +90,22 @@ def test_installed_version_is_read_without_importing_vllm_and_is_supported():
 def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     version = installed_vllm_version()
     result = gate.check(ALL_PATCHES, version)
-    assert len(ALL_PATCHES) == 9
+    assert len(ALL_PATCHES) == 16
     assert result.patches == CLAIMED
-    assert {p.name for p in ALL_PATCHES} - {p.name for p in CLAIMED} <= {"admission_check"}
+    names = {p.name for p in CLAIMED}
+    one_backing = version >= Version(0, 29)
+    assert {"worker_capacity", "worker_execute_model", "scheduler_block_pool"} <= names
+    for runner in ("v1", "v2"):  # each runner's KV path exactly once: per-layer tensors, or the one backing
+        assert (f"{runner}_allocate_kv_cache" in names, f"{runner}_single_backing" in names) == \
+            (not one_backing, one_backing)
     assert result.version == version
     assert result.band == band_of(version).name
-    if version >= Version(0, 24):
-        assert result.band == "B"
+    assert result.band == ("C" if one_backing else "B" if version >= Version(0, 24) else "A")
 
 
 def test_patch_names_are_unique():
     names = [patch.name for patch in ALL_PATCHES]
-    assert len(set(names)) == len(names) == 9
+    assert len(set(names)) == len(names) == 16
 
 
 @pytest.mark.parametrize("target", present_targets(), ids=lambda t: t.path)
@@ -144,17 +148,18 @@ def test_older_versions_are_refused(text):
         gate.check(ALL_PATCHES, Version.parse(text))
     message = str(info.value)
     assert f"vLLM {text} is not supported" in message
-    assert str(SUPPORTED) in message and ">=0.12.0,<0.29.0" in message
+    assert str(SUPPORTED) in message
     assert "KVELASTIC=0" in message
 
 
-@pytest.mark.parametrize("text", ["0.29.0", "0.29.1", "0.30.0", "1.0.0"])
-def test_newer_versions_are_refused_because_of_the_single_backing(text):
+@pytest.mark.parametrize("text", ["0.34.0", "0.34.1", "0.35.0", "1.0.0"])
+def test_newer_versions_are_refused_until_checked(text):
     with pytest.raises(PatchError) as info:
         gate.check(ALL_PATCHES, Version.parse(text))
     message = str(info.value)
     assert f"vLLM {text} is not supported" in message
-    assert "one backing" in message
+    assert f"release before {SUPPORTED.high.major}.{SUPPORTED.high.minor}" in message
+    assert "Adding a vLLM release" in message
     assert "KVELASTIC=0" in message
 
 
@@ -162,13 +167,13 @@ def test_wrong_parameters_are_reported_with_path_and_both_signatures_and_nothing
     good = Recorder()
     stale = Recorder()
     before = originals()
-    patches = [Patch("fine", "real target", ALL, v2_allocate_kv_cache.PATCH.targets, good), wrong_v2_patch(stale)]
+    patches = [Patch("fine", "real target", ALL, worker_capacity.PATCH.targets, good), wrong_patch(stale)]
     with pytest.raises(PatchError) as info:
         gate.check(patches, installed_vllm_version())
     message = str(info.value)
-    assert V2_ALLOCATE in message
-    assert "expected parameters ('kv_cache_config', 'device')" in message
-    assert f"found {REAL_V2_PARAMS}" in message
+    assert EXECUTE_MODEL in message
+    assert "expected parameters ('self',)" in message
+    assert f"found {REAL_PARAMS}" in message
     assert "nothing was patched" in message
     assert good.calls == 0 and stale.calls == 0
     assert_untouched(before)
@@ -179,10 +184,10 @@ def test_every_problem_is_reported_at_once():
     missing_method = Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._no_such_method",
                             (Signature(ALL, ("self",)),), kind="method")
     missing_module = Target("vllm.v1.no_such_module", "anything", (Signature(ALL, ()),))
-    unsigned = Target("vllm.v1.worker.gpu.attn_utils", "_allocate_kv_cache",
-                      (Signature(VersionRange.of("0.12", "0.13"), REAL_V2_PARAMS),))
-    not_static = Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._allocate_kv_cache_tensors",
-                        (Signature(ALL, ("self", "kv_cache_config")),), kind="staticmethod")
+    unsigned = Target("vllm.v1.worker.gpu_worker", "Worker.execute_model",
+                      (Signature(VersionRange.of("0.12", "0.13"), REAL_PARAMS),), kind="method")
+    not_static = Target("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory",
+                        (Signature(ALL, ("self",)),), kind="staticmethod")
     patch = Patch("many", "four problems", ALL, (missing_method, missing_module, unsigned, not_static), Recorder())
     with pytest.raises(PatchError) as info:
         gate.check([patch], version)
@@ -211,9 +216,13 @@ def apply_all(result, runtime) -> Patcher:
     return patcher
 
 
+#: Patches that wrap on classes or modules, among them a staticmethod where the release has one.
+SUBJECTS = [p for p in (uniform_kv_cache.PATCH, worker_capacity.PATCH, worker_execute_model.PATCH) if p in CLAIMED]
+
+
 def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
     runtime = Runtime(Settings(enabled=True))
-    first = [uniform_kv_cache.PATCH, v1_allocate_kv_cache.PATCH, v2_allocate_kv_cache.PATCH]
+    first = SUBJECTS
     before = originals(first)
     seen_during_apply: dict = {}
 
@@ -232,21 +241,22 @@ def test_apply_all_undoes_earlier_patches_when_a_later_one_fails():
     assert set(seen_during_apply) == {t.path for t in all_targets(first) if t.use == "wrap"}
     # ... and afterwards every target is the very object it was before
     assert_untouched(before)
-    static = raw(uniform_kv_cache.TARGET)
-    assert isinstance(static, staticmethod)
+    if uniform_kv_cache.PATCH in first:
+        assert isinstance(raw(uniform_kv_cache.TARGET), staticmethod)
 
 
 def test_apply_all_wraps_and_revert_restores_identity():
     runtime = Runtime(Settings(enabled=True))
-    before = originals([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH])
-    patcher = apply_all(gate.check([uniform_kv_cache.PATCH, v2_allocate_kv_cache.PATCH], installed_vllm_version()),
-                        runtime)
-    assert patcher.wrapped == [uniform_kv_cache.TARGET.path, V2_ALLOCATE]
-    from vllm.v1.worker.gpu import attn_utils
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    before = originals(SUBJECTS)
+    patcher = apply_all(gate.check(SUBJECTS, installed_vllm_version()), runtime)
+    assert patcher.wrapped == [t.path for p in SUBJECTS for t in p.targets if t.use == "wrap"]
+    from vllm.v1.worker.gpu_worker import Worker
 
-    assert isinstance(vars(attn_utils)["_allocate_kv_cache"], wrapt.FunctionWrapper)
-    assert KVConnectorModelRunnerMixin.use_uniform_kv_cache(object()) is False
+    assert isinstance(vars(Worker)["execute_model"], wrapt.FunctionWrapper)
+    if uniform_kv_cache.PATCH in SUBJECTS:  # per-layer KV tensors (up to 0.28): a wrapped staticmethod
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        assert KVConnectorModelRunnerMixin.use_uniform_kv_cache(object()) is False
     patcher.revert()
     assert patcher.wrapped == []
     assert_untouched(before)
@@ -282,7 +292,7 @@ def test_activate_when_disabled_does_nothing():
 def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(kv_log):
     before = originals()
     good = Recorder()
-    patches = [Patch("fine", "real target", ALL, v2_allocate_kv_cache.PATCH.targets, good), wrong_v2_patch()]
+    patches = [Patch("fine", "real target", ALL, worker_capacity.PATCH.targets, good), wrong_patch()]
     assert activation.activate(Settings(enabled=True, strict=False), patches=patches) is None
     assert activation.current() is None
     assert good.calls == 0
@@ -290,7 +300,7 @@ def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(
     warnings = [r for r in kv_log.records if r.levelno == logging.WARNING and r.name == "vllm.kvelastic"]
     assert warnings, "no warning was logged"
     text = warnings[0].getMessage()
-    assert V2_ALLOCATE in text and "KVELASTIC_STRICT=0" in text and "without kvelastic" in text
+    assert EXECUTE_MODEL in text and "KVELASTIC_STRICT=0" in text and "without kvelastic" in text
     # a failed activation is not retried by the other entry point
     assert activation.activate(Settings(enabled=True, strict=False)) is None
     assert_untouched(before)
@@ -299,12 +309,12 @@ def test_non_strict_activation_with_a_bad_patch_warns_and_leaves_vllm_untouched(
 def test_strict_activation_with_a_bad_patch_raises_and_leaves_vllm_untouched():
     before = originals()
     with pytest.raises(PatchError, match="expected parameters"):
-        activation.activate(Settings(enabled=True, strict=True), patches=[*ALL_PATCHES, wrong_v2_patch()])
+        activation.activate(Settings(enabled=True, strict=True), patches=[*ALL_PATCHES, wrong_patch()])
     assert activation.current() is None
     assert_untouched(before)
 
 
-@pytest.mark.parametrize("text", ["0.11.0", "0.29.0"])
+@pytest.mark.parametrize("text", ["0.11.0", "0.34.0"])
 def test_unsupported_version_strict_raises_and_lenient_warns(text, kv_log):
     before = originals()
     with pytest.raises(PatchError, match="not supported"):

@@ -62,13 +62,25 @@ def test_packed_layers_share_a_block_stride():
     assert merged == [BlockRuns(7, 2 * page, ((0, 2 * page),))]
 
 
-def test_ambiguous_or_mismatched_views_are_refused():
+def test_ambiguous_views_are_refused():
     raw = torch.zeros(4 * 4 * 64, dtype=torch.int8)
     with pytest.raises(LayoutError):
         runs_of_view((4, 4, 64), (256, 64, 1), 1, 0, 4)
-    with pytest.raises(LayoutError):
-        merge_runs([(0, 64, ((0, 64),)), (0, 128, ((0, 128),))])
     assert raw.numel() == 1024
+
+
+def test_views_of_one_region_with_different_strides_keep_runs_of_their_own():
+    """vLLM 0.29+, layer-outermost: layers of 64- and 128-byte pages step through one backing differently."""
+    n = 16
+    small = (0, 64, ((0, 64),))                   # a layer of 64-byte blocks at [0, 16 * 64)
+    large = (0, 128, ((n * 64, 128),))            # then a layer of 128-byte blocks
+    merged = merge_runs([large, small, (0, 64, ((0, 64),))])
+    assert merged == [BlockRuns(0, 64, ((0, 64),)), BlockRuns(0, 128, ((n * 64, 128),))]
+    layout = KVGroupLayout(merged, n, 256, blocks_per_group=4)
+    # group 1 = blocks 4-7: bytes [256, 512) of the small layer, [1024 + 512, 1024 + 1024) of the large one
+    assert layout.pages(1) == [PageRef(0, 1), PageRef(0, 6), PageRef(0, 7)]
+    shared = KVGroupLayout([BlockRuns(0, 64, ((0, 64),)), BlockRuns(0, 32, ((0, 32),))], n, 256, 4)
+    assert shared.pages(0) == [PageRef(0, 0)]  # a page both strides touch is listed once
 
 
 def test_group_pages_cover_both_halves_and_share_unaligned_boundaries():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvelastic.errors import ConfigError
@@ -302,3 +304,14 @@ def test_describe_names_every_variable_and_marks_the_ones_set():
         if value != "none":
             assert getattr(Settings.from_env({variable: value}), Settings.variables()[variable]) == \
                 getattr(Settings.from_env(env), Settings.variables()[variable]), word
+
+
+def test_every_variable_the_test_scripts_read_is_known():
+    """A variable CI sets in the environment must not reach vLLM as a "not a kvelastic setting" warning."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "scripts" / "run_tests.sh").read_text() + (root / ".ci" / "run").read_text()
+    used = set(re.findall(r"KVELASTIC_[A-Z_]+", text))
+    assert used, "the test scripts name no KVELASTIC_ variable: this test reads the wrong files"
+    assert used <= set(known_variables())

@@ -17,7 +17,7 @@ import pytest
 
 from kvelastic.errors import PatchError
 from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.patches import ALL_PATCHES
+from kvelastic.patches import ALL_PATCHES, single_backing
 from kvelastic.integration.free_order import ListEnd
 from kvelastic.patches.block_pool_queue import FREE_QUEUE_MEMBERS, free_queue_members
 from kvelastic.patches.offload_connectors import lazy_walk_members
@@ -30,10 +30,15 @@ from kvelastic_dev.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUP
                                     release_band)
 from kvelastic_dev.remote_zip import SourceFetchError
 
+#: Each runner's KV path: per-layer tensors up to 0.28 (bands A and B), one backing from 0.29 (band C).
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
+ONE_BACKING = {"v1_single_backing", "v2_single_backing", "kv_layout_preference", "whole_page_num_blocks"}
 EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "scheduler_block_pool"}
-SOME_RELEASES = {"admission_check"}  # what only some releases need; tested on its own below
+#: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
+#: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
+#: activation (0.31+ configures it only when an engine starts).
+SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 
@@ -47,8 +52,8 @@ def _claimed_by(name: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="session")
 def sources() -> dict[str, Path | SourceFetchError]:
-    """Every listed release plus the first unsupported newer one, fetched in parallel threads."""
-    return vllm_source.fetch_all((*RELEASES, OLDEST_NEWER_UNSUPPORTED))
+    """Every listed release, fetched in parallel threads."""
+    return vllm_source.fetch_all(RELEASES)
 
 
 def _source(sources: dict[str, Path | SourceFetchError], release: str) -> Path:
@@ -82,11 +87,16 @@ def test_readme_support_table_lists_every_release_with_its_band() -> None:
 
 
 def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
-    """A release never gets half of the V1 (or V2) runner patched, and the shared patches claim all."""
-    assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | EVERY_RELEASE | SOME_RELEASES
-    assert len({_claimed_by(name) for name in V1_PATCHES}) == 1, {n: _claimed_by(n) for n in V1_PATCHES}
-    assert len({_claimed_by(name) for name in V2_PATCHES}) == 1, {n: _claimed_by(n) for n in V2_PATCHES}
-    for name in EVERY_RELEASE | V1_PATCHES:
+    """A release never gets half of the V1 (or V2) runner patched, each release gets exactly one way of
+    allocating per runner, and the shared patches claim all."""
+    assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | ONE_BACKING | EVERY_RELEASE | SOME_RELEASES
+    per_layer = {_claimed_by(name) for name in V1_PATCHES | V2_PATCHES}
+    one_backing = {_claimed_by(name) for name in ONE_BACKING}
+    assert len(per_layer) == 1 and len(one_backing) == 1, (per_layer, one_backing)
+    (per_layer_releases,), (one_backing_releases,) = per_layer, one_backing
+    assert per_layer_releases + one_backing_releases == RELEASES
+    assert [r for r in RELEASES if release_band(r) == "C"] == list(one_backing_releases)
+    for name in EVERY_RELEASE:
         assert _claimed_by(name) == RELEASES, f"{name} does not claim every supported release"
 
 
@@ -174,7 +184,21 @@ def test_only_the_allocations_estimate_maps_and_admission_checks_are_told_apart(
     assert BY_NAME["admission_check"].claims(Version.parse(release)) == ("can_fit_full_sequence" in unflagged)
 
 
-@pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.33.0"])
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", [r for r in RELEASES if BY_NAME["v1_single_backing"].claims(Version.parse(r))])
+def test_the_one_backing_is_a_single_int8_torch_zeros(sources: dict, release: str) -> None:
+    """What the band-C stand-in for ``torch`` serves (``patches/single_backing.py``): vLLM's allocator makes
+    exactly one ``torch.zeros(size, dtype=torch.int8, device=...)`` and calls nothing else of torch."""
+    import ast
+
+    allocator = single_backing.ALLOCATOR
+    (zeros,) = static_check.torch_calls(_source(sources, release), allocator.module, allocator.qualname)
+    assert zeros.func.attr == "zeros" and len(zeros.args) == 1
+    assert {k.arg: ast.unparse(k.value) for k in zeros.keywords if k.arg == "dtype"} == {"dtype": "torch.int8"}
+    assert {k.arg for k in zeros.keywords} == {"dtype", "device"}
+
+
+@pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.35.1", "1.0.0"])
 def test_releases_outside_supported_are_refused(release: str) -> None:
     version = Version.parse(release)
     with pytest.raises(PatchError) as refused:
@@ -182,22 +206,32 @@ def test_releases_outside_supported_are_refused(release: str) -> None:
     message = str(refused.value)
     assert f"vLLM {version} is not supported" in message and "KVELASTIC=0" in message
     if version >= SUPPORTED.high:
-        assert "in one backing" in message and "allocate_kv_cache" in message
+        assert f"every vLLM release before {FIRST_UNSUPPORTED}" in message and "Adding a vLLM release" in message
     else:
         assert str(SUPPORTED) in message
     assert static_check.refusal(version) == message
     assert static_check.refusal(Version.parse(RELEASES[-1])) is None
 
 
+def test_the_newest_listed_release_is_the_last_one_supported() -> None:
+    """Raising FIRST_UNSUPPORTED without listing (and so checking) the releases below it is caught here."""
+    newest = Version.parse(RELEASES[-1])
+    assert (newest.major, newest.minor + 1) == (SUPPORTED.high.major, SUPPORTED.high.minor)
+
+
 @pytest.mark.matrix
-def test_first_unsupported_release_allocates_all_layers_in_one_backing(sources: dict) -> None:
-    """The refusal's stated reason holds in 0.29.0's source: no use_uniform_kv_cache, one allocator."""
-    root = _source(sources, OLDEST_NEWER_UNSUPPORTED)
+def test_band_c_starts_where_every_layer_moved_into_one_backing(sources: dict) -> None:
+    """Band C's first release has no use_uniform_kv_cache and one allocator; the release before has both ways."""
+    first_c = next(r for r in RELEASES if release_band(r) == "C")
+    last_b = RELEASES[RELEASES.index(first_c) - 1]
     uniform = BY_NAME["uniform_kv_cache"].targets[0]
+    allocator = Target("vllm.v1.worker.utils", "allocate_kv_cache", ())
     with pytest.raises(source.StaticLookupError):
-        source.find(root, uniform)
-    allocator = source.find(root, Target("vllm.v1.worker.utils", "allocate_kv_cache", ()))
-    assert allocator.params[:2] == ("kv_cache_config", "device")
+        source.find(_source(sources, first_c), uniform)
+    assert source.find(_source(sources, first_c), allocator).params[:2] == ("kv_cache_config", "device")
+    source.find(_source(sources, last_b), uniform)
+    with pytest.raises(source.StaticLookupError):
+        source.find(_source(sources, last_b), allocator)
 
 
 @pytest.mark.vllm
@@ -209,11 +243,12 @@ def test_static_check_agrees_with_the_import_gate_on_installed_vllm() -> None:
     version = installed_vllm_version()
     for patch in ALL_PATCHES:
         for target in patch.targets:
-            if not patch.claims(version):  # absent from this release, both ways of looking agree
-                with pytest.raises(source.StaticLookupError):
-                    source.find(root, target)
-                with pytest.raises(LookupError):
-                    gate.resolve(target)
+            if not patch.claims(version):  # another band's contact: both ways of looking agree it is (not) there
+                try:
+                    present = bool(source.find(root, target))
+                except source.StaticLookupError:
+                    present = False
+                assert present == (not isinstance(gate.found(target), LookupError)), target.path
                 continue
             assert source.check_target(root, target, version) == gate.check_target(target, version)
             if not target.exists_in(version):

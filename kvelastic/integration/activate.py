@@ -65,7 +65,6 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
         if _Once.current is not None or _Once.failed:
             return _Once.current
         use_vllm_logging()
-        report_start(settings)
         if patches is None:
             from kvelastic.patches import ALL_PATCHES
 
@@ -81,10 +80,12 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
         except PatchError as exc:
             _Once.current = None
             _Once.failed = True
+            report_start(settings)
             if settings.strict:
                 raise
             log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
             return None
+        report_start(settings)  # after the patches present now: from 0.31 one sets up vLLM's logging (vllm_logging)
         from kvelastic.integration.metrics import register_collector
 
         register_collector()  # serves kvelastic_* on /metrics in the API-server process

@@ -11,7 +11,7 @@ What is read off vLLM's objects is declared in ``patches/kv_cache_objects.py``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
@@ -66,11 +66,14 @@ def startup_blocks(runner: Any, kv_cache_config: Any) -> int:
 
 
 def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_blocks: int,
-                  premap_blocks: int = 1) -> ElasticKVCache:
+                  premap_blocks: int = 1, blocks_per_group: int | None = None,
+                  block_dim: int | None = None) -> ElasticKVCache:
     """Derive the group layout from vLLM's views of the pool's tensors and publish the cache.
 
     The groups holding blocks ``0 .. premap_blocks - 1`` are mapped at once:
-    block 0 is vLLM's null block, the rest serve start-up warm-up.
+    block 0 is vLLM's null block, the rest serve start-up warm-up. ``blocks_per_group``
+    overrides the layout's default group size (see :mod:`kvelastic.integration.page_alignment`);
+    ``block_dim`` is the views' block dimension where the release fixes it.
     """
     per_view = []
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
@@ -81,9 +84,9 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
         seen.add(key)
         region = pool.region_of(view)
         stride, runs = runs_of_view(view.shape, view.stride(), view.element_size(),
-                                    view.data_ptr() - region.address, num_blocks)
+                                    view.data_ptr() - region.address, num_blocks, block_dim)
         per_view.append((region.region_id, stride, runs))
-    layout = KVGroupLayout(merge_runs(per_view), num_blocks, pool.page_bytes)
+    layout = KVGroupLayout(merge_runs(per_view), num_blocks, pool.page_bytes, blocks_per_group)
     cache = ElasticKVCache(pool, layout)
     last = layout.group_of_block(min(num_blocks, max(1, premap_blocks)) - 1)
     cache.map_groups(range(last + 1))
@@ -96,11 +99,15 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
     return cache
 
 
-def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args: tuple, kwargs: dict, *,
+                             group_blocks: Callable[[Any, int], int | None] | None = None,
+                             block_dim: int | None = None) -> Any:
     """Wrapper body shared by both runners' ``initialize_kv_cache``: run it, then publish the views.
 
     Both runners bind their reshaped KV views to ``runner.kv_caches`` before
     returning; the allocation in progress (if it went to the pool) is published.
+    ``group_blocks(kv_cache_config, page_bytes)`` chooses the blocks per page group
+    (None: the layout's default); ``block_dim`` is passed on to :func:`publish_views`.
     """
     import inspect
 
@@ -108,8 +115,10 @@ def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args
     pool = runtime.finish_allocation()
     if pool is not None:
         config = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments["kv_cache_config"]
+        blocks_per_group = group_blocks(config, pool.page_bytes) if group_blocks is not None else None
         cache = publish_views(runtime, pool, instance.kv_caches, config.num_blocks,
-                              premap_blocks=startup_blocks(instance, config))
+                              premap_blocks=startup_blocks(instance, config), blocks_per_group=blocks_per_group,
+                              block_dim=block_dim)
         from kvelastic.tp.worker_side import scheduler_elsewhere, serve_as_rank
 
         if scheduler_elsewhere(instance):

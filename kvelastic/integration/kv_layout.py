@@ -30,11 +30,18 @@ class BlockRuns:
 
 
 def runs_of_view(shape: Sequence[int], stride: Sequence[int], element_size: int,
-                 byte_offset: int, num_blocks: int) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries."""
+                 byte_offset: int, num_blocks: int,
+                 block_dim: int | None = None) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """Block stride and byte runs of one view whose block dimension has ``num_blocks * m`` entries.
+
+    ``block_dim`` names that dimension where the caller knows it (vLLM 0.29+ views
+    are ``[B, H, N, C]``); otherwise it is the one dimension whose length fits.
+    """
     candidates = [d for d, n in enumerate(shape) if n >= num_blocks and n % num_blocks == 0]
     exact = [d for d in candidates if shape[d] == num_blocks]
-    if len(exact) == 1:
+    if block_dim is not None:
+        candidates = [block_dim] if block_dim in candidates else []
+    elif len(exact) == 1:
         candidates = exact  # a kernel block split only applies when no dimension matches exactly
     if len(candidates) != 1:
         raise LayoutError(f"cannot tell the block dimension of a KV view of shape {tuple(shape)} "
@@ -55,15 +62,17 @@ def runs_of_view(shape: Sequence[int], stride: Sequence[int], element_size: int,
 
 
 def merge_runs(per_view: Iterable[tuple[int, int, tuple[tuple[int, int], ...]]]) -> list[BlockRuns]:
-    """Combine views of the same region; every view of a region must share one block stride."""
-    strides: dict[int, int] = {}
-    runs: dict[int, set[tuple[int, int]]] = {}
+    """Combine the views of each region that share a block stride: one :class:`BlockRuns` per (region, stride).
+
+    A region usually has one stride. vLLM 0.29+ puts every layer in one backing, and
+    under a layer-outermost layout layers of different page sizes (one group of
+    ``UniformTypeKVCacheSpecs``) step through it with different strides: each
+    stride's layers then get runs of their own in the same region.
+    """
+    runs: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for region, block_stride, view_runs in per_view:
-        if strides.setdefault(region, block_stride) != block_stride:
-            raise LayoutError(f"views of one KV tensor disagree on the block stride "
-                              f"({strides[region]} vs {block_stride} bytes)")
-        runs.setdefault(region, set()).update(view_runs)
-    return [BlockRuns(region, strides[region], _coalesce(sorted(runs[region]))) for region in sorted(runs)]
+        runs.setdefault((region, block_stride), set()).update(view_runs)
+    return [BlockRuns(region, stride, _coalesce(sorted(runs[region, stride]))) for region, stride in sorted(runs)]
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -108,14 +117,14 @@ class KVGroupLayout(GroupLayout):
         blocks = self.blocks_of_group(group)
         if not blocks:
             raise IndexError(f"group {group} outside 0..{self.num_groups - 1}")
-        pages: list[PageRef] = []
+        seen: dict[int, set[int]] = {}  # by region: several strides of one region may touch one page
         for region in self.regions:
-            seen: set[int] = set()
+            touched = seen.setdefault(region.region, set())
             for start, length in region.runs:
                 low = start + blocks.start * region.block_stride
                 high = start + (blocks.stop - 1) * region.block_stride + length
-                seen.update(range(low // self.page_bytes, (high - 1) // self.page_bytes + 1))
-            pages.extend(PageRef(region.region, p) for p in sorted(seen))
+                touched.update(range(low // self.page_bytes, (high - 1) // self.page_bytes + 1))
+        pages = [PageRef(region, p) for region, touched in seen.items() for p in sorted(touched)]
         if len(self._cache) < 65536:
             self._cache[group] = pages
         return pages

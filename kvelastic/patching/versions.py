@@ -72,7 +72,7 @@ class Band:
 
 #: The oldest supported release and the first unsupported newer one: the only copy of either.
 OLDEST_SUPPORTED = "0.12"
-FIRST_UNSUPPORTED = "0.29"
+FIRST_UNSUPPORTED = "0.34"
 SUPPORTED = VersionRange.of(OLDEST_SUPPORTED, FIRST_UNSUPPORTED)
 
 
@@ -88,12 +88,14 @@ def before(high: str) -> VersionRange:
 
 BANDS: tuple[Band, ...] = (
     Band("A", before("0.24"), "use_uniform_kv_cache(attn_groups, cache_dtype)"),
-    Band("B", since("0.24"), "use_uniform_kv_cache(attn_groups)"),
+    Band("B", VersionRange.of("0.24", "0.29"), "use_uniform_kv_cache(attn_groups)"),
+    Band("C", since("0.29"), "one KV backing for every layer: allocate_kv_cache(kv_cache_config, device, "
+                             "layout, kernel_block_sizes)"),
 )
 UNSUPPORTED_NEWER_NOTE = (
-    f"vLLM {FIRST_UNSUPPORTED} and later allocate every layer's KV cache in one backing "
-    "(v1/worker/utils.py:allocate_kv_cache) and no longer have use_uniform_kv_cache; "
-    f"kvelastic does not support that layout yet (see docs/vllm-{FIRST_UNSUPPORTED}.md)"
+    f"kvelastic is checked against every vLLM release before {FIRST_UNSUPPORTED}; a newer release may have "
+    "moved or reshaped what kvelastic patches, and is refused until its version matrix passes "
+    "(docs/version-matrix.md, \"Adding a vLLM release\")"
 )
 
 

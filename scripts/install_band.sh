@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build one test venv: a torch release, a vLLM release on top of it, kvelastic (editable) and its
+# test tools. The same steps as scripts/run_tests.sh's suite(), as a script of their own so that a
+# band's venv can be installed (and timed) by hand without running the suite.
+#   bash scripts/install_band.sh VENV TORCH VLLM
+#   bash scripts/install_band.sh .venv-band-c 2.14.0 0.33.0     # band C: 0.33.0 pins torch 2.14.0
+#
+# torch 2.14.0 has no CPU build on PyPI (CPU wheels live on an index this machine cannot reach), so
+# pip takes PyPI's CUDA build (555 MB, plus the NVIDIA libraries, which lie on this machine's disk).
+# It imports and runs on a machine without a GPU: torch.cuda.is_available() is False, and vLLM's
+# scheduler, block pool, model runner modules and KV cache views all import and run on the CPU.
+set -euo pipefail
+[ $# -eq 3 ] || { echo "usage: $0 VENV TORCH VLLM" >&2; exit 2; }
+venv=$1 torch=$2 vllm=$3
+cd "$(dirname "$0")/.."
+
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q "torch==$torch"
+"$venv/bin/python" -m pip install -q "vllm==$vllm"
+# vLLM pulls a CUDA torchvision that cannot load beside a CPU torch; kvelastic needs none of them.
+"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$venv/bin/python" -m pip install -q -e ".[test]"
+# torch reports its build as a local version (2.14.0+cu130, 2.13.0+cpu): compare the release only.
+installed=$("$venv/bin/python" -c "import torch, vllm; print(torch.__version__.split('+')[0], vllm.__version__)" 2>/dev/null | tail -1)
+[ "$installed" = "$torch $vllm" ] || { echo "$venv has torch/vllm '$installed', not '$torch $vllm'" >&2; exit 1; }
+echo "$venv: torch $torch, vllm $vllm"
