@@ -14,7 +14,8 @@ monotonic clock:
   outcome ``lapsed``, timed to its last refusal and only counted
   (``kvelastic_reclaim_lapsed_waits_total``). Refusals by the engine's own
   cap and by a lock held past the deadline neither begin nor end a wait: the
-  others never hear of them, so no other engine can end them.
+  others never hear of them, so no other engine can end them; nor do pages
+  forced past the budget to honour a decision made on a stale estimate.
 * **A release** (an engine giving memory back) begins at the upkeep tick that
   first reads pressure from the account and ends at the first tick that reads
   none. It is timed to the release that covered the bytes first asked for (or
