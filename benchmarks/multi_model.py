@@ -8,12 +8,14 @@ and arrival times are kept, so one run gives per model and overall TTFT and
 TPOT p50/p99, SLO attainment (TTFT < 1 s and TPOT < 100 ms by default),
 goodput, failed and unfinished requests; in the background it samples each
 server's GPU memory, its ``/metrics`` (preemptions, prefix cache, kvelastic's
-host tier) and, for kvelastic, the GPU's shared account (budget refusals: the
-reclaim episodes).
+host tier, the engines' own reclaim timing) and, for kvelastic, the GPU's shared
+account (budget refusals: a cross-check of the reclaim latency). With
+``--server-logs`` the engines' reclaim log lines (exact durations) are read too.
 
     python3 benchmarks/multi_model.py schedule                      # print the schedule, send nothing
     python3 benchmarks/multi_model.py run --config static --out static.json [--account]
     python3 benchmarks/multi_model.py summarize static.json kvelastic.json
+    python3 benchmarks/multi_model.py summarize kvelastic.json --server-logs servers/   # exact reclaim times
     python3 benchmarks/multi_model.py compare static.json kvelastic.json   # tokens against the reference
 
 ``benchmarks/multi_model.sh CONFIG`` starts the servers on the GPU machine and runs this;
@@ -40,6 +42,7 @@ import aiohttp  # noqa: E402
 
 from benchmarks.mmbench import compare as comparing  # noqa: E402
 from benchmarks.mmbench.client import NotReady, OpenLoop, Server, new_record, wait_ready  # noqa: E402
+from benchmarks.mmbench.reclaim import read_logs  # noqa: E402
 from benchmarks.mmbench.sampling import (AccountReader, GpuMemory, Sampler, metrics_reader,  # noqa: E402
                                          open_memory_source)
 from benchmarks.mmbench.summary import render, summarize  # noqa: E402
@@ -89,8 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--memory", choices=("auto", "nvml", "nvidia-smi", "none"), default="auto", help="GPU memory source")
     add("--gpu-index", type=int, default=0, help="NVML / nvidia-smi index of the GPU")
     add("--account", action="store_true", help="sample the kvelastic account (kvelastic configurations)")
+    add("--server-logs", metavar="DIR", help="the servers' log folder: its reclaim episode lines (exact "
+                                             "durations) go into the result")
     summ = sub.add_parser("summarize", help="print the summary of result files")
     summ.add_argument("results", nargs="+")
+    summ.add_argument("--server-logs", metavar="DIR", help="read the reclaim episode lines from here (one result)")
     comp = sub.add_parser("compare", help="count responses whose tokens differ from the reference run")
     comp.add_argument("reference")
     comp.add_argument("others", nargs="+")
@@ -217,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     code = EXIT_OK
     try:
         asyncio.run(drive(args, workload, requests, servers, result))
+        if args.server_logs:
+            result["reclaim_log"] = read_logs(args.server_logs)
         result["summary"] = summarize(result)
         print(render(result["summary"], args.config))
         code = EXIT_FAILED if result["interrupted"] else code
@@ -236,9 +244,14 @@ def load_result(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def summarize_files(paths: list[str]) -> int:
+def summarize_files(paths: list[str], server_logs: str | None = None) -> int:
+    if server_logs and len(paths) != 1:
+        print("multi_model: --server-logs goes with one result file", file=sys.stderr)
+        return EXIT_USAGE
     for path in paths:
         result = load_result(path)
+        if server_logs:
+            result["reclaim_log"] = read_logs(server_logs)
         if "requests" not in result:
             print(f"{path}: {result['config']} has no requests ({result.get('not_ready', 'no load ran')})")
             continue
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return run(args)
         if args.command == "summarize":
-            return summarize_files(args.results)
+            return summarize_files(args.results, args.server_logs)
         return compare_files(args.reference, args.others, args.json)
     except (WorkloadError, comparing.NotComparable) as error:
         print(f"multi_model: {error}", file=sys.stderr)

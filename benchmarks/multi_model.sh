@@ -7,7 +7,8 @@
 #   bash benchmarks/multi_model.sh kvcached        # runs only where the kvcached package imports
 # Arguments after CONFIG go to `multi_model.py run` (e.g. --busy-rate 6 --duration 120).
 # Output: $OUT/multi-model-CONFIG.tgz: CONFIG.json (every request, memory and /metrics samples,
-# summary), CONFIG.png (if matplotlib imports), server logs, KV sizes from the logs, steps.log.
+# summary), CONFIG.png (if matplotlib imports), server logs, KV sizes and reclaim episode lines
+# from the logs, steps.log.
 # Environment knobs: MM_KV_GIB (6), MM_CPU_BYTES (8GiB), MM_EAGER=1 (no CUDA graphs: faster start),
 # MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then),
 # MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached).
@@ -88,6 +89,7 @@ finish() {
     local rc=$1
     local facts='GPU KV cache size|Available KV cache memory|Maximum concurrency|kvelastic: KV cache virtual'
     grep -hE "$facts|kvelastic: joined|Traceback|Error" "$W"/servers/*.log >"$W/kv_sizes.txt" 2>/dev/null
+    grep -hE "reclaim-episode" "$W"/servers/*.log >"$W/reclaim_episodes.txt" 2>/dev/null
     if [ -f "$W/$config.json" ] && python3 -c 'import matplotlib' 2>/dev/null; then
         python3 benchmarks/plot_multi_model.py "$W/$config.json" --png "$W/$config.png" >>"$W/steps.log" 2>&1
     fi
@@ -134,7 +136,7 @@ limit=$((BUDGET_S - ($(date +%s) - began) - 60))  # 60 s kept for stopping the s
 client=(python3 benchmarks/multi_model.py run --config "$config" --out "$W/$config.json"
         --models "${NAMES[@]}" --ports "${PORTS[@]}" --ready-timeout 420 --deadline "$((limit - 15))")
 for pid in "${PIDS[@]}"; do client+=(--watch-pid "$pid"); done
-[ "$config" != static ] && [ "$config" != kvcached ] && client+=(--account)
+[ "$config" != static ] && [ "$config" != kvcached ] && client+=(--account --server-logs "$W/servers")
 step "client (stopped after $limit s at the latest): ${client[*]} $*"
 timeout -s TERM -k 20 "$limit" "${client[@]}" "$@" 2>&1 | tee "$W/client.log"
 rc=${PIPESTATUS[0]}

@@ -134,6 +134,21 @@ def test_grants_honour_the_cap_and_the_budget(account):
         a.release(201)
 
 
+def test_a_headroom_probe_of_zero_bytes_keeps_the_want(account):
+    """An engine reads its headroom with request(0) every 50 ms while it schedules; the others must
+    still see what it waits for until it is granted more (or the want lapses)."""
+    a, b = account.join("a"), account.join("b")
+    assert a.acquire(1000)
+    a.report(cached_bytes=1000)
+    assert not b.acquire(64) and a.pressure() == 64
+    probe = b.request(0)
+    assert probe.granted and probe.available_bytes == 0
+    assert b.info().wanted_bytes == 64 and a.pressure() == 64
+    a.release(64)
+    assert b.acquire(64)
+    assert b.info().wanted_bytes == 0 and a.pressure() == 0
+
+
 def test_reservations_are_kept_for_their_owner(account):
     a = account.join("a", min_bytes=400)
     b = account.join("b")

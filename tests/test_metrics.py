@@ -60,10 +60,14 @@ def test_an_engine_in_this_process_is_counted_once(tmp_path):
 
 ENGINE = """\
 import sys, time
-from kvelastic.integration.metrics import StatsPublisher
+from kvelastic.integration.metrics import Histogram, StatsPublisher
 publisher = StatsPublisher("engine-a", model_name="m")
 publisher.publish({"mapped_bytes": 4096, "spilled_bytes": 8192, "host_hits": 3})
-publisher.publish({"mapped_bytes": 2048, "spilled_bytes": 12288, "host_hits": 3})
+waits = Histogram()
+for seconds in (0.3, 0.7, 4.0):
+    waits.observe(seconds)
+publisher.publish({"mapped_bytes": 2048, "spilled_bytes": 12288, "host_hits": 3,
+                   **waits.values("reclaim_wait_seconds")}, {"reclaim_wait_seconds": [0.3, 0.7, 4.0]})
 print("published", flush=True)
 time.sleep(float(sys.argv[1]))
 """
@@ -107,6 +111,27 @@ def test_vllm_metrics_route_serves_the_engines_numbers(tmp_path, multiprocess):
     assert f"kvelastic_spilled_bytes_total{labels} 12288.0" in server.stdout
     assert f"kvelastic_host_hits_total{labels} 3.0" in server.stdout
     assert server.stdout.count("# TYPE kvelastic_mapped_bytes ") == 1
+    for le, count in (("0.25", 0.0), ("0.5", 1.0), ("1.0", 2.0), ("5.0", 3.0), ("+Inf", 3.0)):
+        assert f'kvelastic_reclaim_wait_seconds_bucket{{instance_name="engine-a",le="{le}",model_name="m"}} ' \
+               f"{count}" in server.stdout
+    assert f"kvelastic_reclaim_wait_seconds_sum{labels} 5.0" in server.stdout
+    assert server.stdout.count("# TYPE kvelastic_reclaim_wait_seconds histogram") == 1
+
+
+def test_a_histogram_a_snapshot_garbles_is_left_out(tmp_path):
+    from kvelastic.integration.metrics import Histogram
+
+    waits = Histogram()
+    waits.observe(0.3)
+    values = waits.values("reclaim_wait_seconds")
+    good, bad = StatsPublisher("good", tmp_path), StatsPublisher("bad", tmp_path)
+    good.publish(values)
+    bad.publish({**values, "reclaim_wait_seconds_bucket_3": 5.0})  # counts that are not cumulative
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(KvelasticCollector(tmp_path, parents=(os.getpid(),)))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'kvelastic_reclaim_wait_seconds_count{instance_name="good",model_name=""} 1.0' in text
+    assert 'instance_name="bad"' not in text.split("# HELP kvelastic_reclaim_wait_seconds ")[1]
 
 
 def test_multiprocess_files_are_written_only_where_they_are_read(tmp_path, monkeypatch):
@@ -151,11 +176,14 @@ def test_concurrent_publishes_never_fail(tmp_path):
 
 
 def test_metric_names_follow_prometheus_conventions():
-    """A unit ends every name (bytes, or blocks where the help says so); counters get _total on export."""
-    from kvelastic.integration.metrics import COUNTERS, GAUGES, LABELS
+    """A unit ends every name (bytes, seconds, or blocks where the help says so), or the events a counter counts;
+    counters get _total on export."""
+    from kvelastic.integration.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELS
 
     for metric, help_text in [*GAUGES.values(), *COUNTERS.values()]:
         assert metric.startswith("kvelastic_") and not metric.endswith("_total")
-        assert metric.endswith(("_bytes", "_blocks", "_hits", "_misses")), metric
+        assert metric.endswith(("_bytes", "_blocks", "_hits", "_misses", "_waits", "_asks")), metric
         assert not metric.endswith("_blocks") or "count of KV blocks" in help_text
+    for metric, _ in HISTOGRAMS.values():
+        assert metric.startswith("kvelastic_") and metric.endswith("_seconds"), metric
     assert "model_name" in LABELS  # as on vLLM's own metrics

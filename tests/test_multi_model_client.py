@@ -4,8 +4,9 @@ The servers are real HTTP servers on local ports (tests/fake_openai_server.py):
 streamed token ids, injected failures, a ``/metrics`` counter. What is checked:
 the schedule is fixed by its seed and keeps to its busy periods; TTFT/TPOT come
 from the chunks' arrival; the SLO, failed and unfinished requests are counted
-as the summary says; counters are read as deltas; a watched process that dies
-ends the wait for readiness; and the compare mode finds a changed token.
+as the summary says; counters are read as deltas; the engines' reclaim
+histograms and log lines reach the summary; a watched process that dies ends
+the wait for readiness; and the compare mode finds a changed token.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import time
 import pytest
 
 pytest.importorskip("aiohttp", reason="needs aiohttp (vllm's dependency: installed with it)")
-pytest.importorskip("prometheus_client", reason="needs prometheus_client (vllm's dependency: installed with it)")
+prometheus_client = pytest.importorskip("prometheus_client", reason="needs prometheus_client (vllm's dependency: installed with it)")
 
 from benchmarks import multi_model  # noqa: E402
 from benchmarks.mmbench.client import SseBuffer, finish_timing  # noqa: E402
 from benchmarks.mmbench.compare import compare_runs, probes_identical  # noqa: E402
+from benchmarks.mmbench.reclaim import (bucket_quantile, engine_histograms, log_summary,  # noqa: E402
+                                        read_logs)
 from benchmarks.mmbench.sampling import AccountReader, Sampler, metric_values, owner_port  # noqa: E402
 from benchmarks.mmbench.summary import reclaim_episodes  # noqa: E402
 from benchmarks.mmbench.workload import (Workload, WorkloadError, digest, max_busy_at_once,  # noqa: E402
@@ -239,6 +242,99 @@ def test_metric_values_sum_the_watched_series_over_labels():
             'vllm:e2e_request_latency_seconds_bucket{le="1.0"} 9.0\n'
             'kvelastic_host_hits_total{model_name="m",instance_name="a"} 4.0\n')
     assert metric_values(text) == {"vllm:num_preemptions_total": 5.0, "kvelastic_host_hits_total": 4.0}
+
+
+def test_metric_values_keep_each_bucket_of_a_kvelastic_histogram():
+    text = ("# HELP kvelastic_reclaim_wait_seconds Waits\n# TYPE kvelastic_reclaim_wait_seconds histogram\n"
+            'kvelastic_reclaim_wait_seconds_bucket{instance_name="a",le="0.5",model_name="m"} 1.0\n'
+            'kvelastic_reclaim_wait_seconds_bucket{instance_name="a",le="+Inf",model_name="m"} 2.0\n'
+            'kvelastic_reclaim_wait_seconds_count{instance_name="a",model_name="m"} 2.0\n'
+            'kvelastic_reclaim_wait_seconds_sum{instance_name="a",model_name="m"} 1.5\n')
+    assert metric_values(text) == {'kvelastic_reclaim_wait_seconds_bucket{le="0.5"}': 1.0,
+                                   'kvelastic_reclaim_wait_seconds_bucket{le="+Inf"}': 2.0,
+                                   "kvelastic_reclaim_wait_seconds_count": 2.0,
+                                   "kvelastic_reclaim_wait_seconds_sum": 1.5}
+
+
+def test_bucket_quantiles_interpolate_as_prometheus_does():
+    buckets = [(0.1, 0.0), (0.5, 2.0), (1.0, 4.0), (float("inf"), 5.0)]
+    assert bucket_quantile(buckets, 0.4) == pytest.approx(0.5)  # rank 2: the top of the 0.1-0.5 bucket
+    assert bucket_quantile(buckets, 0.6) == pytest.approx(0.75)  # rank 3: half way through 0.5-1.0
+    assert bucket_quantile(buckets, 0.95) == 1.0  # in +Inf: the highest finite bound
+    assert bucket_quantile([(0.1, 0.0), (float("inf"), 0.0)], 0.5) is None
+
+
+def test_engine_reclaim_numbers_reach_the_summary_from_metrics_and_logs(tmp_path):
+    """A real ReclaimTiming, published and scraped as the servers would be; its log lines in a server log."""
+    import logging
+
+    from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher
+    from kvelastic.integration.reclaim_timing import ReclaimTiming
+
+    now = [0.0]
+    timing = ReclaimTiming("model-a", clock=lambda: now[0])
+    publisher = StatsPublisher("model-a", tmp_path / "stats", model_name="model-a")
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(KvelasticCollector(tmp_path / "stats", parents=(os.getpid(),)))
+    (tmp_path / "servers").mkdir()
+    handler = logging.FileHandler(tmp_path / "servers" / "model-a.log")
+    logger = logging.getLogger("vllm.kvelastic")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # as vLLM's logging configuration sets it
+    logger.addHandler(handler)
+    samples = []
+
+    def scrape(t: float) -> None:
+        publisher.publish(timing.values(), timing.take_observations())
+        text = prometheus_client.generate_latest(registry).decode()
+        samples.append({"t": t, "servers": {"model-a": metric_values(text)}})
+    try:
+        timing.refused(1 << 20)
+        timing.created(1 << 20)  # before the load: not counted
+        timing.tick(0)
+        scrape(0.0)
+        for seconds in (0.2, 0.4, 0.6, 0.8, 3.0):
+            timing.refused(1 << 20)
+            now[0] += seconds
+            timing.created(1 << 20)
+            now[0] += 1.0
+        timing.refused(1 << 20)
+        now[0] += 10.0
+        timing.tick(0)  # the last wait lapsed
+        scrape(1.0)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+    found = engine_histograms(samples, ["model-a"])
+    waits = found["model-a"]["waits"]
+    assert waits["count"] == 5 and waits["mean_s"] == pytest.approx(1.0)
+    assert waits["p50_s"] == pytest.approx(0.625)  # rank 2.5 of 5, in the 0.5-0.75 bucket
+    assert found["model-a"]["lapsed_waits"] == 1 and found["all"]["waits"]["count"] == 5
+    logs = log_summary(read_logs(tmp_path / "servers"))
+    assert logs["waits"]["count"] == 6 and logs["lapsed_waits"] == 1  # the one before the load is logged too
+    assert logs["waits"]["p50_s"] == pytest.approx(0.4) and logs["waits"]["max_s"] == pytest.approx(3.0)
+    assert engine_histograms([{"t": 0, "servers": {"m": {"vllm:num_preemptions_total": 1.0}}}], ["m"]) is None
+
+
+def test_summarize_reads_the_reclaim_lines_of_a_log_folder(fake_run, tmp_path, capsys):
+    from kvelastic.integration.reclaim_timing import Episode, format_line
+
+    _, result, _ = fake_run
+    (tmp_path / "servers").mkdir()
+    (tmp_path / "servers" / "fast.log").write_text(
+        "INFO starting\n" + "".join(f"(EngineCore pid=1) INFO [x.py:1] {format_line(e)}\n" for e in (
+            Episode("wait", "granted", "fast", 0.25, 1.0, 10, 10, 2),
+            Episode("release", "released", "fast", 0.125, 2.0, 10, 20, 1))))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert multi_model.main(["summarize", str(path), "--server-logs", str(tmp_path / "servers")]) == 0
+    out = capsys.readouterr().out
+    assert "engines' logs (exact, 1 files, 0 lines left out): waits 1 p50 250 ms" in out
+    assert "releases 1 p50 125 ms" in out
+    assert "no kvelastic_reclaim_* histograms" in out  # the fake servers export none
+    assert multi_model.main(["summarize", str(path), str(path), "--server-logs", str(tmp_path)]) == \
+        multi_model.EXIT_USAGE
 
 
 def test_a_gpu_process_is_put_to_the_server_it_descends_from():

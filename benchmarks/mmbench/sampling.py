@@ -5,12 +5,13 @@
   put to a server by walking up its parents to the ``vllm ... serve ... --port N``
   process it descends from (vLLM's engine core is a child of its API server).
 - ``/metrics`` of every server: a few of vLLM's series (preemptions, queue,
-  prefix cache) and every ``kvelastic_*`` series, summed over label sets (one
-  engine per server), parsed with prometheus_client's own parser.
+  prefix cache) and every ``kvelastic_*`` series (the engines' own reclaim
+  timing among them), summed over label sets (one engine per server), parsed
+  with prometheus_client's own parser.
 - The kvelastic account of the GPU (kvelastic configurations only), read as
   ``kvelastic status --json`` reads it: per member mapped, cached, host-tier
   and refused ("wanted") bytes. Budget refusals and their end, seen here, are
-  the reclaim episodes of the summary.
+  the summary's cross-check of the reclaim latency the engines time themselves.
 
 Samplers are threads, not tasks, so a slow read never delays a token's
 timestamp on the client's event loop.
@@ -87,13 +88,17 @@ class Sampler(threading.Thread):
 
 # ------------------------------------------------------------------ /metrics
 def metric_values(text: str) -> dict[str, float]:
-    """The watched vLLM series and every ``kvelastic_*`` one, each summed over its label sets."""
+    """The watched vLLM series and every ``kvelastic_*`` one, each summed over its label sets.
+
+    A histogram bucket keeps its bound: ``NAME_bucket{le="0.5"}`` (summed over the other labels).
+    """
     wanted = [line for line in text.splitlines()
               if line.startswith(KVELASTIC_PREFIX) or line.split("{", 1)[0].split(" ", 1)[0] in WATCHED]
     values: dict[str, float] = {}
     for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
         for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+            key = f'{sample.name}{{le="{sample.labels["le"]}"}}' if "le" in sample.labels else sample.name
+            values[key] = values.get(key, 0.0) + float(sample.value)
     return values
 
 

@@ -1,5 +1,9 @@
 """The numbers of one run: latency percentiles, SLO attainment, goodput, server counters, reclaim.
 
+Reclaim latency comes from the engines' own clocks (:mod:`benchmarks.mmbench.reclaim`: their
+``/metrics`` histograms and, where the server logs were read, their exact log lines), with the
+client's sampling of the account as a cross-check.
+
 A request meets the SLO when it finished (status ``ok``) with TTFT and TPOT
 under the thresholds; failed and unfinished requests count as misses, so
 attainment is over every timed request sent. Goodput is SLO-meeting requests
@@ -14,6 +18,7 @@ from typing import Any
 
 from scripts.bench_multiturn import percentile
 
+from benchmarks.mmbench import reclaim
 from benchmarks.mmbench.client import FAILED, UNFINISHED
 from benchmarks.mmbench.workload import Workload
 
@@ -97,7 +102,8 @@ def reclaim_episodes(samples: list[dict[str, Any]]) -> dict[str, Any]:
     An engine's refusal (``wanted_bytes``) is cleared by its next grant, so an episode
     is how long it waited for memory others held. Sampled on this client's clock:
     each end is late by up to one period, and a grant followed by a new refusal
-    between two samples merges two episodes into one.
+    between two samples merges two episodes into one. A cross-check of what the
+    engines time themselves (:mod:`benchmarks.mmbench.reclaim`).
     """
     episodes, open_since = [], {}
     for sample in samples:
@@ -164,7 +170,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "probes": {"requests": len(probes), "ok": sum(r["status"] == "ok" for r in probes)},
             "failures": _failures(timed + probes),
             "send_lateness_s": {"p99": percentile(late, 99) if late else None, "max": max(late, default=None)},
-            "reclaim": reclaim_episodes(result.get("account", {}).get("samples", []))}
+            "reclaim": reclaim_episodes(result.get("account", {}).get("samples", [])),
+            "reclaim_engines": reclaim.engine_histograms(result["metrics"]["samples"], list(w["models"])),
+            "reclaim_logs": reclaim.log_summary(result.get("reclaim_log"))}
 
 
 def _ms(value: float | None) -> str:
@@ -202,9 +210,10 @@ def render(summary: dict[str, Any], label: str) -> str:
     lines += [f"  {r['model']}/{r['window']} {r['start']:g}-{r['end']:g} s: {r['requests']}, "
               f"{_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}, {_ratio(r['slo_attainment'])}, "
               f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}" for r in summary["windows"]]
+    lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"))
     rec = summary["reclaim"]
     if rec["samples"]:
-        lines.append(f"reclaim (kvelastic account sampled, a budget refusal until its grant): {rec['count']} "
+        lines.append(f"reclaim cross-check (account sampled, a refusal until its grant): {rec['count']} "
                      f"episodes, p50 {_ms(rec['p50_s'])} ms, p95 {_ms(rec['p95_s'])} ms, max {_ms(rec['max_s'])} ms, "
                      f"{rec['unresolved']} unresolved")
     else:

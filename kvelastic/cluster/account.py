@@ -164,12 +164,13 @@ class SharedAccount:
     def members(self) -> list[MemberInfo]:
         """Live members in join order (dead ones are pruned first)."""
         with self._transaction() as snap:
-            return [MemberInfo.of(r) for r in sorted(snap.used, key=lambda r: (r.joined_at, r.slot))]
+            return [MemberInfo.of(r, snap.now, self.want_ttl_s)
+                    for r in sorted(snap.used, key=lambda r: (r.joined_at, r.slot))]
 
     def member(self, name: str) -> MemberInfo:
         """The live member called ``name`` (raises UnknownMember)."""
         with self._transaction() as snap:
-            return MemberInfo.of(self._find(snap, name))
+            return MemberInfo.of(self._find(snap, name), snap.now, self.want_ttl_s)
 
     def demand(self) -> int:
         """Bytes the account currently needs its members to give back."""
@@ -210,11 +211,10 @@ class SharedAccount:
         with self._transaction() as snap:
             record = self._find(snap, name)
             if only_if_cleared and record.max_bytes:
-                return MemberInfo.of(record)
+                return MemberInfo.of(record, snap.now, self.want_ttl_s)
             return self._apply_limits(snap, record, min_bytes, record.start_max_bytes)
 
-    @staticmethod
-    def _apply_limits(snap: Snapshot, record: MemberRecord, min_bytes: int | None,
+    def _apply_limits(self, snap: Snapshot, record: MemberRecord, min_bytes: int | None,
                       max_bytes: int | None) -> MemberInfo:
         new_min = record.min_bytes if min_bytes is None else min_bytes
         new_max = record.max_bytes if max_bytes is None else max_bytes
@@ -222,7 +222,7 @@ class SharedAccount:
         _check_reservations(snap, record.name, new_min)
         record.min_bytes, record.max_bytes = new_min, new_max
         snap.write(record)
-        return MemberInfo.of(record)
+        return MemberInfo.of(record, snap.now, self.want_ttl_s)
 
     def join(self, name: str, *, model: str = "", port: int = 0, min_bytes: int = 0,
              max_bytes: int = 0) -> "Member":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvelastic.cluster import policy
 from kvelastic.cluster.records import MemberRecord
 
 
@@ -26,15 +27,19 @@ class MemberInfo:
     joined_at: float
     start_max_bytes: int = 0  # the cap it joined with (0: none); `kvelastic limit NAME none` restores it
     pid_ns: int = 0  # its pid namespace (inode of /proc/<pid>/ns/pid): its pid means nothing in another one
+    waiting_since: float | None = None  # Unix time its current run of budget refusals began; None: not waiting
 
     @classmethod
-    def of(cls, record: MemberRecord) -> "MemberInfo":
+    def of(cls, record: MemberRecord, now: float, want_ttl_s: float) -> "MemberInfo":
+        """The view of ``record`` at ``now``: a wait shows only while its want counts for the others."""
+        waiting = policy.wanting(record, now, want_ttl_s) and record.waiting_since > 0
         return cls(name=record.name, pid=record.pid, model=record.model, port=record.port,
                    min_bytes=record.min_bytes, max_bytes=record.max_bytes,
                    mapped_bytes=record.mapped_bytes, cached_bytes=record.cached_bytes,
                    host_bytes=record.host_bytes, wanted_bytes=record.wanted_bytes,
                    heartbeat=record.heartbeat, joined_at=record.joined_at,
-                   start_max_bytes=record.start_max_bytes, pid_ns=record.pid_ns)
+                   start_max_bytes=record.start_max_bytes, pid_ns=record.pid_ns,
+                   waiting_since=record.waiting_since if waiting else None)
 
     @property
     def charged_bytes(self) -> int:

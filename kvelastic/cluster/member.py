@@ -84,7 +84,15 @@ class Member:
 
     # ---------------------------------------------------------------- bytes
     def request(self, nbytes: int) -> Grant:
-        """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see."""
+        """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see.
+
+        The want holds until a grant of more bytes, or until it lapses
+        (:func:`policy.wanting`). Asking for 0 bytes (how an engine reads its
+        headroom, every 50 ms while it schedules) leaves it alone: the engine
+        still waits for what was refused, and clearing the want there would hide
+        it from the others between two refusals. ``waiting_since`` is when the
+        current run of refusals began, for ``kvelastic status``.
+        """
         if nbytes < 0:
             raise AccountingError(f"{self.name!r} asked for a negative amount ({nbytes})")
         with self._mine() as (snap, me):
@@ -92,10 +100,12 @@ class Member:
             verdict = policy.judge(snap.records, me, nbytes, budget)
             available = policy.headroom(snap.records, me, budget)
             me.heartbeat = snap.now
-            if verdict is policy.Verdict.GRANTED:
+            if verdict is policy.Verdict.GRANTED and nbytes:
                 me.mapped_bytes += nbytes
-                me.wanted_bytes, me.wanted_at = 0, 0.0
-            elif verdict is policy.Verdict.OVER_BUDGET:
+                me.wanted_bytes, me.wanted_at, me.waiting_since = 0, 0.0, 0.0
+            elif verdict is policy.Verdict.OVER_BUDGET and nbytes:
+                if not me.waiting_since or not policy.wanting(me, snap.now, self.account.want_ttl_s):
+                    me.waiting_since = snap.now
                 me.wanted_bytes, me.wanted_at = nbytes, snap.now
             snap.write(me)
         return Grant(verdict is policy.Verdict.GRANTED, verdict, nbytes, available)
@@ -165,8 +175,8 @@ class Member:
                               budget_bytes=budget)
 
     def info(self) -> MemberInfo:
-        with self._mine() as (_, me):
-            return MemberInfo.of(me)
+        with self._mine() as (snap, me):
+            return MemberInfo.of(me, snap.now, self.account.want_ttl_s)
 
     # ------------------------------------------------------------- leaving
     def leave(self) -> None:

@@ -4,7 +4,12 @@ Fixed-size little-endian records (``struct``) keep every slot at a known offset,
 so a writer rewrites only what changed and a reader of another version can tell
 from the header alone whether it understands the file. A slot with ``pid == 0``
 is free. Sizes are padded beyond what the fields need, leaving room to add
-fields without moving slots.
+fields without moving slots. A field added in that room keeps the version: every
+writer pads with zeros, so a record from an older writer reads the new field as 0
+("none"), and an older reader never looks past the fields it knows. Only a change
+to an existing field, or a new field whose 0 would mean something, bumps
+``VERSION`` (foreign versions are refused with the version named, see
+:meth:`Header.unpack`).
 
 Header and records are 512 bytes and start at multiples of 512, so none
 crosses a 4 KiB page: each is written with one ``pwrite`` that a SIGKILL
@@ -36,8 +41,8 @@ GPU_ID_BYTES = 112
 # magic, version, slots, record size, budget, created, gpu id
 _HEADER = struct.Struct(f"<8sIIIQd{GPU_ID_BYTES}s")
 # name, model, pid, start time, port, min, max, mapped, cached, host, wanted,
-# wanted_at, heartbeat, joined_at, start_max, pid namespace
-_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3dQQ")
+# wanted_at, heartbeat, joined_at, start_max, pid namespace, waiting_since (added in the padding: 0 = none)
+_RECORD = struct.Struct(f"<{NAME_BYTES}s{MODEL_BYTES}sqQI6Q3dQQd")
 _PID = struct.Struct("<q")
 _PID_OFFSET = NAME_BYTES + MODEL_BYTES
 assert _HEADER.size <= HEADER_SIZE and _RECORD.size <= RECORD_SIZE
@@ -115,6 +120,7 @@ class MemberRecord:
     joined_at: float = 0.0
     start_max_bytes: int = 0  # the cap the member joined with; what `kvelastic limit NAME none` restores
     pid_ns: int = 0  # inode of the member's pid namespace: its pid means nothing in another one
+    waiting_since: float = 0.0  # when its current run of budget refusals began (0: none recorded)
     slot: int = field(default=-1, compare=False)
 
     @property
@@ -131,7 +137,7 @@ class MemberRecord:
             _encode(self.name, NAME_BYTES), _encode(self.model, MODEL_BYTES), self.pid, self.start_time,
             self.port, self.min_bytes, self.max_bytes, self.mapped_bytes, self.cached_bytes,
             self.host_bytes, self.wanted_bytes, self.wanted_at, self.heartbeat, self.joined_at,
-            self.start_max_bytes, self.pid_ns)
+            self.start_max_bytes, self.pid_ns, self.waiting_since)
         return data.ljust(RECORD_SIZE, b"\0")
 
     @classmethod
@@ -139,17 +145,18 @@ class MemberRecord:
         if not _PID.unpack_from(data, _PID_OFFSET)[0]:
             return cls(slot=slot)  # a free slot: nothing to decode (most of the file, usually)
         (name, model, pid, start_time, port, min_b, max_b, mapped, cached, host, wanted,
-         wanted_at, heartbeat, joined_at, start_max, pid_ns) = _RECORD.unpack_from(data)
+         wanted_at, heartbeat, joined_at, start_max, pid_ns, waiting_since) = _RECORD.unpack_from(data)
         where = f"slot {slot}"
         _check(0 < pid < MAX_PID and port < 65536, f"{where}: pid {pid}, port {port}")
         for value in (min_b, max_b, mapped, cached, host, wanted, start_max):
             _check(value <= MAX_BYTES, f"{where}: byte count {value}")
-        for value in (wanted_at, heartbeat, joined_at):
+        for value in (wanted_at, heartbeat, joined_at, waiting_since):
             _check(math.isfinite(value), f"{where}: time {value}")
         return cls(name=_decode(name), model=_decode(model), pid=pid, start_time=start_time, port=port,
                    min_bytes=min_b, max_bytes=max_b, mapped_bytes=mapped, cached_bytes=cached,
                    host_bytes=host, wanted_bytes=wanted, wanted_at=wanted_at, heartbeat=heartbeat,
-                   joined_at=joined_at, start_max_bytes=start_max, pid_ns=pid_ns, slot=slot)
+                   joined_at=joined_at, start_max_bytes=start_max, pid_ns=pid_ns, waiting_since=waiting_since,
+                   slot=slot)
 
 
 def record_offset(slot: int) -> int:

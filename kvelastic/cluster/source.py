@@ -17,7 +17,9 @@ only counts, so start-up warm-up is never refused); :meth:`attach` then hands
 what exists to the member and gates from there on. The engine attaches a
 :class:`~kvelastic.cluster.membership.Membership`, whose answer None ("no
 account to ask") makes the source count without asking until it rejoins
-(:meth:`rejoin`).
+(:meth:`rejoin`). An :attr:`~SharedBudgetSource.observer` hears of budget
+refusals, of pages created on a grant and of bytes given back, which is where
+reclaim latency is timed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Protocol
 
 from kvelastic.cluster.errors import SharedBudgetExceeded
 from kvelastic.cluster.member import Grant
+from kvelastic.cluster.policy import Verdict
 from kvelastic.pool.sources import PageAdaptor, PageSource
 from kvelastic.units import format_size
 
@@ -46,6 +49,19 @@ class BudgetGate(Protocol):
     def release(self, nbytes: int) -> None: ...
 
 
+class ReclaimObserver(Protocol):
+    """Told, under the source's lock, what reclaim timing needs (:mod:`kvelastic.integration.reclaim_timing`)."""
+
+    def refused(self, nbytes: int) -> None:
+        """The shared budget refused ``nbytes``."""
+
+    def created(self, nbytes: int) -> None:
+        """The pages of a granted request of ``nbytes`` were created."""
+
+    def released(self, nbytes: int) -> None:
+        """``nbytes`` of destroyed pages went back to the account."""
+
+
 class SharedBudgetSource(PageAdaptor):
     """Gates ``upstream`` with ``member``'s grants in the shared account."""
 
@@ -54,7 +70,13 @@ class SharedBudgetSource(PageAdaptor):
         self.member = member
         self._outstanding = 0
         self.refusals = 0
+        self.observer: ReclaimObserver | None = None  # must never raise: it is called where pages are created
         self._lock = threading.RLock()  # keeps attach() atomic with respect to acquire/release
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock grants and releases run under; an observer takes it for its own periodic work."""
+        return self._lock
 
     def attach(self, member: BudgetGate) -> None:
         """Start gating with ``member``, which adopts the bytes this source already handed out."""
@@ -90,6 +112,8 @@ class SharedBudgetSource(PageAdaptor):
             return handles
         if not grant.granted:
             self.refusals += 1
+            if self.observer is not None and grant.verdict is Verdict.OVER_BUDGET:
+                self.observer.refused(nbytes)
             raise SharedBudgetExceeded(
                 f"instance {self.member.name!r} may not map {format_size(nbytes)} more: "
                 f"{grant.verdict.value} ({format_size(grant.available_bytes)} available to it)",
@@ -100,6 +124,8 @@ class SharedBudgetSource(PageAdaptor):
             self._give_back(nbytes)
             raise
         self._outstanding += nbytes
+        if self.observer is not None:
+            self.observer.created(nbytes)
         return handles
 
     def release(self, handles: list[Any]) -> None:
@@ -110,6 +136,8 @@ class SharedBudgetSource(PageAdaptor):
             nbytes = len(handles) * self.page_bytes
             self._outstanding -= nbytes
             self._give_back(nbytes)
+            if self.observer is not None:
+                self.observer.released(nbytes)
 
     def _give_back(self, nbytes: int) -> None:
         """Return bytes to the account; the memory is already gone, so never fail the caller."""

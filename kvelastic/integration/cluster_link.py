@@ -29,6 +29,7 @@ from kvelastic.cluster.membership import ACCOUNT_ERRORS, Membership
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.errors import ConfigError
 from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.integration.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
@@ -83,6 +84,8 @@ class ClusterLink:
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
         self._set_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
         self.membership = Membership(self.name, self._connect)
+        self.timing = ReclaimTiming(self.name, source.lock)
+        source.observer = self.timing
         source.attach(self.membership)
         cache.external_headroom = self.headroom
         self.source = source
@@ -133,6 +136,7 @@ class ClusterLink:
         t = self.membership.tick(cached_bytes=cached, host_bytes=host)
         if t is None:
             return 0  # busy this time, or just lost: the next tick tells
+        self.timing.tick(t.pressure_bytes)
         limit = self.limit_for(t.max_bytes)
         if limit != stats.limit_bytes:
             pool.set_limit(limit)

@@ -2,7 +2,8 @@
 
 Both are jobs of the upkeep thread (:mod:`kvelastic.integration.upkeep`) and
 read the same numbers: the pool's statistics, the cached groups, and the host
-tier's counters where there is one.
+tier's counters where there is one; the snapshot also carries the engine's
+reclaim timing where it shares a GPU's account.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvelastic.units import format_size
 if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
     from kvelastic.integration.metrics import StatsPublisher
+    from kvelastic.integration.reclaim_timing import ReclaimTiming
 
 log = logging.getLogger("vllm.kvelastic")
 STATS_PERIOD_S = 10.0
@@ -66,14 +68,17 @@ class MetricsPublish:
     under_scheduler_lock = False
 
     def __init__(self, publisher: "StatsPublisher", queue: "PageAwareFreeQueue", cache: SchedulerCache,
-                 offload: OffloadStatistics | None = None):
+                 offload: OffloadStatistics | None = None, reclaim: "ReclaimTiming | None" = None):
+        """``reclaim``: the engine's reclaim timing, where it is a member of a GPU's shared account."""
         self.publisher = publisher
         self.queue = queue
         self.cache = cache
         self.offload = offload
+        self.reclaim = reclaim
 
     def run(self, now: float) -> None:
-        self.publisher.publish(self.snapshot())
+        observations = self.reclaim.take_observations() if self.reclaim is not None else None
+        self.publisher.publish(self.snapshot(), observations)
 
     def snapshot(self) -> dict[str, Any]:
         stats = self.cache.pool.stats()
@@ -82,4 +87,6 @@ class MetricsPublish:
                                   "cached_bytes": self.queue.cached_groups() * self.cache.group_bytes}
         if self.offload is not None:
             values.update(self.offload.stats())
+        if self.reclaim is not None:
+            values.update(self.reclaim.values())
         return values

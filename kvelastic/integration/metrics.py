@@ -14,6 +14,7 @@ writes the numbers as metrics of its own (``metrics_multiproc``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
@@ -50,10 +51,77 @@ COUNTERS = {
     "reloaded_bytes": ("kvelastic_reloaded_bytes", "KV bytes copied back from the host tier on a prefix hit"),
     "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
     "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
+    "reclaim_released_bytes": ("kvelastic_reclaim_released_bytes",
+                               "Physical KV bytes this engine gave back to the GPU's shared account while other "
+                               "engines waited for memory"),
+    "reclaim_lapsed_waits": ("kvelastic_reclaim_lapsed_waits",
+                             "Waits for the shared budget that ended without a grant: no refusal renewed the want "
+                             "for its lifetime (5 s), the demand went away"),
+    "reclaim_unserved_asks": ("kvelastic_reclaim_unserved_asks",
+                              "Times other engines wanted memory back from this one and stopped wanting it before "
+                              "any was released"),
 }
+#: Snapshot key -> (metric name, help) of histograms; the snapshot holds :meth:`Histogram.values`.
+HISTOGRAMS = {
+    "reclaim_wait_seconds": ("kvelastic_reclaim_wait_seconds",
+                             "Seconds this engine waited for memory of the GPU's shared budget: from the refusal "
+                             "that began a wait to the first grant after it whose pages were created"),
+    "reclaim_release_seconds": ("kvelastic_reclaim_release_seconds",
+                                "Seconds from the upkeep tick that read other engines' want to the release of "
+                                "destroyed pages that covered it"),
+}
+#: Upper bounds of the histograms' buckets (+Inf is implied); reclaim targets 1 s at the 95th percentile.
+BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: ``model_name`` is vLLM's served model name, as on vLLM's own metrics; ``instance_name`` is the
 #: engine's kvelastic name (KVELASTIC_NAME, as ``kvelastic status`` lists it).
 LABELS = ("model_name", "instance_name")
+
+
+class Histogram:
+    """Durations counted in the buckets of ``BUCKETS_S``, kept as a snapshot can carry them.
+
+    The snapshot's values are flat numbers, so a histogram ``key`` travels as
+    ``key_bucket_<i>`` (observations up to ``BUCKETS_S[i]``, cumulative as
+    Prometheus exports them), ``key_sum`` and ``key_count``. Not thread-safe: its
+    owner serializes the calls.
+    """
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS_S) + 1)  # per bucket, the last one past every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def values(self, key: str) -> dict[str, float]:
+        cumulative = itertools.accumulate(self.counts[:-1])
+        return {**{f"{key}_bucket_{i}": float(n) for i, n in enumerate(cumulative)},
+                f"{key}_sum": self.sum, f"{key}_count": float(self.count)}
+
+
+def histogram_keys(key: str) -> list[str]:
+    """The snapshot keys of histogram ``key`` (see :class:`Histogram`)."""
+    return [f"{key}_bucket_{i}" for i in range(len(BUCKETS_S))] + [f"{key}_sum", f"{key}_count"]
+
+
+def histogram_buckets(values: dict[str, Any], key: str) -> list[tuple[str, float]] | None:
+    """Histogram ``key`` of a snapshot as prometheus_client's (le, cumulative count) pairs, or None.
+
+    None where the snapshot lacks it or its counts are not cumulative (the file is untrusted).
+    """
+    from prometheus_client.utils import floatToGoString
+
+    if any(k not in values for k in histogram_keys(key)):
+        return None
+    counts = [values[f"{key}_bucket_{i}"] for i in range(len(BUCKETS_S))] + [values[f"{key}_count"]]
+    if counts[0] < 0 or any(b < a for a, b in zip(counts, counts[1:])) or values[f"{key}_sum"] < 0:
+        return None
+    return [(floatToGoString(b), float(n)) for b, n in zip((*BUCKETS_S, math.inf), counts)]
 
 
 MAX_SNAPSHOT_BYTES = 64 * 1024
@@ -95,7 +163,7 @@ class StatsPublisher:
         self.model_name = model_name
         self.directory = directory
         self.file_name = stats_name(own_owner(), next(self._numbers))
-        self._mirror = MultiprocessMirror.for_environment((model_name, name), GAUGES, COUNTERS)
+        self._mirror = MultiprocessMirror.for_environment((model_name, name), GAUGES, COUNTERS, HISTOGRAMS)
         self._problem = ""
         self._with_folder(sweep, create=True)
 
@@ -103,14 +171,15 @@ class StatsPublisher:
     def path(self) -> Path:
         return (self.directory if self.directory is not None else stats_dir()) / self.file_name
 
-    def publish(self, values: dict[str, Any]) -> None:
+    def publish(self, values: dict[str, Any], observations: dict[str, list[float]] | None = None) -> None:
+        """Write ``values``; ``observations`` (new durations per histogram key) feed the multiprocess files."""
         finite = {k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         record = {"name": self.name, "model_name": self.model_name, "pid": os.getpid(), "ppid": os.getppid(),
                   "time": time.time(), "values": finite}
         self._with_folder(lambda folder: folder.write_atomic(self.file_name, bounded_json.dumps(record)),
                           create=True)
         if self._mirror is not None:
-            self._mirror.update(finite)
+            self._mirror.update(finite, observations or {})
 
     def remove(self) -> None:
         self._with_folder(lambda folder: folder.unlink_owned(self.file_name), create=False)
@@ -135,7 +204,7 @@ def parse_snapshot(data: bytes, what: str) -> dict[str, Any]:
     if not _ENGINE_NAME.match(record["name"]) or len(record["model_name"]) > MAX_MODEL_NAME:
         raise BadSharedData(f"{what}: engine name {record['name'][:80]!r} or its model name is not one "
                             f"kvelastic writes")
-    known = GAUGES.keys() | COUNTERS.keys()
+    known = GAUGES.keys() | COUNTERS.keys() | {k for key in HISTOGRAMS for k in histogram_keys(key)}
     record["values"] = {k: v for k, v in record["values"].items()
                         if k in known and isinstance(v, (int, float)) and not isinstance(v, bool)}
     return record
@@ -196,7 +265,7 @@ class KvelasticCollector:
         return []  # values are read at scrape time; nothing to pre-declare
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         snapshots = self._snapshots()
         for table, kind in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
@@ -206,6 +275,13 @@ class KvelasticCollector:
                     if s["values"].get(key) is not None:
                         family.add_metric([s["model_name"], s["name"]], float(s["values"][key]))
                 yield family
+        for key, (metric, help_text) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(metric, help_text, labels=LABELS)
+            for s in snapshots:
+                buckets = histogram_buckets(s["values"], key)
+                if buckets is not None:
+                    family.add_metric([s["model_name"], s["name"]], buckets, float(s["values"][f"{key}_sum"]))
+            yield family
 
     def _snapshots(self) -> list[dict[str, Any]]:
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -38,36 +38,44 @@ def multiprocess_values() -> bool:
 
 
 class MultiprocessMirror:
-    """One engine's gauges and counters as prometheus_client metrics, labelled with its model and name.
+    """One engine's gauges, counters and histograms as prometheus_client metrics, labelled with its model and name.
 
     Gauges use the ``mostrecent`` mode, so a scrape shows the last value any
     process wrote for this engine. The engine's counters are running totals;
-    the mirror adds what each total grew by since the last update.
+    the mirror adds what each total grew by since the last update. A histogram
+    cannot be rebuilt from totals, so it observes each new duration itself.
     """
 
     def __init__(self, labels: tuple[str, str], gauges: Mapping[str, tuple[str, str]],
-                 counters: Mapping[str, tuple[str, str]]):
-        from prometheus_client import Counter, Gauge
+                 counters: Mapping[str, tuple[str, str]], histograms: Mapping[str, tuple[str, str]]):
+        from prometheus_client import Counter, Gauge, Histogram
 
-        from kvelastic.integration.metrics import LABELS
+        from kvelastic.integration.metrics import BUCKETS_S, LABELS
 
         self.labels = labels  # values of LABELS: (model name, instance name)
         self._gauges = {key: Gauge(metric, text, LABELS, registry=None, multiprocess_mode="mostrecent")
                         for key, (metric, text) in gauges.items()}
         self._counters = {key: Counter(metric, text, LABELS, registry=None)
                           for key, (metric, text) in counters.items()}
+        self._histograms = {key: Histogram(metric, text, LABELS, registry=None, buckets=BUCKETS_S)
+                            for key, (metric, text) in histograms.items()}
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()  # the reclaimer thread and a caller may publish at once
 
     @classmethod
     def for_environment(cls, labels: tuple[str, str], gauges: Mapping[str, tuple[str, str]],
-                        counters: Mapping[str, tuple[str, str]]) -> "MultiprocessMirror | None":
+                        counters: Mapping[str, tuple[str, str]],
+                        histograms: Mapping[str, tuple[str, str]]) -> "MultiprocessMirror | None":
         """A mirror when this process writes multiprocess metric files, else None."""
-        return cls(labels, gauges, counters) if multiprocess_values() else None
+        return cls(labels, gauges, counters, histograms) if multiprocess_values() else None
 
-    def update(self, values: Mapping[str, Any]) -> None:
+    def update(self, values: Mapping[str, Any], observations: Mapping[str, Sequence[float]]) -> None:
+        """Gauges and counters from ``values``; each histogram observes its new durations in ``observations``."""
         with self._lock:
             self._update(values)
+            for key, histogram in self._histograms.items():
+                for seconds in observations.get(key, ()):
+                    histogram.labels(*self.labels).observe(seconds)
 
     def _update(self, values: Mapping[str, Any]) -> None:
         for key, gauge in self._gauges.items():

@@ -105,7 +105,7 @@ def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: Cont
                          cache_ttl_s=cache_ttl_s),
              StatsLog(cache, offload, rank_held_bytes=rank_held_bytes)]
     if publisher is not None:
-        jobs.append(MetricsPublish(publisher, queue, cache, offload))
+        jobs.append(MetricsPublish(publisher, queue, cache, offload, link.timing if link is not None else None))
     if after_tick is not None:
         jobs.append(EachTick(after_tick))
     return UpkeepThread(jobs, lock, interval_s=interval_s, clock=clock)
