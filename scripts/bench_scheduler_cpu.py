@@ -41,8 +41,9 @@ from sched_cpu_run import kvelastic_environment, run_config  # noqa: E402
 
 
 # ------------------------------------------------------------------ tabulation
-def step_cpu(result: dict) -> list[float]:
-    return [s[1] + s[3] for s in result["steps"]]
+def step_cpu(result: dict, copies: bool = True) -> list[float]:
+    """The engine thread's CPU per step; without ``copies``, less the host tier's copies in it."""
+    return [s[1] + s[3] - (0.0 if copies else s[5]) for s in result["steps"]]
 
 
 def summarize(result: dict) -> dict:
@@ -57,6 +58,7 @@ def summarize(result: dict) -> dict:
             "schedule_cpu_ms_p50": 1e3 * statistics.median(s[1] for s in steps),
             "update_cpu_ms_p50": 1e3 * statistics.median(s[3] for s in steps),
             "step_wall_ms_p50": 1e3 * statistics.median(s[0] + s[2] for s in steps), "total_cpu_s": sum(cpu),
+            "copy_cpu_s": sum(s[5] for s in steps),
             "round_cpu_ms_p50": [round(1e3 * statistics.median(v), 3) for _, v in sorted(per_round.items())],
             "other_threads_cpu_s": result["other_threads_cpu_s"], "thread_cpu_s": result["thread_cpu_s"],
             "ticks": len(ticks), "upkeep_cpu_s": sum(t[0] for t in ticks),
@@ -69,36 +71,41 @@ def summarize(result: dict) -> dict:
 
 
 def paired(results: list[dict]) -> dict[str, dict]:
-    """Per tree: each step's minimum CPU over its runs, summed, and paired with the first tree's step by step."""
-    by_tree: dict[str, list[list[float]]] = {}
-    for result in results:
-        by_tree.setdefault(result["name"].split("#")[0], []).append(step_cpu(result))
-    floors = {name: [min(step) for step in zip(*runs)] for name, runs in by_tree.items()}
-    base = next(iter(floors.values()))
-    out = {}
-    for name, floor in floors.items():
-        diffs = [1e6 * (a - b) for a, b in zip(floor, base)] if len(floor) == len(base) else []
-        out[name] = {"runs": len(by_tree[name]), "cpu_s": sum(floor), "step_ms_p50": 1e3 * statistics.median(floor),
-                     "vs_first_us_p50": statistics.median(diffs) if diffs else None}
+    """Per tree, with and without the host tier's copies: each step's minimum CPU over its runs, summed,
+    and paired with the first tree's same step."""
+    out: dict[str, dict] = {}
+    for copies in (True, False):
+        by_tree: dict[str, list[list[float]]] = {}
+        for result in results:
+            by_tree.setdefault(result["name"].split("#")[0], []).append(step_cpu(result, copies))
+        floors = {name: [min(step) for step in zip(*runs)] for name, runs in by_tree.items()}
+        base = next(iter(floors.values()))
+        for name, floor in floors.items():
+            diffs = [1e6 * (a - b) for a, b in zip(floor, base)] if len(floor) == len(base) else [0.0]
+            out.setdefault(name, {"runs": len(by_tree[name])})["with copies" if copies else "without copies"] = {
+                "cpu_s": sum(floor), "step_ms_p50": 1e3 * statistics.median(floor),
+                "vs_first_us_p50": statistics.median(diffs)}
     return out
 
 
 def print_table(rows: list[dict], pairs: dict[str, dict] | None = None) -> None:
-    print(f"{'run':<9} {'steps':>5} {'cpu p50':>8} {'sched':>6} {'update':>6} {'mean':>6} {'total':>6} "
+    print(f"{'run':<9} {'steps':>5} {'cpu p50':>8} {'sched':>6} {'update':>6} {'mean':>6} {'total':>6} {'copies':>6} "
           f"{'upkeep':>6} {'tick':>5} {'other':>5} {'spilled':>7} {'reload':>7}  per-round step cpu p50 (ms)")
     for r in rows:
         print(f"{r['name']:<9} {r['steps']:>5} {r['step_cpu_ms_p50']:>6.3f}ms {r['schedule_cpu_ms_p50']:>6.3f} "
-              f"{r['update_cpu_ms_p50']:>6.3f} {r['step_cpu_ms_mean']:>6.3f} {r['total_cpu_s']:>5.2f}s "
+              f"{r['update_cpu_ms_p50']:>6.3f} {r['step_cpu_ms_mean']:>6.3f} {r['total_cpu_s']:>5.2f}s {r['copy_cpu_s']:>5.2f}s "
               f"{r['upkeep_cpu_s']:>5.3f}s {r['tick_cpu_ms_p50']:>5.2f} {r['other_threads_cpu_s']:>4.2f}s "
               f"{r['spilled_blocks']:>7} {r['reloaded_blocks']:>7}  {r['round_cpu_ms_p50']}")
-    print("(ms of the engine thread's CPU per step, schedule + update_from_output; 'upkeep': the upkeep (or "
-          "reclaimer) thread's ticks, 'tick' their median ms; 'other': every thread but the engine's)")
+    print("(ms of the engine thread's CPU per step, schedule + update_from_output; 'copies': the host tier's "
+          "copies within them; 'upkeep': the upkeep (or reclaimer) thread's ticks, 'tick' their median ms; "
+          "'other': every thread but the engine's)")
     for r in rows:
         print(f"{r['name']:<9} GC (collections, s) {r['gc']}; threads CPU s {r['thread_cpu_s']}; "
               f"pages created {r['pages_created']}; backend {r['backend_calls']}")
     for name, p in (pairs or {}).items():
-        versus = "" if p["vs_first_us_p50"] is None else f", step by step against the first {p['vs_first_us_p50']:+.1f} us (median)"
-        print(f"{name}: minimum of {p['runs']} run(s) per step: total {p['cpu_s']:.3f} s, median {p['step_ms_p50']:.3f} ms{versus}")
+        print(f"{name}: each step's minimum over {p['runs']} run(s), " + "; ".join(
+            f"{what}: total {v['cpu_s']:.3f} s, median {v['step_ms_p50']:.3f} ms, step by step against the "
+            f"first {v['vs_first_us_p50']:+.1f} us (median)" for what, v in p.items() if what != "runs"))
     hashes = {r["trace_hash"] for r in rows if not r["name"].startswith("vanilla")}
     print("kvelastic schedules identical across runs:" if len(hashes) <= 1 else "kvelastic schedules DIFFER:",
           len(hashes) <= 1)

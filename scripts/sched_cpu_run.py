@@ -176,7 +176,9 @@ class Probes:
     """What the measured rounds record: per step, per upkeep tick, per garbage collection."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, float, float, int]] = []  # schedule wall/cpu, update wall/cpu, round
+        #: schedule wall/CPU, update wall/CPU, round, and the CPU of the step's host-tier copies (in the schedule)
+        self.steps: list[tuple[float, float, float, float, int, float]] = []
+        self.copy_cpu = 0.0  # of the step in progress
         self.ticks: list[tuple[float, float]] = []  # the upkeep thread's CPU and wall seconds per tick
         self.gc = {g: [0, 0.0] for g in range(3)}  # generation: collections, seconds
         self._gc_start = 0.0
@@ -186,9 +188,12 @@ class Probes:
         result = call(*args)
         return result, time.perf_counter() - w, time.thread_time() - c
 
-    def start(self, upkeep: Any) -> None:
-        """From now on: each tick of the running upkeep thread (its loop looks ``tick`` up each time), each GC."""
+    def start(self, upkeep: Any, copier: Any) -> None:
+        """From now on: each tick of the running upkeep thread (its loop looks ``tick`` up each time), each GC,
+        and the host tier's copies, the same work in every tree and the noisiest (memory bandwidth)."""
         gc.callbacks.append(self._on_gc)
+        for name in ("store", "load") if copier is not None else ():
+            setattr(copier, name, self._copy_timer(getattr(copier, name)))
         if upkeep is not None:
             tick = upkeep.tick
 
@@ -197,6 +202,16 @@ class Probes:
                 self.ticks.append((c, w))
 
             upkeep.tick = timed_tick
+
+    def _copy_timer(self, copy: Any) -> Any:
+        def timed_copy(*args: Any, **kwargs: Any) -> Any:
+            c = time.thread_time()
+            try:
+                return copy(*args, **kwargs)
+            finally:
+                self.copy_cpu += time.thread_time() - c
+
+        return timed_copy
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -225,7 +240,8 @@ def one_round(scheduler: Any, convs: list, args: argparse.Namespace, tag: str, p
             out, sw, sc = probes.timed(scheduler.schedule)
             output = model_output(scheduler, out)
             _, uw, uc = probes.timed(scheduler.update_from_output, out, output)
-            probes.steps.append((sw, sc, uw, uc, round_index))
+            probes.steps.append((sw, sc, uw, uc, round_index, probes.copy_cpu))
+            probes.copy_cpu = 0.0
             trace.update(repr(sorted(out.num_scheduled_tokens.items())).encode())
             steps += 1
         for i, request in enumerate(requests):
@@ -259,7 +275,7 @@ def run_config(args: argparse.Namespace) -> dict:
         convs = conversations(args.conversations, args.first_len, args.turn_len, seed=7 + r)
         if r == args.warmup:
             cpu0, thread0, threads0 = time.process_time(), time.thread_time(), thread_cpu()
-            probes.start(upkeep)
+            probes.start(upkeep, getattr(getattr(scheduler, "kvelastic_offload", None), "copier", None))
             if args.profile:
                 import cProfile
 
