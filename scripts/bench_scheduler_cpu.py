@@ -67,6 +67,7 @@ def summarize(result: dict) -> dict:
             "spilled_blocks": offload.get("spilled_bytes", 0) // result["block_bytes"],
             "reloaded_blocks": offload.get("reloaded_bytes", 0) // result["block_bytes"],
             "pages_created": pool.get("pages_created"), "backend_calls": result["backend_calls"],
+            "calls_per_step": result["calls_per_step"],
             "trace_hash": result["trace_hash"]}
 
 
@@ -102,6 +103,8 @@ def print_table(rows: list[dict], pairs: dict[str, dict] | None = None) -> None:
     for r in rows:
         print(f"{r['name']:<9} GC (collections, s) {r['gc']}; threads CPU s {r['thread_cpu_s']}; "
               f"pages created {r['pages_created']}; backend {r['backend_calls']}")
+        if r["calls_per_step"]:
+            print(f"{'':<9} calls per step (counted; timings above are slowed by the counting): {r['calls_per_step']}")
     for name, p in (pairs or {}).items():
         print(f"{name}: each step's minimum over {p['runs']} run(s), " + "; ".join(
             f"{what}: total {v['cpu_s']:.3f} s, median {v['step_ms_p50']:.3f} ms, step by step against the "
@@ -119,7 +122,8 @@ def run_trees(args: argparse.Namespace, passthrough: list[str]) -> int:
     for k in range(args.repeat):
         for name, python in trees:
             out = outdir / f"{name}-{k + 1}.json"
-            cmd = [python, __file__, "--config", "kvelastic", "--out", str(out), *passthrough]
+            cmd = [python, __file__, "--config", "kvelastic", "--out", str(out), *passthrough,
+                   *(["--count-calls"] if args.count_calls else [])]
             subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items() if k != "KVELASTIC"})
             result = json.loads(out.read_text())
             result["name"] = f"{name}#{k + 1}" if args.repeat > 1 else name
@@ -150,6 +154,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--json", default="bench_scheduler_cpu.json")
     p.add_argument("--profile", help="cProfile output of the measured rounds (without --trees)")
+    p.add_argument("--count-calls", action="store_true", help="count the calls in each step, by area and "
+                   "function, instead of timing them (noise-free; the timings are slowed)")
     workload = p.add_argument_group("workload (passed to each tree)")
     for name, (default, text) in WORKLOAD.items():
         workload.add_argument(f"--{name}", type=type(default), default=default, help=text or None)

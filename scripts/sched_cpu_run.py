@@ -11,6 +11,7 @@ driver calls on a GPU. :func:`run_config` returns it all as one JSON-able dict.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import gc
 import hashlib
@@ -172,6 +173,32 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+class CallCounter:
+    """Calls made inside the scheduler's entry points, by area and function: counted, so free of noise.
+
+    A profile hook (``sys.setprofile``) on the engine thread only; it slows
+    every call, so a run that counts reports no timings worth reading.
+    """
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            path = frame.f_code.co_filename
+            area = "kvelastic" if "kvelastic" in path or "/patches/" in path else "vllm" if "vllm" in path else "other"
+            self.counts[(area, frame.f_code.co_name)] += 1
+        elif event == "c_call":
+            self.counts[("C", "")] += 1
+
+    def per_step(self, steps: int) -> dict[str, Any]:
+        areas: collections.Counter[str] = collections.Counter()
+        for (area, _), n in self.counts.items():
+            areas[area] += n
+        top = [(name, round(n / steps, 1)) for (area, name), n in self.counts.most_common() if area == "kvelastic"]
+        return {"areas": {a: round(n / steps, 1) for a, n in areas.items()}, "kvelastic_top": top[:12]}
+
+
 class Probes:
     """What the measured rounds record: per step, per upkeep tick, per garbage collection."""
 
@@ -179,13 +206,18 @@ class Probes:
         #: schedule wall/CPU, update wall/CPU, round, and the CPU of the step's host-tier copies (in the schedule)
         self.steps: list[tuple[float, float, float, float, int, float]] = []
         self.copy_cpu = 0.0  # of the step in progress
+        self.counter: CallCounter | None = None
         self.ticks: list[tuple[float, float]] = []  # the upkeep thread's CPU and wall seconds per tick
         self.gc = {g: [0, 0.0] for g in range(3)}  # generation: collections, seconds
         self._gc_start = 0.0
 
     def timed(self, call: Any, *args: Any) -> tuple[Any, float, float]:
         w, c = time.perf_counter(), time.thread_time()
-        result = call(*args)
+        sys.setprofile(self.counter)
+        try:
+            result = call(*args)
+        finally:
+            sys.setprofile(None)
         return result, time.perf_counter() - w, time.thread_time() - c
 
     def start(self, upkeep: Any, copier: Any) -> None:
@@ -276,6 +308,7 @@ def run_config(args: argparse.Namespace) -> dict:
         if r == args.warmup:
             cpu0, thread0, threads0 = time.process_time(), time.thread_time(), thread_cpu()
             probes.start(upkeep, getattr(getattr(scheduler, "kvelastic_offload", None), "copier", None))
+            probes.counter = CallCounter() if args.count_calls else None
             if args.profile:
                 import cProfile
 
@@ -295,10 +328,12 @@ def run_config(args: argparse.Namespace) -> dict:
         upkeep.stop()
     gc.unfreeze()  # as EngineCore does at shutdown: what exits is collected as usual
     offload = getattr(scheduler, "kvelastic_offload", None)
+    measured = [row for row in probes.steps if row[4] >= args.warmup]
     return {"config": args.config, "tree": str(Path(kvelastic.__file__).resolve().parents[1]),
-            "rounds": rounds, "steps": [row for row in probes.steps if row[4] >= args.warmup],
+            "rounds": rounds, "steps": measured,
             "ticks": probes.ticks, "gc": probes.gc, "process_cpu_s": process_cpu,
             "other_threads_cpu_s": process_cpu - engine_thread_cpu, "thread_cpu_s": threads,
             "trace_hash": trace.hexdigest()[:16], "offload": offload.stats() if offload is not None else None,
             "pool": keep["pool"].stats().as_dict() if keep else None,
-            "backend_calls": keep["backends"][-1].calls if keep else None, "block_bytes": block_bytes(args)}
+            "backend_calls": keep["backends"][-1].calls if keep else None, "block_bytes": block_bytes(args),
+            "calls_per_step": probes.counter.per_step(len(measured)) if probes.counter else None}
