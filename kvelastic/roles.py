@@ -112,16 +112,12 @@ class Mapper(Protocol):
     """
 
     synchronous: bool
-
-    @property
-    @abstractmethod
-    def mapped(self) -> deque[int]:
-        """Groups mapped since the queue last looked, for it to adopt (it pops them)."""
-
-    @property
-    @abstractmethod
-    def refused(self) -> deque[int]:
-        """Groups that could not be mapped, for the queue to put back among the unmapped ones."""
+    #: Groups mapped since the queue last looked, for it to adopt (it pops them). The queue reads this
+    #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute
+    #: where it can be (a property that first polls the ranks where it cannot).
+    mapped: deque[int]
+    #: Groups that could not be mapped, for the queue to put back among the unmapped ones.
+    refused: deque[int]
 
     @abstractmethod
     def start(self) -> None: ...

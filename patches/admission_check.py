@@ -54,16 +54,20 @@ CAN_FIT = Target(
 )
 
 
-def is_admission_check(estimate_params: tuple[str, ...], args: tuple, kwargs: dict) -> bool:
+def flag_index(estimate_params: tuple[str, ...]) -> int | None:
+    """Where the admission flag sits among a bound estimate's arguments (after ``self``); None: the
+    running release's estimate has no flag, so no estimate call is an admission check."""
+    return estimate_params.index(FLAG) - 1 if FLAG in estimate_params else None
+
+
+def is_admission_check(flag_at: int | None, args: tuple, kwargs: dict) -> bool:
     """Whether an estimate called with ``args``/``kwargs`` (``self`` bound) passed the admission flag.
 
-    ``estimate_params`` are the estimate's declared parameters in the running
-    release; where they have no flag, no estimate call is an admission check.
+    ``flag_at``: :func:`flag_index` of the estimate's declared parameters, worked out once.
     """
-    if FLAG not in estimate_params:
+    if flag_at is None:
         return False
-    index = estimate_params.index(FLAG) - 1  # a bound method's arguments start after self
-    return bool(args[index] if len(args) > index else kwargs.get(FLAG))
+    return bool(args[flag_at] if len(args) > flag_at else kwargs.get(FLAG))
 
 
 def _can_fit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:

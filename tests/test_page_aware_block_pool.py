@@ -199,7 +199,7 @@ def test_a_stale_estimate_is_honoured_by_going_over_the_limit(kv_log):
     pool, views, cache, bp, queue = build(limit_groups=4)
     promised = bp.get_num_free_blocks()  # the scheduler's view: 4 groups' worth
     pool.set_limit(1 * GROUP_PAGES * PAGE)  # the limit drops before the blocks are taken
-    queue._mappable_until = float("inf")  # and the estimate has not caught up yet
+    queue._room_until = float("inf")  # and the estimate has not caught up yet
     got = bp.get_new_blocks(promised)  # no crash: vLLM already decided on this number
     assert len(got) == promised
     assert pool.stats().over_limit_bytes > 0
@@ -208,4 +208,30 @@ def test_a_stale_estimate_is_honoured_by_going_over_the_limit(kv_log):
     queue.set_idle()
     pool.collect()
     assert pool.stats().over_limit_bytes == 0
+    pool.close()
+
+
+def test_the_room_left_is_read_from_the_pool_at_most_once_a_millisecond_and_again_after_a_map():
+    """At the limit every free and every rebalance asks how many more groups fit, dozens of times a step:
+    the pool's source stack answers at most once a millisecond, and again as soon as a group is mapped."""
+    clock = [100.0]
+    pool, views, cache, bp, queue = build(limit_groups=4)
+    queue._clock = lambda: clock[0]
+    taken = bp.get_new_blocks(bp.get_num_free_blocks())  # all the limit allows: no empty group is left
+    assert not queue.free.empty and queue.prefetch.groups >= 1  # so each rebalance wants one more
+    reads = []
+    ask_pool = cache.mappable_groups
+    cache.mappable_groups = lambda unmapped: reads.append(unmapped) or ask_pool(unmapped)
+    queue._forget_mappable()
+    for _ in range(50):
+        assert bp.get_num_free_blocks() == 0
+        queue._balance()
+    assert len(reads) == 1
+    pool.set_limit(6 * GROUP_PAGES * PAGE)  # two groups more: seen once the millisecond is over
+    assert bp.get_num_free_blocks() == 0 and len(reads) == 1
+    clock[0] += 0.001
+    assert bp.get_num_free_blocks() == 2 * 32 and len(reads) == 2
+    more = bp.get_new_blocks(33)  # maps both groups: the room is read again at once
+    assert bp.get_num_free_blocks() == 31 and len(reads) > 2
+    bp.free_blocks(taken + more)
     pool.close()

@@ -68,7 +68,8 @@ def test_release_differences_are_read_off_the_declarations():
     estimate = admission_check.ESTIMATE
     assert Patcher(Version(0, 20, 1), [estimate]).params(estimate)[-1] == "num_tokens_main_model"
     assert Patcher(Version(0, 20, 2), [estimate]).params(estimate)[-1] == admission_check.FLAG
-    assert admission_check.is_admission_check(estimate.shape(VERSION).params, (), {admission_check.FLAG: True})
+    flag_at = admission_check.flag_index(estimate.shape(VERSION).params)
+    assert admission_check.is_admission_check(flag_at, (), {admission_check.FLAG: True})
     hashes = [host_tier_lookup.SET_BLOCK_HASH, host_tier_lookup.HASH_SETTER]
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 

@@ -47,6 +47,18 @@ def test_with_memory_to_spare_the_patched_scheduler_makes_vanillas_decisions(pat
     assert prefill(vanilla, "b") < prefill(vanilla, "a") / 10  # the second wave hit the cache
 
 
+def test_without_a_connector_no_free_order_is_kept_and_reading_it_says_why(patched):
+    from kvelastic.integration.free_order import FreeOrderNotKept
+
+    scheduler, _, _ = patched()
+    queue = scheduler.kv_cache_manager.block_pool.free_block_queue
+    drive(scheduler, repeat_waves()[:1])
+    for read in (lambda: queue.fake_free_list_head, lambda: list(queue.iter_blocks_after(None))):
+        with pytest.raises(FreeOrderNotKept, match="only for an engine with a KV connector"):
+            read()
+    # with a connector the order is kept: tests/test_connector_scheduler.py drives SimpleCPUOffload's lazy walk
+
+
 def test_under_a_tight_limit_every_request_finishes_within_it(patched):
     scheduler, pool, _ = patched(limit_groups=2)  # 64 blocks; one wave needs about 80 at once
     mapped = []

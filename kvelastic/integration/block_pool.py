@@ -19,14 +19,17 @@ from kvelastic.roles import Mapper, SchedulerCache
 
 
 def make_page_aware(block_pool: Any, cache: SchedulerCache, mapper: Mapper, *,
-                    patcher: Patcher, max_ahead_groups: int = 1) -> PageAwareFreeQueue:
-    """Swap ``block_pool``'s free queue for a page-aware one over ``cache``, mapped by ``mapper``; return it."""
+                    patcher: Patcher, max_ahead_groups: int = 1, keep_free_order: bool = True) -> PageAwareFreeQueue:
+    """Swap ``block_pool``'s free queue for a page-aware one over ``cache``, mapped by ``mapper``; return it.
+
+    ``keep_free_order``: the queue also keeps vLLM's free-queue order, which only a connector walks.
+    """
     if block_pool.num_gpu_blocks != cache.num_blocks:
         raise PatchError(f"the scheduler's block pool has {block_pool.num_gpu_blocks} blocks but the "
                          f"elastic KV tensors hold {cache.num_blocks}: they were sized from different configs")
     queue = PageAwareFreeQueue(cache, block_pool.blocks, block_pool.free_block_queue.get_all_free_blocks(),
                                block_pool._maybe_evict_cached_block, mapper,
-                               max_ahead_groups=max_ahead_groups)
+                               max_ahead_groups=max_ahead_groups, keep_free_order=keep_free_order)
     patcher.replace_attribute(block_pool, BLOCK_POOL, "free_block_queue", queue)
     patcher.wrap_instance(block_pool, RESET_PREFIX_CACHE, _reset_prefix_cache)
     patcher.wrap_instance(block_pool, GET_USAGE, _get_usage)

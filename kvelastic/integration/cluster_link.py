@@ -31,6 +31,7 @@ from kvelastic.errors import ConfigError
 from kvelastic.integration.elastic_cache import ElasticKVCache
 from kvelastic.integration.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
+from kvelastic.shared.legacy import legacy_account
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
@@ -57,8 +58,9 @@ def default_name(settings: Settings, model: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{base}-{suffix}")[:64]
 
 
-def _warn_about_other_users() -> None:
-    """Engines of other users (or groups) on this GPU count in accounts of their own: say so, never silently."""
+def _warn_about_uncounted_engines(gpu_id: str) -> None:
+    """Engines this account cannot count: other users' (or groups'), and an older kvelastic's. Say so, never
+    silently; a file an older kvelastic left behind is named as such, with the way to remove it."""
     try:
         scope = current_scope()
     except ConfigError:
@@ -68,6 +70,9 @@ def _warn_about_other_users() -> None:
         log.warning("kvelastic: this GPU account is shared by %s only; %s in %s hold(s) other users' kvelastic "
                     "files, whose engines are not counted in it (docs/security.md; KVELASTIC_SHARED_GROUP lets "
                     "a group share one account)", scope.describe(), ", ".join(others), scope.root)
+    legacy = legacy_account(scope, gpu_id)
+    if legacy is not None:
+        log.warning("kvelastic: %s", legacy.describe(scope))
 
 
 class ClusterLink:
@@ -93,7 +98,7 @@ class ClusterLink:
         atexit.register(self.leave)
         if self.membership.attached:
             log.info("kvelastic: joined the shared KV account of %s as %r", self.gpu_id, self.name)
-        _warn_about_other_users()
+        _warn_about_uncounted_engines(self.gpu_id)
 
     def _connect(self) -> Member:
         """Open (or create) the GPU's account and join it with this engine's settings."""

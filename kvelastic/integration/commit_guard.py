@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kvelastic.patches.admission_check import ESTIMATE, is_admission_check
+from kvelastic.patches.admission_check import ESTIMATE, flag_index, is_admission_check
 
 if TYPE_CHECKING:
     from kvelastic.integration.free_queue import PageAwareFreeQueue
@@ -113,7 +113,8 @@ class CommitGuard:
 def install(coordinator: Any, queue: PageAwareFreeQueue, patcher: Patcher) -> CommitGuard:
     """Wrap ``coordinator.get_num_blocks_to_allocate`` on this instance only; return the guard."""
     guard = CommitGuard(queue)
-    patcher.wrap_instance(coordinator, ESTIMATE, functools.partial(_estimate, guard, patcher.params(ESTIMATE)))
+    flag_at = flag_index(patcher.params(ESTIMATE))
+    patcher.wrap_instance(coordinator, ESTIMATE, functools.partial(_estimate, guard, flag_at))
     patcher.add_attribute(coordinator, "kvelastic_guard", guard)
     return guard
 
@@ -123,9 +124,9 @@ def guard_of(kv_cache_manager: Any) -> CommitGuard | None:
     return getattr(kv_cache_manager.coordinator, "kvelastic_guard", None)
 
 
-def _estimate(guard: CommitGuard, params: tuple[str, ...], wrapped: Any, instance: Any, args: tuple,
+def _estimate(guard: CommitGuard, flag_at: int | None, wrapped: Any, instance: Any, args: tuple,
               kwargs: dict) -> int:
     blocks = wrapped(*args, **kwargs)
-    if not is_admission_check(params, args, kwargs):
+    if not is_admission_check(flag_at, args, kwargs):
         guard.secure(blocks)
     return blocks

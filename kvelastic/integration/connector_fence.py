@@ -57,6 +57,16 @@ def check_offload_owner(connector: Any, cpu_bytes: int | None) -> None:
             f"--kv-offloading-size / the kv_transfer_config to use kvelastic's host tier")
 
 
+def may_walk_free_queue(connector: Any) -> bool:
+    """Whether ``connector`` may walk the GPU free queue itself, so the page-aware queue must keep its order.
+
+    SimpleCPUOffloadConnector's lazy mode does; no other code reads the order,
+    and keeping it costs work on every block taken or freed. A connector
+    kvelastic does not know might, so any connector keeps it.
+    """
+    return connector is not None
+
+
 def transfers_in_flight(scheduler: Any, patcher: Patcher) -> Callable[[], bool] | None:
     """What the page-aware queue asks before releasing groups freed meanwhile; None where pins suffice."""
     connector = scheduler.connector

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from kvelastic.integration.elastic_cache import NULL_GROUP
-from kvelastic.integration.free_order import FreeOrder
+from kvelastic.integration.free_order import BlockOrder, FreeOrder, UntrackedOrder
 from kvelastic.roles import SchedulerCache
 
 
@@ -29,9 +29,13 @@ class FreeBlockLedger:
     """The free blocks of one block pool, grouped by page group."""
 
     def __init__(self, layout: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
-                 is_mapped: Callable[[int], bool]):
-        """Start from vLLM's free blocks (every other block is in use) and the groups mapped now."""
+                 is_mapped: Callable[[int], bool], *, keep_order: bool = True):
+        """Start from vLLM's free blocks (every other block is in use) and the groups mapped now.
+
+        ``keep_order``: keep vLLM's free-queue order too (for a connector that walks it).
+        """
         self.layout = layout
+        self._group_of = layout.layout.group_of_block  # bound once: asked for every block taken or freed
         self._blocks = blocks
         groups = layout.num_groups
         self.in_use = [len(layout.blocks_of_group(g)) for g in range(groups)]
@@ -45,7 +49,8 @@ class FreeBlockLedger:
         self._cached: OrderedDict[int, Any] = OrderedDict()
         self._open: list[int] = []  # a heap of groups that may have free uncached blocks
         self._unmapped = [g for g in range(groups) if not is_mapped(g)]  # a heap
-        self.order = FreeOrder()  # the free blocks below, in the order vLLM's queue would keep them
+        # the free blocks below, in the order vLLM's queue would keep them
+        self.order: BlockOrder = FreeOrder() if keep_order else UntrackedOrder()
         for g in range(groups):
             if is_mapped(g):
                 self.adopt_group(g, free=False)
@@ -158,7 +163,7 @@ class FreeBlockLedger:
         evicted: list[Any] = []
         while len(evicted) < n and self._cached:
             _, block = self._cached.popitem(last=False)
-            self.cached_count[self.layout.group_of_block(block.block_id)] -= 1
+            self.cached_count[self._group_of(block.block_id)] -= 1
             self.order.unlink(block)
             evicted.append(block)
         return evicted
@@ -168,14 +173,14 @@ class FreeBlockLedger:
         victim = next((b for b in self._cached.values() if b.block_id not in protected), None)
         if victim is not None:
             del self._cached[victim.block_id]
-            self.cached_count[self.layout.group_of_block(victim.block_id)] -= 1
+            self.cached_count[self._group_of(victim.block_id)] -= 1
             self.order.unlink(victim)
         return victim
 
     def uncache(self, block: Any) -> None:
         """A cached free block loses its prefix: it stays free, holding nothing."""
         del self._cached[block.block_id]
-        g = self.layout.group_of_block(block.block_id)
+        g = self._group_of(block.block_id)
         self.cached_count[g] -= 1
         self._add_uncached(g, block.block_id)
 
@@ -185,44 +190,49 @@ class FreeBlockLedger:
         dropped = [self._cached[b] for b in ids if self._cached[b].block_hash is None]
         for block in dropped:
             self.uncache(block)
-        self.note_empty({self.layout.group_of_block(b.block_id) for b in dropped})
+        self.note_empty({self._group_of(b.block_id) for b in dropped})
 
     def mark_taken(self, blocks: list[Any], now: float | None) -> None:
         """``blocks``, no longer counted as free, are in use (taken at ``now``, if it counts as use)."""
         self.num_in_use += len(blocks)
         for block in blocks:
-            g = self.layout.group_of_block(block.block_id)
-            self.in_use[g] += 1
-            if now is not None:
-                self.last_used[g] = now
-            self.empty.discard(g)
+            self._use(self._group_of(block.block_id), now)
 
     def remove(self, block: Any, now: float) -> None:
         """vLLM took this particular free block (a prefix hit): it is in use."""
-        g = self.layout.group_of_block(block.block_id)
+        g = self._group_of(block.block_id)
         if self._cached.pop(block.block_id, None) is not None:
             self.cached_count[g] -= 1
         else:
             self._free_uncached[g].remove(block.block_id)
             self._free_uncached_total -= 1
         self.order.unlink(block)
-        self.mark_taken([block], now)
+        self.num_in_use += 1
+        self._use(g, now)
+
+    def _use(self, g: int, now: float | None) -> None:
+        self.in_use[g] += 1
+        if now is not None:
+            self.last_used[g] = now
+        self.empty.discard(g)
 
     def mark_freed(self, blocks: list[Any], now: float) -> None:
         """``blocks`` were freed at ``now``."""
         touched: set[int] = set()
         for block in blocks:
-            g = self.layout.group_of_block(block.block_id)
+            g = self._group_of(block.block_id)
             self.in_use[g] -= 1
             self.last_used[g] = now
-            self.to_free(block)
+            self._to_free(block, g)
             touched.add(g)
         self.num_in_use -= len(blocks)
         self.note_empty(touched)
 
     def to_free(self, block: Any) -> None:
         """Count ``block`` as free: cached if it holds a prefix, else holding nothing."""
-        g = self.layout.group_of_block(block.block_id)
+        self._to_free(block, self._group_of(block.block_id))
+
+    def _to_free(self, block: Any, g: int) -> None:
         self.order.append(block)
         if block.block_hash is not None:
             self._cached[block.block_id] = block

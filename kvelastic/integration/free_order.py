@@ -13,11 +13,42 @@ as freed when it is mapped (appended in block order).
 A block leaving the list because its group is released keeps a forward link to
 the head end: a walker whose saved position was that block starts over from the
 head, as vLLM's walker does when its position is taken.
+
+Only a connector walks the list, and keeping it costs a few pointer updates on
+every block taken or freed, dozens a scheduling step. An engine without a
+connector gets :class:`UntrackedOrder`, which keeps nothing and says so if it
+is ever read.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol
+
+from kvelastic.errors import KvelasticError
+
+
+class FreeOrderNotKept(KvelasticError):
+    """The free queue's order was read on an engine that keeps none (it has no KV connector)."""
+
+
+class BlockOrder(Protocol):
+    """What the free-block ledger tells the order as blocks come and go, and what a walker reads."""
+
+    def append(self, block: Any) -> None: ...
+
+    def move_to_head(self, blocks: list[Any]) -> None: ...
+
+    def unlink(self, block: Any, *, restart: bool = False) -> None: ...
+
+    def unlink_all(self, blocks: Iterable[Any], *, restart: bool = False) -> None: ...
+
+    @property
+    def head(self) -> Any: ...
+
+    @property
+    def tail(self) -> Any: ...
+
+    def after(self, cursor: Any | None) -> Iterator[Any]: ...
 
 
 class ListEnd:
@@ -82,3 +113,35 @@ class FreeOrder:
 
     def __iter__(self) -> Iterator[Any]:
         return self.after(None)
+
+
+class UntrackedOrder:
+    """The order of an engine no connector walks: every update is free, and reading it is an error."""
+
+    def append(self, block: Any) -> None:
+        return None
+
+    def move_to_head(self, blocks: list[Any]) -> None:
+        return None
+
+    def unlink(self, block: Any, *, restart: bool = False) -> None:
+        return None
+
+    def unlink_all(self, blocks: Iterable[Any], *, restart: bool = False) -> None:
+        return None
+
+    @property
+    def head(self) -> Any:
+        raise self._not_kept()
+
+    @property
+    def tail(self) -> Any:
+        raise self._not_kept()
+
+    def after(self, cursor: Any | None) -> Iterator[Any]:
+        raise self._not_kept()
+
+    @staticmethod
+    def _not_kept() -> FreeOrderNotKept:
+        return FreeOrderNotKept("kvelastic keeps the GPU free queue's order only for an engine with a KV connector "
+                                "(the only walker of it); this engine was attached without one")

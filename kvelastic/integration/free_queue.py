@@ -42,7 +42,9 @@ class PageAwareFreeQueue:
 
     def __init__(self, cache: SchedulerCache, blocks: list[Any], free_blocks: Iterable[Any],
                  evict_cached: Callable[[Any], Any], mapper: Mapper, *,
-                 max_ahead_groups: int = 1, clock: Callable[[], float] = time.monotonic):
+                 max_ahead_groups: int = 1, keep_free_order: bool = True,
+                 clock: Callable[[], float] = time.monotonic):
+        """``keep_free_order``: keep vLLM's free-queue order for a connector that walks it (see free_order)."""
         self.cache = cache
         self.mapper = mapper
         self._evict_cached = evict_cached
@@ -55,10 +57,10 @@ class PageAwareFreeQueue:
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
         self.last_allocation = clock()
-        self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped)
+        self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped, keep_order=keep_free_order)
         self._requested: set[int] = set()
-        self._mappable_until = 0.0
-        self._mappable_value = 0
+        self._room_until = 0.0
+        self._room_value = (0, 0)
         self.num_total = len(blocks)
         self._balance()
 
@@ -229,6 +231,8 @@ class PageAwareFreeQueue:
         Only when the estimate says they can be had (otherwise vLLM's own
         check declines). False if a map was refused: the estimate was wrong.
         """
+        if blocks <= 0:  # most estimates of a decode step: nothing new to map
+            return True
         short = blocks - self.mapped_free_blocks()
         if short <= 0 or short > self._mappable_blocks():
             return True
@@ -246,7 +250,7 @@ class PageAwareFreeQueue:
 
     # ----------------------------------------------------------------- helpers
     def _mappable_blocks(self) -> int:
-        """Blocks in groups the pool could still map; recomputed at most every millisecond.
+        """Blocks in groups the pool could still map (see :meth:`_room`).
 
         Zero when mapping is not synchronous (ranks in other processes must
         confirm a group first): blocks are promised only once really mapped;
@@ -254,17 +258,26 @@ class PageAwareFreeQueue:
         """
         if not self.mapper.synchronous or self.hold.refused:
             return 0
+        return self._room()[1]
+
+    def _room(self) -> tuple[int, int]:
+        """``(groups, blocks)`` the pool could still map; recomputed at most every millisecond.
+
+        The free count and every rebalance ask, dozens of times a step, and
+        the answer walks the pool's source stack and the device reading.
+        Mapping, releasing or a refused map makes the next call recompute.
+        """
         now = self._clock()
-        if now < self._mappable_until:
-            return self._mappable_value
-        unmapped_blocks = self.cache.num_blocks - self.free.mapped_blocks
-        groups = self.cache.mappable_groups(self.cache.num_groups - self.free.mapped_groups)
-        self._mappable_value = min(unmapped_blocks, groups * self.cache.blocks_per_group)
-        self._mappable_until = now + MAPPABLE_TTL_S
-        return self._mappable_value
+        if now >= self._room_until:
+            cache = self.cache
+            groups = cache.mappable_groups(cache.num_groups - self.free.mapped_groups)
+            self._room_value = (groups, min(cache.num_blocks - self.free.mapped_blocks,
+                                            groups * cache.blocks_per_group))
+            self._room_until = now + MAPPABLE_TTL_S
+        return self._room_value
 
     def _forget_mappable(self) -> None:
-        self._mappable_until = 0.0
+        self._room_until = 0.0
 
     def _adopt_mapped(self) -> None:
         mapper = self.mapper
@@ -278,6 +291,7 @@ class PageAwareFreeQueue:
             self._requested.discard(g)
             self.refused_groups += 1
             self.free.return_unmapped(g)
+            self._forget_mappable()
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
@@ -314,8 +328,7 @@ class PageAwareFreeQueue:
         empty = self.free.empty
         have = len(empty) + len(self._requested)
         if have < want:
-            room = self.cache.mappable_groups(self.cache.num_groups - self.free.mapped_groups)
-            groups = self.free.pop_unmapped(min(want - have, room), self._requested)
+            groups = self.free.pop_unmapped(min(want - have, self._room()[0]), self._requested)
             if groups:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)

@@ -34,20 +34,12 @@ class GroupMapper(Mapper):
 
     def __init__(self, cache: ElasticKVCache):
         self.cache = cache
-        self._mapped: deque[int] = deque()
-        self._refused: deque[int] = deque()
+        self.mapped: deque[int] = deque()
+        self.refused: deque[int] = deque()
         self._commands: deque[tuple[str, int, threading.Event | None, Any]] = deque()
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def mapped(self) -> deque[int]:
-        return self._mapped
-
-    @property
-    def refused(self) -> deque[int]:
-        return self._refused
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvelastic-mapper", daemon=True)
@@ -124,5 +116,5 @@ class GroupMapper(Mapper):
 
     def _map(self, groups: list[int], force: bool = False) -> None:
         done = self.cache.map_as_many(groups, force=force)
-        self._mapped.extend(groups[:done])
-        self._refused.extend(groups[done:])
+        self.mapped.extend(groups[:done])
+        self.refused.extend(groups[done:])

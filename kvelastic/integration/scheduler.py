@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 from kvelastic.integration import commit_guard
 from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.connector_fence import check_offload_owner, transfers_in_flight
+from kvelastic.integration.connector_fence import check_offload_owner, may_walk_free_queue, transfers_in_flight
 from kvelastic.integration.local_connection import LocalConnection
 from kvelastic.integration.runtime import Runtime
 from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
@@ -67,7 +67,8 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     manager = scheduler.kv_cache_manager
     block_pool = manager.block_pool
     ahead = max(1, settings.prefetch_bytes // max(1, cache.group_bytes))
-    queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead)
+    queue = make_page_aware(block_pool, cache, mapper, patcher=patcher, max_ahead_groups=ahead,
+                            keep_free_order=may_walk_free_queue(scheduler.connector))
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher)

@@ -13,6 +13,7 @@ members are not all trusted (``/dev/shm`` is not).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Mapping
 
 USER_PREFIX = "kvelastic-u"
 GROUP_PREFIX = "kvelastic-g"
+_SCOPE_DIR = re.compile(r"^kvelastic-[ug][0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,29 @@ def current_scope(root: str | os.PathLike | None = None, environ: Mapping[str, s
     return Scope(Path(root) if root is not None else where, os.geteuid(), gid)
 
 
+def is_scope_dir_name(name: str) -> bool:
+    """Whether ``name`` is a scope's folder name: ``kvelastic-u<uid>`` or ``kvelastic-g<gid>``, nothing more."""
+    return _SCOPE_DIR.match(name) is not None
+
+
 def other_scopes(scope: Scope) -> list[str]:
-    """Names of other users' or groups' kvelastic directories beside ``scope``'s (names only, never opened).
+    """Names of other users' or groups' kvelastic folders beside ``scope``'s (looked at, never opened).
 
     Engines of another scope on the same GPU are not counted by this scope's
     account; the engine says so when it joins rather than running unshared
-    without a word.
+    without a word. Only folders named exactly like a scope's count: an older
+    kvelastic's account file (``kvelastic-gpu-<uuid>``, :mod:`kvelastic.shared.legacy`)
+    is not another user's folder.
     """
     try:
         names = os.listdir(scope.root)
     except OSError:
         return []
-    return sorted(n for n in names if n != scope.dir_name and n.startswith((USER_PREFIX, GROUP_PREFIX)))
+    return sorted(n for n in names if n != scope.dir_name and is_scope_dir_name(n) and _is_folder(scope.root / n))
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
