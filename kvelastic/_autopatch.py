@@ -38,6 +38,6 @@ def install_if_enabled() -> None:
 
 
 def _on_vllm_import(module: object) -> None:
-    from kvelastic.integration.activate import activate_from_hook
+    from kvelastic.startup.activate import activate_from_hook
 
     activate_from_hook()

@@ -50,7 +50,7 @@ from kvelastic.cluster.reset import reset_account
 from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.errors import ConfigError
 from kvelastic.gpu_ids import UnknownGpu, account_gpu_id
-from kvelastic.integration.metrics import find_snapshot
+from kvelastic.metrics.metrics import find_snapshot
 from kvelastic.settings import CHUNK_GRANULE
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.shared.names import gpu_of_account
@@ -224,7 +224,7 @@ def engine_numbers(directory: Path, member: MemberInfo) -> dict[str, int]:
 
     The account only holds what the grants need; the host tier's traffic and
     the limit the pool enforces live in the snapshot each engine rewrites on
-    every upkeep tick for ``/metrics`` (:mod:`kvelastic.integration.metrics`).
+    every upkeep tick for ``/metrics`` (:mod:`kvelastic.metrics.metrics`).
     It must carry the engine's pid and the member's name, so a stale file of an
     earlier process is never shown.
     """

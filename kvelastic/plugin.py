@@ -12,6 +12,6 @@ def register() -> None:
 
     if not enabled():
         return
-    from kvelastic.integration.activate import activate_from_hook
+    from kvelastic.startup.activate import activate_from_hook
 
     activate_from_hook()

@@ -19,7 +19,7 @@ role                          in this process                       on worker ra
 Every implementation subclasses its role, so a method it lacks is an error
 when it is built, not a silent ``None`` later. Which of the two an engine
 gets is decided once, when the scheduler attaches
-(:func:`kvelastic.integration.scheduler.attach_scheduler`); nothing after that
+(:func:`kvelastic.hooks.scheduler.attach_scheduler`); nothing after that
 asks which one it holds.
 """
 
@@ -30,10 +30,10 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from kvelastic.integration.cluster_link import ClusterLink
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.kv_layout import KVGroupLayout
-    from kvelastic.integration.runtime import Runtime
+    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.pool.kv_layout import KVGroupLayout
+    from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.pool.backend import Fence
     from kvelastic.pool.stats import PoolStats

@@ -1,6 +1,6 @@
 """vLLM's block estimate, and how to tell an admission check from an allocation's estimate.
 
-The commit guard (``kvelastic/integration/commit_guard.py``) wraps
+The commit guard (``kvelastic/hooks/commit_guard.py``) wraps
 ``KVCacheCoordinator.get_num_blocks_to_allocate`` on the scheduler's
 coordinator and maps, on vLLM's estimate, what the allocation that follows
 will take. Admission checks ask about a whole sequence and allocate nothing;
@@ -71,7 +71,7 @@ def is_admission_check(flag_at: int | None, args: tuple, kwargs: dict) -> bool:
 
 
 def _can_fit(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:
-    from kvelastic.integration.commit_guard import guard_of
+    from kvelastic.hooks.commit_guard import guard_of
 
     guard = guard_of(instance)
     if guard is None:  # not the scheduler's GPU manager (or kvelastic did not attach): vLLM as is

@@ -1,4 +1,4 @@
-"""The scheduler's GPU ``BlockPool``, made page-aware on its instance (``integration/block_pool.py``).
+"""The scheduler's GPU ``BlockPool``, made page-aware on its instance (``hooks/block_pool.py``).
 
 Its free queue is replaced by ``PageAwareFreeQueue``, and three methods whose
 meaning depends on "free" are wrapped on that one object; the CPU pool of an

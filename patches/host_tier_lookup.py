@@ -1,4 +1,4 @@
-"""The prefix-cache map, where the host tier answers GPU misses (``integration/offload_setup.py``).
+"""The prefix-cache map, where the host tier answers GPU misses (``hooks/offload_setup.py``).
 
 ``BlockPool.cached_block_hash_to_block`` (a ``BlockHashToBlockMap``) gets its
 ``get_one_block`` wrapped on the instance: a miss the host tier can serve

@@ -6,7 +6,7 @@ pool), allocates the KV cache inside it so that the connector can register or
 share that memory. kvelastic serves the one KV backing from its own page pool
 instead, so the connector's pool would never hold the KV cache: the single-
 backing patches ask the connector the same question before anything is
-allocated and refuse (``kvelastic/integration/single_backing.py``).
+allocated and refuse (``kvelastic/worker/single_backing.py``).
 
 Version difference handled here: the method exists from 0.31
 (:func:`connector_pool_test`); before that no connector can ask for it.

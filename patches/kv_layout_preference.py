@@ -1,7 +1,7 @@
 """vLLM 0.29+, worker: report block-outermost KV layouts first where no kernel block split follows.
 
 The engine core resolves one layout from what the workers report; a user's or a
-connector's choice still wins. See ``kvelastic/integration/layout_preference.py``
+connector's choice still wins. See ``kvelastic/worker/layout_preference.py``
 for when the order changes and why no token moves.
 
 Declared here: the method wrapped, and what the preference reads to decide: the
@@ -101,7 +101,7 @@ def _select_for_backends(block_size: int, backends: list[Any], spec: Any) -> int
 
 def _layouts(select: Callable[[int, list[Any], Any], int], wrapped: Any, instance: Any, args: tuple,
              kwargs: dict) -> list[str]:
-    from kvelastic.integration.layout_preference import preferred_layouts
+    from kvelastic.worker.layout_preference import preferred_layouts
 
     return preferred_layouts(instance, wrapped(*args, **kwargs), select)
 

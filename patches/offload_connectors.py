@@ -5,7 +5,7 @@ scheduler made, and, for OffloadingConnector, whether its scheduler side has
 transfers in flight: from 0.21 its GPU blocks may be freed while a store still
 reads them (the connector flushes the store before vLLM reuses the block, but
 knows nothing of pages being unmapped), so groups freed meanwhile are held
-(``kvelastic/integration/connector_fence.py``). SimpleCPUOffloadConnector pins
+(``kvelastic/hooks/connector_fence.py``). SimpleCPUOffloadConnector pins
 every GPU block it copies (``BlockPool.touch``) until the copy is reported done,
 so the ordinary in-use count already keeps those groups mapped.
 

@@ -4,7 +4,7 @@
 ``POST /release_kv_cache_memory`` on the dev router): with the scheduler paused
 it resets the prefix cache and discards the CuMem ``kv_cache`` pool. kvelastic's
 pages are in no such pool, so the call would free nothing while saying it had
-(``kvelastic/integration/sleep_mode.py``). The wrapper raises before vLLM's own
+(``kvelastic/worker/sleep_mode.py``). The wrapper raises before vLLM's own
 method runs, so nothing is reset or marked asleep; the engine core reports a
 failed utility call to its client and goes on serving.
 """
@@ -27,7 +27,7 @@ TARGET = Target(
 
 
 def _refuse(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
-    from kvelastic.integration.sleep_mode import refuse_release_kv_cache_memory
+    from kvelastic.worker.sleep_mode import refuse_release_kv_cache_memory
 
     refuse_release_kv_cache_memory()
 

@@ -2,7 +2,7 @@
 
 The patch wraps ``Scheduler.__init__`` on the class; everything else happens
 on the new scheduler's own objects in ``attach_scheduler``
-(``kvelastic/integration/scheduler.py``), through the same Patcher, so it is
+(``kvelastic/hooks/scheduler.py``), through the same Patcher, so it is
 undone with the rest and all of it is undone if attaching fails. The patch's
 targets are every vLLM contact of that scheduler side, declared here and in
 the modules named below, and checked by the gate before anything changes:
@@ -91,7 +91,7 @@ TARGETS = (SCHEDULER_INIT, SCHEDULER, *LOCKED, REQUEST, *block_pool_queue.TARGET
 
 
 def _init(runtime: Any, patcher: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
-    from kvelastic.integration.scheduler import attach_scheduler
+    from kvelastic.hooks.scheduler import attach_scheduler
 
     wrapped(*args, **kwargs)
     attach_scheduler(instance, runtime, patcher)

@@ -5,7 +5,7 @@ cache in one ``torch.zeros`` backing and cuts vLLM's per-layer views out of it.
 Each runner's module imports it by name, so each runner gets a patch of its own
 (``v1_single_backing``, ``v2_single_backing``, built here) that wraps that name
 and the runner's ``initialize_kv_cache`` together: the backing comes from the
-page pool (``kvelastic/integration/single_backing.py``) and, once vLLM has bound
+page pool (``kvelastic/worker/single_backing.py``) and, once vLLM has bound
 its views, their layout is published in whole-page groups.
 
 Declared here: vLLM's allocator itself, read (the wrapped names must be it).
@@ -45,14 +45,14 @@ def allocator_name(module: str) -> Target:
 
 def _allocate(runtime: Any, is_host_resident: Callable[[Any], bool], wrapped: Any, instance: Any, args: tuple,
               kwargs: dict) -> dict[str, Any]:
-    from kvelastic.integration.single_backing import allocate_in_pool
+    from kvelastic.worker.single_backing import allocate_in_pool
 
     return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident)
 
 
 def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], wrapped: Any, instance: Any, args: tuple,
                 kwargs: dict) -> Any:
-    from kvelastic.integration.single_backing import publish_one_backing
+    from kvelastic.worker.single_backing import publish_one_backing
 
     return publish_one_backing(runtime, wrapped, instance, args, kwargs, connector_has_pool=connector_has_pool)
 

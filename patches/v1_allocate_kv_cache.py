@@ -21,7 +21,7 @@ TARGET = Target(
 
 
 def _allocate(runtime: Any, packed: bool, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    from kvelastic.integration.allocation import allocate_kv_tensors
+    from kvelastic.worker.allocation import allocate_kv_tensors
 
     config = argument(wrapped, args, kwargs, "kv_cache_config")
     raw = allocate_kv_tensors(runtime, config, packed=packed)

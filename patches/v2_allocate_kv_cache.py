@@ -26,7 +26,7 @@ TARGET = Target(
 
 
 def _allocate(runtime: Any, packed: bool, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    from kvelastic.integration.allocation import allocate_kv_tensors
+    from kvelastic.worker.allocation import allocate_kv_tensors
 
     return allocate_kv_tensors(runtime, argument(wrapped, args, kwargs, "kv_cache_config"), packed=packed)
 

@@ -24,7 +24,7 @@ TARGET = Target(
 
 
 def apply(patcher: Any, runtime: Any) -> None:
-    from kvelastic.integration.allocation import publish_after_initialize
+    from kvelastic.worker.allocation import publish_after_initialize
 
     patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime))
 

@@ -2,7 +2,7 @@
 
 ``get_kv_cache_configs`` is imported by name into ``vllm.v1.engine.core``
 (from ``kv_cache_utils`` up to 0.32, ``kv_cache_planning`` in 0.33), which is
-where the engine core calls it; ``kvelastic/integration/whole_page_blocks.py``
+where the engine core calls it; ``kvelastic/worker/whole_page_blocks.py``
 rounds ``num_blocks`` through vLLM's ``CacheConfig.num_gpu_blocks_override``
 (declared in ``engine_config``) and reads the ``KVCacheTensor`` placement
 (``kv_cache_objects``).
@@ -34,7 +34,7 @@ TARGET = Target(
 
 
 def _plan(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> list[Any]:
-    from kvelastic.integration.whole_page_blocks import plan_whole_pages
+    from kvelastic.worker.whole_page_blocks import plan_whole_pages
 
     return plan_whole_pages(runtime, lambda: wrapped(*args, **kwargs), argument(wrapped, args, kwargs, "vllm_config"))
 

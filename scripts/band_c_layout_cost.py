@@ -17,9 +17,9 @@ import argparse
 
 import torch
 
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
-from kvelastic.integration.page_alignment import aligned_num_blocks, group_blocks_of_config, layer_outermost_multiple
-from kvelastic.integration.single_backing import VIEW_BLOCK_DIM
+from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.worker.page_alignment import aligned_num_blocks, group_blocks_of_config, layer_outermost_multiple
+from kvelastic.worker.single_backing import VIEW_BLOCK_DIM
 
 MIB = 1024**2
 SHAPES = {  # layers, KV heads (per rank), head size: bf16, 16-token blocks

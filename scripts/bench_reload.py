@@ -92,7 +92,7 @@ def ask(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 def kv_stats() -> dict[str, Any] | None:
     """The latest kvelastic snapshot of this process's engine (None without kvelastic)."""
     try:
-        from kvelastic.integration.metrics import read_snapshots, stats_dir
+        from kvelastic.metrics.metrics import read_snapshots, stats_dir
     except ImportError:
         return None
     found = read_snapshots(stats_dir(), [os.getpid()])

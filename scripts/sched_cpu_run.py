@@ -111,9 +111,9 @@ def patched_scheduler(args: argparse.Namespace) -> tuple[Any, dict]:
 
     import torch
 
-    from kvelastic.integration.activate import activate
-    from kvelastic.integration.elastic_cache import ElasticKVCache
-    from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+    from kvelastic.startup.activate import activate
+    from kvelastic.scheduler.elastic_cache import ElasticKVCache
+    from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
     from kvelastic.patches import scheduler_block_pool
     from kvelastic.settings import Settings
 

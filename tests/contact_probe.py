@@ -189,7 +189,7 @@ def instance_changes(scheduler: Any) -> list[str]:
 def run_case(case: Case | None, held: list[Any]) -> dict[str, Any]:
     """One case (None: the control, nothing broken); what happened at each step."""
     from kvelastic.errors import PatchError
-    from kvelastic.integration import activate as activation
+    from kvelastic.startup import activate as activation
     from kvelastic.settings import Settings
     from tests.scheduler_harness import make_scheduler
 

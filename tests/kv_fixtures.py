@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.pool import HostBackend, PagePool
 from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
 from kvelastic.pool.stats import StatisticsSource

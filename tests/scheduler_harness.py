@@ -165,7 +165,7 @@ def check_every_step(pool, mapped: list | None = None):
 
 def cached_blocks_are_all_mapped(scheduler, pool) -> bool:
     """Every block vLLM could serve as a prefix hit lies in a mapped group."""
-    from kvelastic.integration.elastic_cache import ElasticKVCache
+    from kvelastic.scheduler.elastic_cache import ElasticKVCache
 
     block_pool = scheduler.kv_cache_manager.block_pool
     cache: ElasticKVCache = block_pool.free_block_queue.cache
@@ -234,7 +234,7 @@ class PatchedSchedulers:
 
     def make(self, pool, views, cache, settings, asynchronous: bool = False, budget_source=None):
         """``budget_source``: the pool's shared-account gate, so the scheduler joins the GPU's account."""
-        from kvelastic.integration.runtime import Runtime
+        from kvelastic.startup.runtime import Runtime
 
         runtime = Runtime(settings)
         runtime.cache = cache

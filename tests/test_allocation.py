@@ -32,9 +32,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from kvelastic.errors import PoolClosedError  # noqa: E402
-from kvelastic.integration import activate as activation  # noqa: E402
-from kvelastic.integration.allocation import publish_views, startup_blocks  # noqa: E402
-from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.startup import activate as activation  # noqa: E402
+from kvelastic.worker.allocation import publish_views, startup_blocks  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.pool import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.units import align_up  # noqa: E402

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm installed")
 
-from kvelastic.integration import activate as activation  # noqa: E402
+from kvelastic.startup import activate as activation  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PTH = "kvelastic-autopatch.pth"
@@ -68,7 +68,7 @@ result = {{
     "loaded_at_end": "kvelastic" in sys.modules,
 }}
 if "kvelastic" in sys.modules:
-    from kvelastic.integration.activate import current
+    from kvelastic.startup.activate import current
     active = current()
     result["active"] = active is not None
     result["patches"] = list(active.patcher.wrapped) if active else []
@@ -245,7 +245,7 @@ def test_register_with_a_bad_switch_names_kvelastic(monkeypatch, no_leaked_patch
 # Last in the file: the interpreters start with the module's first test and run meanwhile.
 def test_kvelastic_1_patches_vllm_on_import(interpreters):
     result = interpreters["on"].result()
-    assert "kvelastic.integration.activate" in result["loaded_after_vllm"]
+    assert "kvelastic.startup.activate" in result["loaded_after_vllm"]
     assert result["active"] is True
     assert result["v1_wrapped"] is True, result["v1_type"]
     assert result["v2_wrapped"] is True

@@ -19,7 +19,7 @@ pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.29+ installe
 import torch  # noqa: E402
 
 from kvelastic.errors import UnsupportedOperation  # noqa: E402
-from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.patches import kv_layout_preference, release_kv_cache_refusal, whole_page_num_blocks  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.patching.spec import Patch  # noqa: E402
@@ -48,7 +48,7 @@ def test_block_outermost_is_preferred_only_where_backends_take_the_block_whole()
     from vllm.v1.attention.backends.flashinfer import FlashInferBackend
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
-    from kvelastic.integration.layout_preference import plain_attention, whole_blocks_everywhere
+    from kvelastic.worker.layout_preference import plain_attention, whole_blocks_everywhere
 
     select = kv_layout_preference.common_block_size(patcher_for(kv_layout_preference.PATCH))
 
@@ -88,7 +88,7 @@ def test_the_reorder_keeps_every_layout_and_puts_block_outermost_first():
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from kvelastic.integration.layout_preference import block_outermost_first
+    from kvelastic.worker.layout_preference import block_outermost_first
 
     reported = [layout.name for layout in get_supported_kv_cache_layouts([FlashAttentionBackend])]
     moved = block_outermost_first(reported, lambda name: KVCacheLayout[name].is_block_outermost)

@@ -73,7 +73,7 @@ def test_status_json_is_for_scripts(fleet, shared):
 
 
 def test_status_json_adds_the_host_tier_numbers_an_engine_publishes(fleet, shared):
-    from kvelastic.integration.metrics import StatsPublisher
+    from kvelastic.metrics.metrics import StatsPublisher
 
     publisher = StatsPublisher("small")  # what the engine of "small" (this process) writes
     publisher.publish({"mapped_bytes": 2 * GIB, "limit_bytes": 8 * GIB, "spilled_bytes": 7 * GIB,

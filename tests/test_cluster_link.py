@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from kvelastic.cluster.source import SharedBudgetSource
-from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.cluster_link import ClusterLink
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
-from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
+from kvelastic.hooks.block_pool import make_page_aware
+from kvelastic.scheduler.mapper import GroupMapper
+from kvelastic.scheduler.cluster_link import ClusterLink
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.pool import DeviceSource, HostBackend, LimitedSource, PagePool, ReserveSource
 from kvelastic.settings import Settings
 from tests.kv_fixtures import StandInRequest

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvelastic.integration import commit_guard
-from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.integration.mapper import GroupMapper
+from kvelastic.hooks import commit_guard
+from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+from kvelastic.scheduler.mapper import GroupMapper
 from kvelastic.patches import admission_check
 from kvelastic.patching.apply import Patcher
 from kvelastic.patching.versions import Version

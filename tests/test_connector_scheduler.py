@@ -40,7 +40,7 @@ def elastic(tmp_path, monkeypatch):
     made: list = []
 
     def make(mode: str, limit_groups: int | None = None, **settings):
-        from kvelastic.integration.runtime import Runtime
+        from kvelastic.startup.runtime import Runtime
 
         pool, views, cache = build_cache(limit_groups)
         runtime = Runtime(Settings(enabled=True, limit_bytes=limit_groups and limit_groups * GROUP_BYTES,

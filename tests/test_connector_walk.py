@@ -18,9 +18,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.free_queue import PageAwareFreeQueue
-from kvelastic.integration.mapper import GroupMapper
+from kvelastic.hooks.block_pool import make_page_aware
+from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+from kvelastic.scheduler.mapper import GroupMapper
 from kvelastic.patches.offload_connectors import LAZY_WALK_MEMBERS
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache
 from tests.scheduler_harness import scheduler_patcher

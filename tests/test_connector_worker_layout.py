@@ -27,8 +27,8 @@ if not v1_allocate_kv_cache.PATCH.claims(installed_vllm_version()):
 
 import torch  # noqa: E402
 
-from kvelastic.integration.allocation import allocate_kv_tensors, publish_views  # noqa: E402
-from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.worker.allocation import allocate_kv_tensors, publish_views  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.pool import HostBackend  # noqa: E402
 from kvelastic.pool.layout import PageRef  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402

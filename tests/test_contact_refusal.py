@@ -80,7 +80,7 @@ def test_a_broken_contact_refuses_start_up_naming_it_and_leaves_vllm_as_it_was(p
 # patched it): kvelastic undoes what it had applied and the import fails, naming the contact.
 LATE = f"""
 import json, sys
-from kvelastic.integration import activate as activation
+from kvelastic.startup import activate as activation
 from kvelastic.settings import Settings
 assert activation.activate(Settings(enabled=True)) is not None
 before = sorted(m for m in {{"vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler"}} if m in sys.modules)

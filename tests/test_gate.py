@@ -11,8 +11,8 @@ pytest.importorskip("vllm", reason="needs vllm installed")
 wrapt = pytest.importorskip("wrapt")
 
 from kvelastic.errors import PatchError  # noqa: E402
-from kvelastic.integration import activate as activation  # noqa: E402
-from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.startup import activate as activation  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.patches import ALL_PATCHES, uniform_kv_cache, worker_capacity, worker_execute_model  # noqa: E402
 from kvelastic.patches._common import ALL  # noqa: E402
 from kvelastic.patching import gate  # noqa: E402

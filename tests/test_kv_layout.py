@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvelastic.errors import LayoutError
-from kvelastic.integration.kv_layout import BlockRuns, KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.pool.layout import PageRef
 
 N, BS, H, D = 64, 16, 2, 32  # blocks, tokens per block, kv heads, head size

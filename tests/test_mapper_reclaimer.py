@@ -14,11 +14,11 @@ import types
 import pytest
 
 from kvelastic.errors import PatchError
-from kvelastic.integration.mapper import GroupMapper
-from kvelastic.integration.reclaimer import WarmReserve
-from kvelastic.integration.upkeep import EachTick, UpkeepThread, engine_upkeep
-from kvelastic.integration.runtime import Runtime
-from kvelastic.integration.scheduler import LOCKED_METHODS, attach_scheduler
+from kvelastic.scheduler.mapper import GroupMapper
+from kvelastic.scheduler.reclaimer import WarmReserve
+from kvelastic.scheduler.upkeep import EachTick, UpkeepThread, engine_upkeep
+from kvelastic.startup.runtime import Runtime
+from kvelastic.hooks.scheduler import LOCKED_METHODS, attach_scheduler
 from kvelastic.pool import PagePool
 from kvelastic.settings import Settings
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, HALF, LAYERS, PAGE, N,  # noqa: F401
@@ -209,7 +209,7 @@ class Engine(types.SimpleNamespace):
 
 @pytest.fixture
 def engine():
-    from kvelastic.integration.block_pool import make_page_aware
+    from kvelastic.hooks.block_pool import make_page_aware
 
     pool, views, cache = build_cache()
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
@@ -424,7 +424,7 @@ def test_attach_scheduler_refuses_pipeline_parallelism():
 
 
 def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 
     pool, views, cache = build_cache()
     runtime = Runtime(Settings(enabled=True, prefetch_bytes=3 * GROUP_BYTES, reserve_bytes=2 * PAGE,
@@ -474,7 +474,7 @@ def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_po
 
 
 def test_burst_prefetch_follows_the_window_maximum_and_its_cap():
-    from kvelastic.integration.prefetch import BurstPrefetch
+    from kvelastic.scheduler.prefetch import BurstPrefetch
 
     prefetch = BurstPrefetch(blocks_per_group=10, max_groups=4, window_s=2.0)
     assert prefetch.note(0.0, 25) == 4  # 3 groups for the burst, plus one

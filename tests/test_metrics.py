@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvelastic.cluster.liveness import own_pid_namespace
-from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher, read_snapshots
+from kvelastic.metrics.metrics import KvelasticCollector, StatsPublisher, read_snapshots
 from kvelastic.shared.names import Owner, stats_name
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -60,7 +60,7 @@ def test_an_engine_in_this_process_is_counted_once(tmp_path):
 
 ENGINE = """\
 import sys, time
-from kvelastic.integration.metrics import Histogram, StatsPublisher
+from kvelastic.metrics.metrics import Histogram, StatsPublisher
 publisher = StatsPublisher("engine-a", model_name="m")
 publisher.publish({"mapped_bytes": 4096, "spilled_bytes": 8192, "host_hits": 3})
 waits = Histogram()
@@ -76,7 +76,7 @@ API_SERVER = """\
 import subprocess, sys
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from kvelastic.integration.metrics import register_collector
+from kvelastic.metrics.metrics import register_collector
 from vllm.entrypoints.serve.instrumentator.metrics import attach_router
 register_collector()  # what activation does in every vLLM process
 engine = subprocess.Popen([sys.executable, "-c", sys.argv[1], "60"], stdout=subprocess.PIPE, text=True)
@@ -119,7 +119,7 @@ def test_vllm_metrics_route_serves_the_engines_numbers(tmp_path, multiprocess):
 
 
 def test_a_histogram_a_snapshot_garbles_is_left_out(tmp_path):
-    from kvelastic.integration.metrics import Histogram
+    from kvelastic.metrics.metrics import Histogram
 
     waits = Histogram()
     waits.observe(0.3)
@@ -135,7 +135,7 @@ def test_a_histogram_a_snapshot_garbles_is_left_out(tmp_path):
 
 
 def test_multiprocess_files_are_written_only_where_they_are_read(tmp_path, monkeypatch):
-    from kvelastic.integration.metrics_multiproc import multiprocess_values
+    from kvelastic.metrics.metrics_multiproc import multiprocess_values
 
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert multiprocess_values() is False
@@ -178,7 +178,7 @@ def test_concurrent_publishes_never_fail(tmp_path):
 def test_metric_names_follow_prometheus_conventions():
     """A unit ends every name (bytes, seconds, or blocks where the help says so), or the events a counter counts;
     counters get _total on export."""
-    from kvelastic.integration.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELS
+    from kvelastic.metrics.metrics import COUNTERS, GAUGES, HISTOGRAMS, LABELS
 
     for metric, help_text in [*GAUGES.values(), *COUNTERS.values()]:
         assert metric.startswith("kvelastic_") and not metric.endswith("_total")

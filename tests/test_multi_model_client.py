@@ -268,8 +268,8 @@ def test_engine_reclaim_numbers_reach_the_summary_from_metrics_and_logs(tmp_path
     """A real ReclaimTiming, published and scraped as the servers would be; its log lines in a server log."""
     import logging
 
-    from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher
-    from kvelastic.integration.reclaim_timing import ReclaimTiming
+    from kvelastic.metrics.metrics import KvelasticCollector, StatsPublisher
+    from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 
     now = [0.0]
     timing = ReclaimTiming("model-a", clock=lambda: now[0])
@@ -318,7 +318,7 @@ def test_engine_reclaim_numbers_reach_the_summary_from_metrics_and_logs(tmp_path
 
 
 def test_summarize_reads_the_reclaim_lines_of_a_log_folder(fake_run, tmp_path, capsys):
-    from kvelastic.integration.reclaim_timing import Episode, format_line
+    from kvelastic.scheduler.reclaim_timing import Episode, format_line
 
     _, result, _ = fake_run
     (tmp_path / "servers").mkdir()

@@ -7,10 +7,10 @@ import types
 import pytest
 import torch
 
-from kvelastic.integration.local_connection import LocalConnection
-from kvelastic.integration.offload_setup import block_views, local_host_tier, wire_offload
+from kvelastic.hooks.local_connection import LocalConnection
+from kvelastic.hooks.offload_setup import block_views, local_host_tier, wire_offload
 from kvelastic.offload.copier import BlockCopier
-from kvelastic.integration.scheduler import _attach_offload
+from kvelastic.hooks.scheduler import _attach_offload
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.settings import Settings
 from tests.scheduler_harness import scheduler_patcher

@@ -86,7 +86,7 @@ def test_the_wheel_carries_the_hook_entry_points_model_and_license(wheel):
         assert installed and archive.read(PTH).decode() == installed[0].read_text()  # as the editable install's
         assert "kvelastic/patches/__init__.py" in names and "kvelastic/patches/v2_allocate_kv_cache.py" in names
         assert "kvelastic/_autopatch.py" in names and "kvelastic/plugin.py" in names
-        for package in ("pool", "integration", "offload", "patching", "cluster", "tp"):
+        for package in ("pool", "worker", "scheduler", "hooks", "startup", "metrics", "offload", "patching", "cluster", "tp"):
             assert f"kvelastic/{package}/__init__.py" in names
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             assert f"kvelastic/models/llama-1b/{name}" in names
@@ -121,7 +121,7 @@ def test_the_installed_cli_and_launcher_work_from_another_directory(venv, tmp_pa
 
 PROBE = """
 import json, kvelastic, vllm
-from kvelastic.integration.activate import current
+from kvelastic.startup.activate import current
 from kvelastic.launch import kvelastic_problem
 import os, sys
 print(json.dumps({"kvelastic": kvelastic.__file__, "active": current() is not None,

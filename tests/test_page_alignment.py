@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvelastic.integration.layout_preference import block_outermost_first
-from kvelastic.integration.page_alignment import (
+from kvelastic.worker.layout_preference import block_outermost_first
+from kvelastic.worker.page_alignment import (
     MAX_GROUP_PAGES,
     aligned_num_blocks,
     blocks_per_group,

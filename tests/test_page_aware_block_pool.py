@@ -14,8 +14,8 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.mapper import GroupMapper
+from kvelastic.hooks.block_pool import make_page_aware
+from kvelastic.scheduler.mapper import GroupMapper
 
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache  # noqa: E402,F401
 from tests.scheduler_harness import scheduler_patcher

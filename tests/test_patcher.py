@@ -15,8 +15,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 wrapt = pytest.importorskip("wrapt")
 
 from kvelastic.errors import PatchError  # noqa: E402
-from kvelastic.integration.runtime import Runtime  # noqa: E402
-from kvelastic.integration.scheduler import attach_scheduler  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
+from kvelastic.hooks.scheduler import attach_scheduler  # noqa: E402
 from kvelastic.patches import admission_check, block_pool_queue, host_tier_lookup  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.patching.spec import Absent, Signature, Target  # noqa: E402
@@ -152,7 +152,7 @@ def kvelastic_threads() -> int:
 
 
 def test_a_failure_late_in_attaching_leaves_every_object_of_the_scheduler_as_vllm_made_it(monkeypatch, tmp_path):
-    from kvelastic.integration.upkeep import UpkeepThread
+    from kvelastic.scheduler.upkeep import UpkeepThread
 
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     pool, views, cache = build_cache(4)

@@ -48,7 +48,7 @@ def test_with_memory_to_spare_the_patched_scheduler_makes_vanillas_decisions(pat
 
 
 def test_without_a_connector_no_free_order_is_kept_and_reading_it_says_why(patched):
-    from kvelastic.integration.free_order import FreeOrderNotKept
+    from kvelastic.scheduler.free_order import FreeOrderNotKept
 
     scheduler, _, _ = patched()
     queue = scheduler.kv_cache_manager.block_pool.free_block_queue

@@ -18,10 +18,10 @@ import pytest
 from kvelastic.cluster import SharedAccount
 from kvelastic.cluster.records import MemberRecord, _RECORD
 from kvelastic.cluster.source import SharedBudgetSource
-from kvelastic.integration import reclaim_timing
-from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher
-from kvelastic.integration.reclaim_timing import Episode, ReclaimTiming, format_line, parse_left_out, parse_line
-from kvelastic.integration.upkeep import engine_upkeep
+from kvelastic.scheduler import reclaim_timing
+from kvelastic.metrics.metrics import KvelasticCollector, StatsPublisher
+from kvelastic.scheduler.reclaim_timing import Episode, ReclaimTiming, format_line, parse_left_out, parse_line
+from kvelastic.scheduler.upkeep import engine_upkeep
 from kvelastic.pool import DeviceSource, HostBackend
 from tests.kv_fixtures import StandInRequest
 from tests.test_cluster_link import PAGE, _NoLock, engine

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from kvelastic import roles
-from kvelastic.integration.elastic_cache import DEVICE_MARGIN_BYTES
-from kvelastic.integration.local_connection import LocalConnection
+from kvelastic.scheduler.elastic_cache import DEVICE_MARGIN_BYTES
+from kvelastic.hooks.local_connection import LocalConnection
 from kvelastic.pool import HostBackend
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm

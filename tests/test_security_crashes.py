@@ -255,7 +255,7 @@ def test_a_relative_or_missing_shared_dir_is_a_clear_error_not_a_new_folder(tmp_
 # ------------------------------------------------------------- dead engines
 ENGINE = """
 import os, sys
-from kvelastic.integration.metrics import StatsPublisher
+from kvelastic.metrics.metrics import StatsPublisher
 from kvelastic.tp import board as shm
 shm.RankBoard.of_rank(shm.engine_dir(os.getpid()), 0, 8, create=True)
 StatsPublisher("doomed").publish({"mapped_bytes": 1})

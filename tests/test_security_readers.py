@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from kvelastic.cluster import SharedAccount
-from kvelastic.integration.metrics import KvelasticCollector, StatsPublisher
+from kvelastic.metrics.metrics import KvelasticCollector, StatsPublisher
 from tests.other_user import FORK, OTHER_UID, needs_root
 
 prometheus_client = pytest.importorskip("prometheus_client")

@@ -30,14 +30,14 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvelastic.errors import LayoutError  # noqa: E402
-from kvelastic.integration.allocation import publish_views  # noqa: E402
-from kvelastic.integration.page_alignment import (  # noqa: E402
+from kvelastic.worker.allocation import publish_views  # noqa: E402
+from kvelastic.worker.page_alignment import (  # noqa: E402
     group_blocks_of_config,
     layer_outermost_multiple,
     whole_page_blocks,
 )
-from kvelastic.integration.runtime import Runtime  # noqa: E402
-from kvelastic.integration.single_backing import VIEW_BLOCK_DIM  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
+from kvelastic.worker.single_backing import VIEW_BLOCK_DIM  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 from kvelastic.pool import HostBackend  # noqa: E402
@@ -281,7 +281,7 @@ def test_another_wrapper_around_vllms_allocator_is_refused(band_c):
     from vllm.v1.worker import utils
 
     from kvelastic.errors import PatchError
-    from kvelastic.integration.single_backing import allocate_in_pool
+    from kvelastic.worker.single_backing import allocate_in_pool
 
     env = band_c()
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
@@ -343,7 +343,7 @@ def test_hisparse_allocation_is_refused_with_a_clear_message(band_c):
 
 
 def test_a_second_backing_or_another_dtype_is_refused():
-    from kvelastic.integration.single_backing import PoolZeros
+    from kvelastic.worker.single_backing import PoolZeros
 
     zeros = PoolZeros(Runtime(Settings(enabled=True, chunk_bytes=64 * KIB), backend_factory=HostBackend))
     with pytest.raises(LayoutError, match="int8"):
@@ -374,7 +374,7 @@ def _runner(layout: KVCacheLayout, env: BandC, sleep_mode: bool = False):
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.BLNHC, KVCacheLayout.LBNHC], ids=lambda layout: layout.name)
 def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layout):
-    from kvelastic.integration.single_backing import publish_one_backing
+    from kvelastic.worker.single_backing import publish_one_backing
 
     env = band_c(64 * KIB)
     spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
@@ -392,7 +392,7 @@ def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layou
 
 def test_sleep_mode_is_refused_before_anything_is_allocated(band_c):
     from kvelastic.errors import PatchError
-    from kvelastic.integration.single_backing import publish_one_backing
+    from kvelastic.worker.single_backing import publish_one_backing
 
     env = band_c()
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
@@ -409,7 +409,7 @@ def test_a_connector_with_its_own_kv_memory_pool_is_refused_before_anything_is_a
     from vllm.distributed.kv_transfer import kv_transfer_state
 
     from kvelastic.errors import PatchError
-    from kvelastic.integration.single_backing import publish_one_backing
+    from kvelastic.worker.single_backing import publish_one_backing
     from kvelastic.patches import kv_connector_pool
 
     env = band_c()

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvelastic.integration.allocation import publish_views  # noqa: E402
-from kvelastic.integration.page_alignment import group_blocks_of_config, layer_outermost_multiple  # noqa: E402
-from kvelastic.integration.single_backing import VIEW_BLOCK_DIM  # noqa: E402
+from kvelastic.worker.allocation import publish_views  # noqa: E402
+from kvelastic.worker.page_alignment import group_blocks_of_config, layer_outermost_multiple  # noqa: E402
+from kvelastic.worker.single_backing import VIEW_BLOCK_DIM  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from tests.kv_fixtures import BS, D, H, N  # noqa: E402
 from tests.scheduler_harness import PatchedSchedulers, check_every_step, drive, make_scheduler  # noqa: E402

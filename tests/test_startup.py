@@ -72,7 +72,7 @@ def test_by_default_kvelastic_logs_through_vllms_handler_and_format(runs):
     warning = next(line for line in lines if "KVELASTIC_LIMT" in line)
     prefix = warning.split("kvelastic:")[0]  # vLLM's own: "WARNING <time> [file:line]", from 0.33 after the process
     assert " WARNING " in f" {prefix}" and "did you mean KVELASTIC_LIMIT?" in warning
-    assert "[startup.py:" in warning  # vLLM's format, with its [file:line] field
+    assert "[reporting.py:" in warning  # vLLM's format, with its [file:line] field
     assert not _kvelastic_lines(err)
 
 
@@ -105,7 +105,7 @@ def test_a_bad_setting_stops_start_up_with_one_line(runs, case, message):
 
 def test_a_refusal_is_prefixed_once():
     from kvelastic.errors import ConfigError, PatchError
-    from kvelastic.startup import StartupRefused
+    from kvelastic.startup.reporting import StartupRefused
 
     assert str(StartupRefused(ConfigError("KVELASTIC_LIMIT='x' is bad"))) == "kvelastic: KVELASTIC_LIMIT='x' is bad"
     assert str(StartupRefused(PatchError("kvelastic: vLLM 9.0 is not supported"))) == \

@@ -23,7 +23,7 @@ pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from kvelastic.integration.block_pool import make_page_aware  # noqa: E402
+from kvelastic.hooks.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp.scheduler_side import RankConnection  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
@@ -252,7 +252,7 @@ def test_a_dead_rank_is_noticed_and_never_waited_for(cluster):
 
 
 def test_spilled_blocks_come_back_on_every_rank(cluster):
-    from kvelastic.integration.offload_setup import wire_offload
+    from kvelastic.hooks.offload_setup import wire_offload
     from kvelastic.settings import Settings
 
     c = cluster(cpu_bytes=CPU_BYTES)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
-from kvelastic.integration.runtime import Runtime  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402

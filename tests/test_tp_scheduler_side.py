@@ -7,7 +7,7 @@ import threading
 import types
 
 from kvelastic.tp.protocol import MAP, StepPlan
-from kvelastic.integration.scheduler import locked_wrapper
+from kvelastic.hooks.scheduler import locked_wrapper
 from kvelastic.tp.scheduler_side import demand_of, end_step
 
 

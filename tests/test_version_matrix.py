@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvelastic.errors import PatchError
-from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 from kvelastic.patches import ALL_PATCHES, single_backing
-from kvelastic.integration.free_order import ListEnd
+from kvelastic.scheduler.free_order import ListEnd
 from kvelastic.patches.block_pool_queue import FREE_QUEUE_MEMBERS, free_queue_members
 from kvelastic.patches.offload_connectors import lazy_walk_members
 from kvelastic.patching import gate, source

@@ -1,4 +1,4 @@
-"""Reclaim latency of a run, from the engines' own clocks (kvelastic/integration/reclaim_timing.py).
+"""Reclaim latency of a run, from the engines' own clocks (kvelastic/scheduler/reclaim_timing.py).
 
 Two engine-side sources, beside the account sampling of ``summary.reclaim_episodes`` (kept as a
 cross-check on the client's clock):
@@ -108,7 +108,7 @@ def read_logs(folder: str | Path) -> dict[str, Any]:
     """Every reclaim episode line in ``folder/*.log``, and how many lines the engines left out."""
     from dataclasses import asdict
 
-    from kvelastic.integration.reclaim_timing import parse_left_out, parse_line
+    from kvelastic.scheduler.reclaim_timing import parse_left_out, parse_line
 
     episodes, left_out, files = [], 0, sorted(Path(folder).glob("*.log"))
     for path in files:

@@ -50,7 +50,7 @@ class BudgetGate(Protocol):
 
 
 class ReclaimObserver(Protocol):
-    """Told, under the source's lock, what reclaim timing needs (:mod:`kvelastic.integration.reclaim_timing`)."""
+    """Told, under the source's lock, what reclaim timing needs (:mod:`kvelastic.scheduler.reclaim_timing`)."""
 
     def refused(self, nbytes: int) -> None:
         """The shared budget refused ``nbytes``."""

@@ -39,7 +39,7 @@ class OffloadManager:
 
     ``enter_block(block, key)`` gives a free block the hash ``key`` and enters
     it in the pool's prefix-cache map, the way the running vLLM release does
-    (``kvelastic/integration/offload_setup.py`` builds it). ``copier`` moves the
+    (``kvelastic/hooks/offload_setup.py`` builds it). ``copier`` moves the
     bytes in this process, or sends each rank the command to move its shard.
     """
 

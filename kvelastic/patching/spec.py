@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, Union
 from kvelastic.patching.versions import Version, VersionRange
 
 if TYPE_CHECKING:
-    from kvelastic.integration.runtime import Runtime
+    from kvelastic.startup.runtime import Runtime
     from kvelastic.patching.apply import Patcher
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from kvelastic.errors import KvelasticError
-from kvelastic.integration.elastic_cache import NULL_GROUP, ElasticKVCache
+from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm

@@ -76,7 +76,7 @@ def decode_info(data: bytes, what: str) -> RankInfo:
 
 
 def _decode_layout(record: dict, what: str) -> Any:
-    from kvelastic.integration.kv_layout import BlockRuns, KVGroupLayout
+    from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout
 
     expect(record, _LAYOUT, f"{what}: layout")
     for key in ("num_blocks", "page_bytes", "blocks_per_group"):

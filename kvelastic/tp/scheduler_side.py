@@ -27,9 +27,9 @@ from kvelastic.tp.remote_mapper import RemoteMapper
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
 if TYPE_CHECKING:
-    from kvelastic.integration.cluster_link import ClusterLink
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.runtime import Runtime
+    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.settings import Settings
 

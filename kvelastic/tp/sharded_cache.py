@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import ContextManager
 
-from kvelastic.integration.elastic_cache import GroupedBlocks
+from kvelastic.scheduler.elastic_cache import GroupedBlocks
 from kvelastic.pool.stats import PoolStats
 from kvelastic.roles import PoolView
 from kvelastic.tp.board import RankInfo

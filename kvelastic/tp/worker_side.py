@@ -14,13 +14,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp.rank import RankWorker
 
 if TYPE_CHECKING:
-    from kvelastic.integration.runtime import Runtime
+    from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.copier import BlockCopier
 
 log = logging.getLogger("vllm.kvelastic")
@@ -69,7 +69,7 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
 def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
                 copy_path: str) -> tuple["BlockCopier | None", int, int]:
     """This rank's pinned slots: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
-    from kvelastic.integration.offload_setup import BlockRows
+    from kvelastic.hooks.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
     rows = BlockRows(cache)

@@ -157,7 +157,7 @@ class StatsPublisher:
     _numbers = itertools.count()
 
     def __init__(self, name: str, directory: Path | None = None, model_name: str = ""):
-        from kvelastic.integration.metrics_multiproc import MultiprocessMirror
+        from kvelastic.metrics.metrics_multiproc import MultiprocessMirror
 
         self.name = name
         self.model_name = model_name

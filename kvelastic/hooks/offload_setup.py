@@ -19,8 +19,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager

@@ -1,6 +1,6 @@
 """What an engine tells the outside about its KV memory: a periodic log line and the metrics snapshot.
 
-Both are jobs of the upkeep thread (:mod:`kvelastic.integration.upkeep`) and
+Both are jobs of the upkeep thread (:mod:`kvelastic.scheduler.upkeep`) and
 read the same numbers: the pool's statistics, the cached groups, and the host
 tier's counters where there is one; the snapshot also carries the engine's
 reclaim timing where it shares a GPU's account.
@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvelastic.integration.reclaimer import OffloadStatistics
+from kvelastic.scheduler.reclaimer import OffloadStatistics
 from kvelastic.roles import SchedulerCache
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.metrics import StatsPublisher
-    from kvelastic.integration.reclaim_timing import ReclaimTiming
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.metrics.metrics import StatsPublisher
+    from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 
 log = logging.getLogger("vllm.kvelastic")
 STATS_PERIOD_S = 10.0

@@ -6,7 +6,7 @@ preferred first; the engine core takes the first one that fits, unless the user
 (the OffloadingConnector asks for ``LBHNC``) chose already. kvelastic moves the
 block-outermost layouts of that list to its front: then a page group is one
 contiguous range of the backing, whole pages of it (see
-:mod:`kvelastic.integration.page_alignment`).
+:mod:`kvelastic.worker.page_alignment`).
 
 Only the order changes, never the set, and only where no kernel block split
 would follow. A layout moves no token: the same blocks hold the same tokens,

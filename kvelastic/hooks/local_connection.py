@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.mapper import GroupMapper
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.scheduler.mapper import GroupMapper
 from kvelastic.roles import CacheConnection
 
 if TYPE_CHECKING:
-    from kvelastic.integration.cluster_link import ClusterLink
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.runtime import Runtime
+    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.copier import BlockCopier
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.settings import Settings
@@ -45,7 +45,7 @@ class LocalConnection(CacheConnection):
         return cls(cache, runtime.limit_bytes)
 
     def host_tier(self, settings: "Settings") -> tuple["HostTier", "BlockCopier"]:
-        from kvelastic.integration.offload_setup import local_host_tier
+        from kvelastic.hooks.offload_setup import local_host_tier
 
         return local_host_tier(self.cache, settings)
 
@@ -59,7 +59,7 @@ class LocalConnection(CacheConnection):
         if source is None:
             return None
         from kvelastic.cluster.errors import NameInUse
-        from kvelastic.integration.cluster_link import ClusterLink
+        from kvelastic.scheduler.cluster_link import ClusterLink
 
         model = str(scheduler.vllm_config.model_config.model or "")
         try:

@@ -2,7 +2,7 @@
 
 The engine thread sleeps when there is no request, so memory that should go
 back to the GPU after a burst would otherwise stay mapped. These are the
-upkeep thread's memory jobs (:mod:`kvelastic.integration.upkeep` runs them):
+upkeep thread's memory jobs (:mod:`kvelastic.scheduler.upkeep` runs them):
 
 - :class:`AccountSync` reports to the GPU's shared account, applies the limit
   it holds for this engine and learns how many bytes other engines wait for;
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvelastic.roles import PoolView, SchedulerCache
 
 if TYPE_CHECKING:
-    from kvelastic.integration.cluster_link import ClusterLink
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 
 
 class OffloadStatistics(Protocol):

@@ -28,8 +28,8 @@ from kvelastic.cluster.member import Member
 from kvelastic.cluster.membership import ACCOUNT_ERRORS, Membership
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.errors import ConfigError
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.reclaim_timing import ReclaimTiming
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
 from kvelastic.shared.legacy import legacy_account
 from kvelastic.shared.scope import current_scope, other_scopes

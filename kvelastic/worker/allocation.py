@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
-from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view
-from kvelastic.integration.runtime import Runtime
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+from kvelastic.startup.runtime import Runtime
 from kvelastic.pool import PagePool
 from kvelastic.units import format_size
 
@@ -72,7 +72,7 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
 
     The groups holding blocks ``0 .. premap_blocks - 1`` are mapped at once:
     block 0 is vLLM's null block, the rest serve start-up warm-up. ``blocks_per_group``
-    overrides the layout's default group size (see :mod:`kvelastic.integration.page_alignment`);
+    overrides the layout's default group size (see :mod:`kvelastic.worker.page_alignment`);
     ``block_dim`` is the views' block dimension where the release fixes it.
     """
     per_view = []

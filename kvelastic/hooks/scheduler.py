@@ -22,20 +22,20 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
-from kvelastic.integration import commit_guard
-from kvelastic.integration.block_pool import make_page_aware
-from kvelastic.integration.connector_fence import check_offload_owner, may_walk_free_queue, transfers_in_flight
-from kvelastic.integration.local_connection import LocalConnection
-from kvelastic.integration.runtime import Runtime
-from kvelastic.integration.upkeep import UpkeepThread, engine_upkeep
+from kvelastic.hooks import commit_guard
+from kvelastic.hooks.block_pool import make_page_aware
+from kvelastic.hooks.connector_fence import check_offload_owner, may_walk_free_queue, transfers_in_flight
+from kvelastic.hooks.local_connection import LocalConnection
+from kvelastic.startup.runtime import Runtime
+from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE
 from kvelastic.patching.apply import Patcher
 from kvelastic.roles import CacheConnection
 from kvelastic.settings import Settings
 
 if TYPE_CHECKING:
-    from kvelastic.integration.commit_guard import CommitGuard
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.hooks.commit_guard import CommitGuard
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.offload.manager import OffloadManager
 
 log = logging.getLogger("vllm.kvelastic")
@@ -121,7 +121,7 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, 
     """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
     if not settings.cpu_bytes:
         return None
-    from kvelastic.integration.offload_setup import wire_offload
+    from kvelastic.hooks.offload_setup import wire_offload
 
     offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
@@ -132,7 +132,7 @@ def _publisher(link: Any, scheduler: Any) -> Any:
     """The metrics snapshot writer, named like the engine's account membership, with vLLM's model name."""
     import os
 
-    from kvelastic.integration.metrics import StatsPublisher
+    from kvelastic.metrics.metrics import StatsPublisher
 
     model_name = scheduler.vllm_config.model_config.served_model_name
     publisher = StatsPublisher(link.name if link is not None else f"engine-{os.getpid()}",

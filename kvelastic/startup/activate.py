@@ -19,14 +19,14 @@ from typing import Callable, Sequence
 
 from kvelastic import __version__
 from kvelastic.errors import KvelasticError, PatchError
-from kvelastic.integration.runtime import Runtime, default_backend
+from kvelastic.startup.runtime import Runtime, default_backend
 from kvelastic.patching.apply import Patcher
 from kvelastic.patching.gate import check_source
 from kvelastic.patching.on_import import ImportApplier
 from kvelastic.patching.spec import Patch
 from kvelastic.patching.versions import Version, installed_vllm_version
 from kvelastic.settings import Settings
-from kvelastic.startup import StartupRefused, report_start, use_vllm_logging
+from kvelastic.startup.reporting import StartupRefused, report_start, use_vllm_logging
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -86,7 +86,7 @@ def activate(settings: Settings | None = None, *, patches: Sequence[Patch] | Non
             log.warning("%s\nkvelastic: KVELASTIC_STRICT=0, so vLLM runs without kvelastic", exc)
             return None
         report_start(settings)  # after the patches present now: from 0.31 one sets up vLLM's logging (vllm_logging)
-        from kvelastic.integration.metrics import register_collector
+        from kvelastic.metrics.metrics import register_collector
 
         register_collector()  # serves kvelastic_* on /metrics in the API-server process
         log.info("kvelastic %s on vLLM %s (band %s): patches applied as vLLM imports their modules: %s",

@@ -14,14 +14,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, ContextManager, Protocol, Sequence
 
-from kvelastic.integration.engine_report import MetricsPublish, StatsLog
-from kvelastic.integration.reclaimer import AccountSync, CacheReclaim, OffloadStatistics, WarmReserve
+from kvelastic.scheduler.engine_report import MetricsPublish, StatsLog
+from kvelastic.scheduler.reclaimer import AccountSync, CacheReclaim, OffloadStatistics, WarmReserve
 from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
-    from kvelastic.integration.cluster_link import ClusterLink
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
-    from kvelastic.integration.metrics import StatsPublisher
+    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.metrics.metrics import StatsPublisher
 
 log = logging.getLogger("vllm.kvelastic")
 

@@ -17,7 +17,7 @@ Here free blocks are kept per page group, so that:
 ``num_free_blocks`` counts what can really be had: free blocks in mapped
 groups plus the groups the pool can still map. vLLM compares it with what a
 request needs, so running out of physical memory is a scheduling miss. The
-counts per group live in :class:`~kvelastic.integration.free_ledger.FreeBlockLedger`;
+counts per group live in :class:`~kvelastic.scheduler.free_ledger.FreeBlockLedger`;
 this module makes the decisions.
 """
 
@@ -27,9 +27,9 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from kvelastic.integration.commit_guard import AllocationHold
-from kvelastic.integration.free_ledger import FreeBlockLedger
-from kvelastic.integration.prefetch import BurstPrefetch
+from kvelastic.scheduler.allocation_hold import AllocationHold
+from kvelastic.scheduler.free_ledger import FreeBlockLedger
+from kvelastic.scheduler.prefetch import BurstPrefetch
 from kvelastic.roles import Mapper, SchedulerCache
 
 log = logging.getLogger("vllm.kvelastic")

@@ -4,7 +4,7 @@ In a layer-outermost layout (FlashAttention's default ``LBNHC``, the
 OffloadingConnector's ``LBHNC``) layer ``l`` starts ``l * page * num_blocks``
 bytes into the one KV backing. Unless that is a multiple of the pool page, every
 layer's page groups straddle pages shared with their neighbours
-(:mod:`kvelastic.integration.page_alignment`). vLLM derives ``num_blocks`` from
+(:mod:`kvelastic.worker.page_alignment`). vLLM derives ``num_blocks`` from
 the memory it is given; kvelastic rounds it down to the nearest multiple that
 aligns every layer, through vLLM's own ``num_gpu_blocks_override``, by planning
 the configs a second time. Less than one multiple of blocks is lost (at most a
@@ -18,8 +18,8 @@ import logging
 from typing import Any, Callable
 
 from kvelastic.errors import LayoutError
-from kvelastic.integration.page_alignment import aligned_num_blocks, layer_outermost_multiple
-from kvelastic.integration.runtime import Runtime
+from kvelastic.worker.page_alignment import aligned_num_blocks, layer_outermost_multiple
+from kvelastic.startup.runtime import Runtime
 
 log = logging.getLogger("vllm.kvelastic")
 

@@ -18,7 +18,7 @@ from kvelastic.units import format_size
 
 if TYPE_CHECKING:
     from kvelastic.cluster.source import SharedBudgetSource
-    from kvelastic.integration.elastic_cache import ElasticKVCache
+    from kvelastic.scheduler.elastic_cache import ElasticKVCache
     from kvelastic.pool import PagePool, PhysicalBackend
     from kvelastic.tp.rank import RankWorker
 

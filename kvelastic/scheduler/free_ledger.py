@@ -7,7 +7,7 @@ blocks in LRU order (vLLM's eviction order), the mapped groups with a free
 block (lowest first: blocks are handed out from the lowest), the unmapped
 groups (lowest first: mapped next), the mapped groups that are empty, and every
 free block of a mapped group in vLLM's own free-queue order
-(:class:`~kvelastic.integration.free_order.FreeOrder`, what a connector's walk
+(:class:`~kvelastic.scheduler.free_order.FreeOrder`, what a connector's walk
 of the free queue sees).
 
 It decides nothing: the queue chooses what to map, release and evict, and the
@@ -20,8 +20,8 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
-from kvelastic.integration.elastic_cache import NULL_GROUP
-from kvelastic.integration.free_order import BlockOrder, FreeOrder, UntrackedOrder
+from kvelastic.scheduler.elastic_cache import NULL_GROUP
+from kvelastic.scheduler.free_order import BlockOrder, FreeOrder, UntrackedOrder
 from kvelastic.roles import SchedulerCache
 
 

@@ -31,7 +31,7 @@ import types
 from typing import Any, Callable
 
 from kvelastic.errors import LayoutError, PatchError
-from kvelastic.integration.runtime import Runtime
+from kvelastic.startup.runtime import Runtime
 
 #: ``create_kv_cache_views`` returns ``[B, H, N, C]`` per layer (B: kernel blocks), and both runners
 #: keep those views in ``runner.kv_caches``: the block dimension is known, not guessed from lengths.
@@ -132,12 +132,12 @@ def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tu
     memory pool of its own (``connector_has_pool``, from
     ``patches/kv_connector_pool.py``). The group size is whole pages of the one
     backing where that stays small
-    (:func:`~kvelastic.integration.page_alignment.group_blocks_of_config`), and the
+    (:func:`~kvelastic.worker.page_alignment.group_blocks_of_config`), and the
     views' block dimension is known (:data:`VIEW_BLOCK_DIM`).
     """
-    from kvelastic.integration.allocation import publish_after_initialize
-    from kvelastic.integration.page_alignment import group_blocks_of_config
-    from kvelastic.integration.sleep_mode import refuse_sleep_mode
+    from kvelastic.worker.allocation import publish_after_initialize
+    from kvelastic.worker.page_alignment import group_blocks_of_config
+    from kvelastic.worker.sleep_mode import refuse_sleep_mode
 
     refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode)
     refuse_connector_pool(connector_has_pool())

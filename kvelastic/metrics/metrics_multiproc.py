@@ -50,7 +50,7 @@ class MultiprocessMirror:
                  counters: Mapping[str, tuple[str, str]], histograms: Mapping[str, tuple[str, str]]):
         from prometheus_client import Counter, Gauge, Histogram
 
-        from kvelastic.integration.metrics import BUCKETS_S, LABELS
+        from kvelastic.metrics.metrics import BUCKETS_S, LABELS
 
         self.labels = labels  # values of LABELS: (model name, instance name)
         self._gauges = {key: Gauge(metric, text, LABELS, registry=None, multiprocess_mode="mostrecent")

@@ -16,7 +16,7 @@ from abc import abstractmethod
 from typing import Callable, Iterable, Sequence
 
 from kvelastic.errors import PoolExhausted
-from kvelastic.integration.kv_layout import KVGroupLayout
+from kvelastic.pool.kv_layout import KVGroupLayout
 from kvelastic.pool import Fence, PagePool
 from kvelastic.roles import PoolView, SchedulerCache
 

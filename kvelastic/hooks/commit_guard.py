@@ -45,27 +45,12 @@ from typing import TYPE_CHECKING, Any
 from kvelastic.patches.admission_check import ESTIMATE, flag_index, is_admission_check
 
 if TYPE_CHECKING:
-    from kvelastic.integration.free_queue import PageAwareFreeQueue
+    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.patching.apply import Patcher
 
 log = logging.getLogger("vllm.kvelastic")
 
 LOG_EVERY_S = 10.0  # an outsider may hold the memory for many steps: one line per stretch, not per step
-
-
-class AllocationHold:
-    """What the queue must honour between vLLM's estimate and its allocation, until the step ends."""
-
-    def __init__(self) -> None:
-        self.secured = 0         # blocks vLLM was just told it may take; empty groups stay mapped for them
-        self.refused = False     # the device refused this step: promise no unmapped group until it ends
-
-    def taken(self, blocks: int) -> None:
-        self.secured = max(0, self.secured - blocks)
-
-    def end_step(self) -> None:
-        self.secured = 0
-        self.refused = False
 
 
 class CommitGuard:

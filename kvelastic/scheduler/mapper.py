@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from typing import Any, Iterable
 
-from kvelastic.integration.elastic_cache import ElasticKVCache
+from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
 

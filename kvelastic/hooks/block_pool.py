@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvelastic.errors import PatchError
-from kvelastic.integration.free_queue import PageAwareFreeQueue
+from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 from kvelastic.patches.block_pool_queue import BLOCK_POOL, EVICT_BLOCKS, GET_USAGE, RESET_PREFIX_CACHE
 from kvelastic.patching.apply import Patcher
 from kvelastic.roles import Mapper, SchedulerCache

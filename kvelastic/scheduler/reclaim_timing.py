@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, ContextManager, TypeVar
 
 from kvelastic.cluster.policy import DEFAULT_WANT_TTL_S
-from kvelastic.integration.metrics import Histogram
+from kvelastic.metrics.metrics import Histogram
 from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
