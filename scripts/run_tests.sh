@@ -16,13 +16,7 @@ cd "$(dirname "$0")/.."
 suite() {
     local venv=$1 torch=$2 vllm=$3
     shift 3
-    [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "torch==$torch"
-    "$venv/bin/python" -m pip install -q "vllm==$vllm"
-    # vLLM pulls a CUDA torchvision that cannot load beside CPU torch; kvelastic needs none of them.
-    "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    "$venv/bin/python" -m pip install -q -e ".[test]"
+    bash scripts/install_band.sh "$venv" "$torch" "$vllm"  # checks the versions it got, too
     echo "== kvelastic tests against vLLM $vllm (torch $torch)"
     KVELASTIC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q "$@"
     # CI keeps one venv (5-9 GB) on disk at a time.
