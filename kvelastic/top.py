@@ -55,7 +55,7 @@ def render(accounts: list[dict], history: History, now: float | None = None) -> 
     from rich.markup import escape
     from rich.table import Table
 
-    from kvelastic.cli import _member, _row
+    from kvelastic.status_view import member_of, member_row
     from kvelastic.shared.text import printable
 
     now = time.time() if now is None else now
@@ -70,7 +70,7 @@ def render(accounts: list[dict], history: History, now: float | None = None) -> 
             table.add_column(column, justify="left" if column == "INSTANCE" else "right", no_wrap=True)
         table.add_column("HISTORY", no_wrap=True, max_width=history.length, overflow="crop")
         for data in account["members"]:
-            name, _, _, _, mapped, cached, host, low, high, _, _ = _row(_member(data), now)
+            name, _, _, _, mapped, cached, host, low, high, _, _ = member_row(member_of(data), now)
             table.add_row(escape(name), mapped, cached, host, low, high,  # a name is text, never rich markup
                           sparkline(history.of(account["gpu"], name), budget))
         if not account["members"]:
@@ -113,7 +113,8 @@ def run(gpu: str | None, interval: float, count: int | None) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from kvelastic.cli import CliError, open_accounts, snapshot
+    from kvelastic.cli import CliError, open_accounts
+    from kvelastic.status_view import snapshot
 
     history = History()
     console = Console()
