@@ -161,6 +161,44 @@ def count_connector_transfers(llm) -> dict:
     return counts
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """``pid`` is ``ancestor`` or one of its descendants (read off /proc; False once unreadable)."""
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])  # the parent's pid
+        if pid <= 1:
+            return False
+    return False
+
+
+def engine_host_tier() -> dict | None:
+    """This run's engine's host-tier traffic, from the metrics snapshot it rewrites every upkeep tick.
+
+    The engine's periodic log line comes every 10 s, longer than a short pass,
+    so the snapshot (what ``kvelastic status --json`` shows) is the direct
+    evidence of spills and reloads. None when no engine of this process is found.
+    """
+    try:
+        from kvelastic.cli import CliError, open_accounts
+        from kvelastic.status_view import snapshot
+
+        accounts = snapshot(open_accounts(None))
+    except (ImportError, CliError, OSError):
+        return None
+    me = os.getpid()
+    for account in accounts:
+        for member in account["members"]:
+            if _descends_from(int(member["pid"]), me):
+                return {k: member[k] for k in ("name", "spilled_bytes", "reloaded_bytes", "host_bytes_used")
+                        if k in member}
+    return None
+
+
 def main() -> None:
     args = parse_args()
     if args.v1:
@@ -194,6 +232,9 @@ def main() -> None:
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
                 "cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outs],
             })
+        if result["kvelastic"] == "1":
+            time.sleep(0.6)  # two upkeep ticks: the snapshot holds the last pass
+            result["host_tier"] = engine_host_tier()
         if args.idle_after:
             time.sleep(args.idle_after)
             sampler.mark("idle end")
@@ -207,7 +248,7 @@ def main() -> None:
           f"startup={result['startup_s']:.1f}s pass0={p0['seconds']:.2f}s "
           f"peak_mem={max(m for _, m in sampler.samples) / 2**30:.2f}GiB "
           f"cached={sum(c or 0 for c in result['passes'][-1]['cached_tokens'])} "
-          f"connector={result.get('connector')}")
+          f"connector={result.get('connector')} host_tier={result.get('host_tier')}")
 
 
 if __name__ == "__main__":
