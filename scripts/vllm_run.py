@@ -162,18 +162,13 @@ def count_connector_transfers(llm) -> dict:
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:
-    """``pid`` is ``ancestor`` or one of its descendants (read off /proc; False once unreadable)."""
-    for _ in range(64):
-        if pid == ancestor:
-            return True
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        pid = int(fields[1])  # the parent's pid
-        if pid <= 1:
-            return False
-    return False
+    """``pid`` is ``ancestor`` or one of its descendants (False once the process is gone)."""
+    import psutil  # a dependency of vLLM
+
+    try:
+        return pid == ancestor or any(parent.pid == ancestor for parent in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
 
 
 def engine_host_tier() -> dict | None:
