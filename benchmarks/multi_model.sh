@@ -124,7 +124,9 @@ kvcached)
         step "kvcached is not importable by python3: nothing started (install it first: benchmarks/README.md)"
         finish 3
     fi
-    PLAIN_ARGS=(--gpu-memory-utilization 0.3)
+    # Its README: "no need to set memory utilization limit"; its physical total is capped by
+    # KVCACHED_GPU_UTILIZATION (0.95 unless MM_KVCACHED_ENV sets it), vLLM's 0.9 bounds each engine.
+    PLAIN_ARGS=()
     # shellcheck disable=SC2086 # MM_KVCACHED_ENV is a list of VAR=VALUE words
     start_plain KVELASTIC=0 ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 ${MM_KVCACHED_ENV:-} ;;
 *)
