@@ -152,6 +152,27 @@ def test_a_limit_lowered_mid_run_is_honoured_without_losing_a_request(patched):
     assert wait_unmapped(pool, 2 * GROUP_BYTES) <= 2 * GROUP_BYTES
 
 
+def test_a_lowered_limit_is_reached_while_requests_still_run(patched):
+    """What a fair-share cap does to a busy engine: it stops offering the memory its requests hold over
+    the limit, so vLLM admits less and preempts what does not fit; memory comes down before the wave ends,
+    and every request still finishes."""
+    scheduler, pool, _ = patched(cache_ttl_s=0.0, reserve_bytes=0)
+    groups = []
+
+    def lower_the_limit_and_tick(s) -> None:
+        groups.append(pool.stats().mapped_bytes // GROUP_BYTES)
+        if len(groups) == 6:
+            pool.set_limit(2 * GROUP_BYTES)
+        if len(groups) >= 6:
+            s.kvelastic_reclaimer.tick()
+        check_every_step(pool)(s)
+
+    trace = drive(scheduler, [make_requests("c", 8, 460, 0, seed=1)], after_step=lower_the_limit_and_tick)
+    assert max(groups[:6]) > 2  # the wave held more than the new limit before it came
+    assert 2 in groups[6:-1]  # within the limit while requests still ran
+    assert {rid for step in trace for rid, _ in step} == {f"c-{i}" for i in range(8)}
+
+
 def test_async_scheduling_makes_vanillas_decisions_and_keeps_the_invariants(patched):
     """The AsyncScheduler (one step in flight, as vLLM's async scheduling runs it) is patched too."""
     vanilla = drive_async(make_scheduler(asynchronous=True), repeat_waves())

@@ -56,10 +56,13 @@ class MemberTick:
 
     ``max_bytes`` 0 means no cap of its own; ``pressure_bytes`` is what it
     should give back now (cached bytes above its reservation) because others
-    wait for memory.
+    wait for memory; ``share_cap_bytes`` (0: none) is what it must shrink to,
+    running requests included, because another member waits below its fair
+    share (:func:`kvelastic.cluster.policy.share_cap`).
     """
 
     min_bytes: int
     max_bytes: int
     pressure_bytes: int
     budget_bytes: int
+    share_cap_bytes: int = 0

@@ -170,9 +170,11 @@ class Member:
         with self._mine() as (snap, me):
             self._publish(snap, me, cached_bytes, host_bytes)
             budget = snap.header.budget_bytes
-            push = policy.pressure(snap.records, me, budget, snap.now, self.account.want_ttl_s)
+            ttl = self.account.want_ttl_s
+            push = policy.pressure(snap.records, me, budget, snap.now, ttl)
+            cap = policy.share_cap(snap.records, me, budget, snap.now, ttl)
             return MemberTick(min_bytes=me.min_bytes, max_bytes=me.max_bytes, pressure_bytes=push,
-                              budget_bytes=budget)
+                              budget_bytes=budget, share_cap_bytes=cap)
 
     def info(self) -> MemberInfo:
         with self._mine() as (snap, me):

@@ -24,6 +24,16 @@ for its owner however hungry the others are.
   donor's reclaimable bytes (rounded up), so every donor gives back at a similar
   rate and no one member's prefix cache is wiped first; if all the donors
   together hold less than the demand, each gives all it can.
+* **Fair share.** Every member may borrow the whole budget while the others
+  do not need it, but each is promised back an equal part of it (or its
+  reservation, if larger): :func:`fair_share`. When a member waits for the
+  budget while it holds less than its share, every member holding more than
+  its own share must shrink to it (:func:`share_cap`), also memory its running
+  requests use: the engine stops admitting, and vLLM preempts what does not
+  fit, as it would in a static partition of that size. So a model that turns
+  busy gets at least what a static split would have given it, within the time
+  its neighbours take to let go, and the memory an idle model does not use is
+  never wasted. Above their shares, members are served first come.
 """
 
 from __future__ import annotations
@@ -111,3 +121,26 @@ def headroom(records: list[MemberRecord], me: MemberRecord, budget: int) -> int:
     if me.max_bytes:
         room = min(room, max(0, me.max_bytes - me.mapped_bytes))
     return room
+
+
+def fair_share(record: MemberRecord, members: int, budget: int) -> int:
+    """The bytes ``record`` is promised back when it waits: an equal part of the budget, or its ``min``."""
+    return max(record.min_bytes, budget // max(1, members))
+
+
+def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: float,
+              want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
+    """The bytes ``me`` must shrink to because another member waits below its fair share; 0: none.
+
+    Only a member holding more than its own share is capped, and only to that
+    share: never below it, so two busy members settle at their shares at worst.
+    """
+    live = [r for r in records if r.used]
+    mine = fair_share(me, len(live), budget)
+    if me.mapped_bytes <= mine:
+        return 0
+    for other in live:
+        if other.slot != me.slot and wanting(other, now, want_ttl_s) and \
+                other.mapped_bytes < fair_share(other, len(live), budget):
+            return mine
+    return 0

@@ -87,6 +87,8 @@ class ClusterLink:
         self.name = settings.name or default_name(settings, model)
         self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
+        self._account_limit = self.base_limit  # the pool's limit as the account's max sets it
+        self._share_cap = 0  # the fair-share cap in force (0: none), see kvelastic.cluster.policy.share_cap
         self._set_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
         self.membership = Membership(self.name, self._connect)
         self.timing = ReclaimTiming(self.name, source.lock)
@@ -133,6 +135,7 @@ class ClusterLink:
         pool = self.cache.pool
         stats = pool.stats()
         if not self.membership.attached and not self.source.rejoin():
+            self._share_cap = 0
             if stats.limit_bytes != self.base_limit:
                 pool.set_limit(self.base_limit)  # serving alone: the limit it started with
             return 0
@@ -141,17 +144,39 @@ class ClusterLink:
         t = self.membership.tick(cached_bytes=cached, host_bytes=host)
         if t is None:
             return 0  # busy this time, or just lost: the next tick tells
-        self.timing.tick(t.pressure_bytes)
         limit = self.limit_for(t.max_bytes)
-        if limit != stats.limit_bytes:
-            pool.set_limit(limit)
+        if limit != self._account_limit:
+            self._account_limit = limit
             log.info("kvelastic: %s limit now %s", self.name, format_size(limit) if limit else "none")
+        effective = self._within_share(limit, t.share_cap_bytes, stats.held_bytes)
+        asked = t.pressure_bytes  # what others want back: cached memory, and what the fair share caps
+        if t.share_cap_bytes:
+            asked = max(asked, stats.held_bytes - t.share_cap_bytes)
+        self.timing.tick(asked)
+        if effective != stats.limit_bytes:
+            pool.set_limit(effective)
         if t.max_bytes:
             self._restore_tried = False
         elif self.base_limit and not self._restore_tried:
             self._restore_tried = True  # once per change to 0: a refusal must not repeat every tick
             self._show_restored_cap()
         return t.pressure_bytes
+
+    def _within_share(self, limit: int | None, cap: int, held: int) -> int | None:
+        """The pool's limit: the account's, lowered to the fair share while another engine waits below its own.
+
+        Logged when a cap begins and when it lifts (not on every tick it holds).
+        """
+        if cap and cap != self._share_cap:
+            log.info("kvelastic: %s holds %s, above its fair share of %s, while another engine waits below its "
+                     "own: shrinking to it (new requests wait; vLLM preempts what does not fit)", self.name,
+                     format_size(held), format_size(cap))
+        elif not cap and self._share_cap:
+            log.info("kvelastic: %s may grow past its fair share again (no engine waits below its own)", self.name)
+        self._share_cap = cap
+        if not cap:
+            return limit
+        return cap if limit is None else min(limit, cap)
 
     def limit_for(self, max_bytes: int) -> int | None:
         """The pool limit for the account's ``max_bytes``: 0 means the start-up cap, never none.

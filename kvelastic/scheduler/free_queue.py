@@ -56,6 +56,7 @@ class PageAwareFreeQueue:
         self.transfers_in_flight: Callable[[], bool] | None = None  # set for a connector freeing blocks mid-copy
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
+        self.excess_blocks = 0  # blocks the pool holds over its limit, kept out of the free count (shrink_by)
         self.last_allocation = clock()
         self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped, keep_order=keep_free_order)
         self._requested: set[int] = set()
@@ -75,7 +76,7 @@ class PageAwareFreeQueue:
             return self.num_total - self.free.num_in_use
         if self.mapper.mapped or self.mapper.refused:
             self._adopt_mapped()
-        return self.free.free_in_mapped + self._mappable_blocks()
+        return max(0, self.free.free_in_mapped + self._mappable_blocks() - self.excess_blocks)
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
@@ -207,6 +208,16 @@ class PageAwareFreeQueue:
         self.free.note_empty(set(chosen))
         self._release_groups(chosen, after=fence)
         return len(chosen)
+
+    def shrink_by(self, groups: int) -> None:
+        """The pool holds ``groups`` over its (lowered) limit in groups its running requests use.
+
+        Their blocks are kept out of the free count until that much is free
+        again, so vLLM admits nothing new and preempts running requests that do
+        not fit, as it would in a cache of the smaller size; the reclaimer then
+        releases the groups they leave. 0 lifts it.
+        """
+        self.excess_blocks = groups * self.cache.blocks_per_group
 
     def set_idle(self) -> None:
         """No allocation lately: keep no empty group mapped ahead."""

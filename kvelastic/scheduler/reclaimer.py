@@ -10,6 +10,8 @@ upkeep thread's memory jobs (:mod:`kvelastic.scheduler.upkeep` runs them):
   scheduling step), releases groups that hold only cached prefix blocks when
   they idle past the TTL, when the pool is over a lowered limit, or when other
   engines wait, and drops the empty groups mapped ahead once the engine idles;
+  what is still over the limit after that is held by running requests, and the
+  free-block count stops offering it until they have given it back;
 - :class:`WarmReserve` finishes fenced unmaps and keeps a warm reserve of pages
   while the engine is busy, none while it idles.
 """
@@ -87,6 +89,9 @@ class CacheReclaim:
             over = pool.stats().over_limit_bytes
         if over:
             queue.reclaim_cached(groups_wanted=groups_for(over, self.cache))
+            over = pool.stats().over_limit_bytes
+        # What is still over the limit is held by running requests: stop offering it (see shrink_by).
+        queue.shrink_by(groups_for(over, self.cache) if over else 0)
 
 
 class WarmReserve:
