@@ -78,7 +78,7 @@ def round_trips(memory: HostMemory) -> dict:
     cases = {"last": list(range(memory.slots - 8, memory.slots)), "across": list(range(boundary - 4, boundary + 4))}
     out = {}
     for path in ("direct", "staged"):
-        copier = BlockCopier([kv], memory.buffer, path=path)  # type: ignore[arg-type]
+        copier = BlockCopier([kv], memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
         for name, slots in cases.items():
             ids = list(range(len(slots)))
             torch.cuda.synchronize()

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvelastic.offload.host_memory import PAGE, HostMemory, PinError, chunk_plan
+from kvelastic.offload.staged_copy import slot_runs
 from kvelastic.offload.host_tier import HostTier, HostTierError, allocate_slots
 from kvelastic.tp.host_supply import RankHostSupply, decode, encode
 
@@ -229,3 +230,13 @@ def test_ranks_hand_out_a_slot_only_once_every_rank_has_it():
     boards[0].value, boards[1].value = encode(10, True), encode(8, True)  # rank 1 stopped short
     tier.admit("b")
     assert tier.stats().slots == 8 and tier._supply is None
+
+
+def test_staged_runs_end_where_a_chunk_begins():
+    pinner = GatedPinner()
+    mem = memory(13, pinner)  # chunks [0,1) [1,5) [5,9) [9,13)
+    assert mem.breaks == {1, 5, 9}
+    assert list(slot_runs([3, 4, 5, 6, 0, 1], mem.breaks)) == [(0, 3, 2), (2, 5, 2), (4, 0, 1), (5, 1, 1)]
+    assert HostMemory(4, SLOT, pinner=None).breaks == frozenset()
+    pinner.release(3)
+    assert mem.wait(10)

@@ -198,6 +198,12 @@ class HostMemory:
             thread.start()
 
     @property
+    def breaks(self) -> frozenset[int]:
+        """The first slot of every chunk but the first: no DMA copy may cross one (each is its own
+        registration, and the driver refuses a copy that spans two)."""
+        return frozenset(first for first, _ in self._plan[1:])
+
+    @property
     def pinned_bytes(self) -> int:
         return self.ready_slots * self.slot_bytes
 

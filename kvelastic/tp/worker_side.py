@@ -83,4 +83,4 @@ def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
     if slots < 1:
         return None, None, rows.slot_bytes
     memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin)
-    return rows.copier(memory.buffer, copy_path), memory, rows.slot_bytes
+    return rows.copier(memory, copy_path), memory, rows.slot_bytes
