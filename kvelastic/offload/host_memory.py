@@ -238,7 +238,8 @@ class HostMemory:
             self.ready_slots, self.settled = 0, True
         for i in pinned:
             self._unpin(i)
-        self.buffer = None  # type: ignore[assignment]  # the mapping goes with the last view of it
+        self.buffer = None  # type: ignore[assignment]
+        self._mapping = None  # type: ignore[assignment]  # unmapped with the last view of it
 
     # ------------------------------------------------------------ pinning
     def _chunk(self, i: int) -> tuple[int, int]:
