@@ -22,6 +22,7 @@ import torch
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.patches.host_tier_lookup import GET_ONE_BLOCK, hash_assigner
@@ -51,17 +52,17 @@ class BlockRows:
         self.slot_bytes = sum(v.shape[1] for v in self.views)
         self.pin = self.views[0].device.type == "cuda"  # pinned host memory serves a GPU's copies only
 
-    def copier(self, host: torch.Tensor, path: str) -> BlockCopier:
+    def copier(self, memory: HostMemory, path: str) -> BlockCopier:
         """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own)."""
-        return BlockCopier(self.views, host, path=path)  # type: ignore[arg-type]
+        return BlockCopier(self.views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
 
 
 def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
     """A tier of ``settings.cpu_bytes`` pinned now, and the copier between it and ``cache``'s blocks."""
     rows = BlockRows(cache)
     tier = HostTier(settings.cpu_bytes or 0, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy)
-    assert tier.buffer is not None  # a tier that allocates (the default) always has its buffer
-    return tier, rows.copier(tier.buffer, settings.copy_path)
+    assert tier.memory is not None  # a tier that allocates (the default) always has its memory
+    return tier, rows.copier(tier.memory, settings.copy_path)
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,

@@ -43,6 +43,9 @@ GAUGES = {
     "limit_bytes": ("kvelastic_limit_bytes", "Physical KV byte limit of this engine (0: none)"),
     "cached_bytes": ("kvelastic_cached_bytes", "GPU bytes in groups holding only cached prefix blocks"),
     "host_bytes_used": ("kvelastic_host_used_bytes", "Host-tier bytes holding spilled blocks"),
+    "host_pinned_bytes": ("kvelastic_host_pinned_bytes",
+                          "Host-tier bytes pinned and usable (grows while the tier pins in the background after "
+                          "start-up)"),
     "arc_p": ("kvelastic_host_arc_target_blocks",
               "ARC's adaptive target size of its recency list (its p), as a count of KV blocks"),
 }

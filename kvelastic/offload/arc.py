@@ -108,6 +108,10 @@ class ARC(EvictionPolicy):
     def b2_size(self) -> int:
         return len(self._b2)
 
+    def grow(self, capacity: int) -> None:
+        """A larger c keeps every invariant (each bound only loosens) and p stays within [0, c]."""
+        self._c = max(self._c, check_capacity(capacity))
+
     def snapshot(self) -> ARCState:
         """Copy of ``p`` and the four lists, for tests and debugging (O(c))."""
         return ARCState(self._p, tuple(self._t1), tuple(self._t2), tuple(self._b1), tuple(self._b2))

@@ -17,7 +17,7 @@ that stream wait for it, so no host thread ever blocks on the GPU. On a CPU
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import AbstractSet, Any, Literal, Sequence
 
 import torch
 
@@ -41,7 +41,9 @@ class BlockCopier(Copier):
     """Moves whole blocks between ``block_views`` (each (num_blocks, bytes)) and host rows in this process."""
 
     def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
-                 path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES):
+                 path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES,
+                 breaks: AbstractSet[int] = frozenset()):
+        """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one)."""
         columns = BlockColumns.of(block_views, host)
         self.device = block_views[0].device
         self.cuda = self.device.type == "cuda"
@@ -50,7 +52,7 @@ class BlockCopier(Copier):
         self.path = path
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         if path == "staged":
-            self.mover: StagedCopy | DirectCopy = StagedCopy(columns, host, self.device, staging_bytes)
+            self.mover: StagedCopy | DirectCopy = StagedCopy(columns, host, self.device, staging_bytes, breaks)
         elif path == "direct":
             self.mover = DirectCopy(columns, host, self.device)
         else:

@@ -1,8 +1,11 @@
 """Pinned host memory that keeps spilled KV blocks, one slot per block, under a policy.
 
-The buffer is allocated and pinned once, at start-up (pinning tens of GiB takes
-seconds, and doing it on the serving path would stall requests), then carved
-into slots of one block's bytes across all layers. The replacement policy
+The buffer is allocated at start-up and pinned in the background
+(``host_memory.py``: pinning tens of GiB takes tens of seconds), then carved
+into slots of one block's bytes across all layers. Only slots already pinned
+are handed out: the policy's capacity grows with them, drained from the
+supply at the next admission, so the engine serves at once with a tier that
+grows (or, if the host refuses to pin more, stays smaller). The replacement policy
 (ARC by default) decides which block hashes stay when the tier is full; a slot
 is freed the moment the policy evicts its key. Copies into a freed slot are
 queued behind earlier copies on the same stream, so reuse needs no pin. Free
@@ -16,16 +19,14 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable
+from typing import Hashable
 
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.offload.arc import ARC
+from kvelastic.offload.host_memory import CudaPinner, HostMemory, PinError, SlotSupply
 from kvelastic.offload.lru import LRU
 from kvelastic.offload.policy import EvictionPolicy
 from kvelastic.units import format_size
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -50,13 +51,12 @@ class HostTierStats:
         return self.slots_used * self.slot_bytes
 
 
-def allocate_slots(slots: int, slot_bytes: int, *, pin: bool) -> "torch.Tensor":
-    """One (slots, slot_bytes) int8 host buffer, pinned if asked; a clear error if it cannot be had."""
-    import torch
-
+def allocate_slots(slots: int, slot_bytes: int, *, pin: bool) -> HostMemory:
+    """A (slots, slot_bytes) int8 host buffer, pinned in the background if asked; a clear error if
+    it cannot be had or this host cannot pin at all (its first chunk is pinned before this returns)."""
     try:
-        return torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=pin)
-    except RuntimeError as exc:
+        return HostMemory(slots, slot_bytes, pinner=CudaPinner() if pin else None)
+    except (PinError, OSError, RuntimeError) as exc:
         raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
                             f"of host memory for the KV host tier ({exc}); lower KVELASTIC_CPU_BYTES") from exc
 
@@ -65,26 +65,40 @@ class HostTier:
     """Slots of pinned host memory indexed by block hash."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc",
-                 allocate: bool = True):
-        """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank)."""
+                 allocate: bool = True, supply: SlotSupply | None = None):
+        """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank),
+        and ``supply`` says how many of them every rank has pinned (None: all of them)."""
         slots = capacity_bytes // slot_bytes
         if slots < 1:
             raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
         start = time.perf_counter()
-        self.buffer = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
-        self.pin_seconds = time.perf_counter() - start
+        self.memory = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
+        self.buffer = self.memory.buffer if self.memory is not None else None
+        self.pin_seconds = time.perf_counter() - start  # the constructor's share; the rest is in the background
         self.slot_bytes = slot_bytes
-        self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots, on_evict=self._evicted)
-        self._free = list(range(slots))  # a heap
+        self.capacity_slots = slots
+        self._policy_type = ARC if policy == "arc" else LRU
+        self.policy: EvictionPolicy | None = None  # made with the first ready slot, grown with the others
+        self._free: list[int] = []  # a heap
+        self._supply: SlotSupply | None = self.memory or supply
         self._slot_of: dict[Hashable, int] = {}
         self.hits = self.misses = self.admitted = self.evicted = 0
-        log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s, policy %s",
+        if self._supply is None:
+            self._grow_to(slots)
+        else:
+            self._take_ready()
+        log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s%s, policy %s",
                  format_size(slots * slot_bytes), slots, format_size(slot_bytes),
-                 "pinned" if pin and allocate else "allocated" if allocate else "indexed", self.pin_seconds,
-                 policy)
+                 "allocated" if allocate else "indexed", self.pin_seconds,
+                 "" if self._supply is None else ", pinning in the background", policy)
 
     def admit(self, key: Hashable) -> int | None:
-        """A slot to copy ``key``'s block into, or None when the tier already holds it."""
+        """A slot to copy ``key``'s block into, or None when the tier already holds it (or has no
+        slot pinned yet)."""
+        if self._supply is not None:
+            self._take_ready()
+        if self.policy is None:
+            return None
         if key in self._slot_of:
             self.policy.request(key)
             return None
@@ -97,7 +111,7 @@ class HostTier:
     def lookup(self, key: Hashable) -> int | None:
         """The slot holding ``key``, counting a hit (and telling the policy), or None."""
         slot = self._slot_of.get(key)
-        if slot is None:
+        if slot is None or self.policy is None:
             self.misses += 1
             return None
         self.policy.request(key)
@@ -106,9 +120,30 @@ class HostTier:
 
     def clear(self) -> None:
         """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
-        self.policy = type(self.policy)(self.policy.capacity, on_evict=self._evicted)
-        self._free = list(range(self.policy.capacity))
+        if self.policy is not None:
+            self.policy = self._policy_type(self.policy.capacity, on_evict=self._evicted)
+            self._free = list(range(self.policy.capacity))
         self._slot_of.clear()
+
+    def _take_ready(self) -> None:
+        """Hand out the slots pinned since the last call; stop asking once the supply has settled."""
+        supply = self._supply
+        assert supply is not None
+        settled = supply.settled  # read first: a settled supply's count is final
+        self._grow_to(min(supply.ready_slots, self.capacity_slots))
+        if settled:
+            self._supply = None
+
+    def _grow_to(self, slots: int) -> None:
+        have = self.policy.capacity if self.policy is not None else 0
+        if slots <= have:
+            return
+        for slot in range(have, slots):
+            heapq.heappush(self._free, slot)
+        if self.policy is None:
+            self.policy = self._policy_type(slots, on_evict=self._evicted)
+        else:
+            self.policy.grow(slots)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -119,6 +154,7 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         p = self.policy.p if isinstance(self.policy, ARC) else None
-        return HostTierStats(slots=self.policy.capacity, slots_used=len(self._slot_of),
+        slots = self.policy.capacity if self.policy is not None else 0
+        return HostTierStats(slots=slots, slots_used=len(self._slot_of),
                              slot_bytes=self.slot_bytes, hits=self.hits, misses=self.misses,
                              admitted=self.admitted, evicted=self.evicted, arc_p=p)

@@ -35,6 +35,9 @@ class LRU(EvictionPolicy):
     def capacity(self) -> int:
         return self._c
 
+    def grow(self, capacity: int) -> None:
+        self._c = max(self._c, check_capacity(capacity))
+
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 

@@ -138,7 +138,8 @@ class OffloadManager:
 
     def stats(self) -> dict[str, Any]:
         t = self.tier.stats()
-        return {"host_slots": t.slots, "host_bytes_used": t.bytes_used, "host_hits": t.hits,
+        return {"host_slots": t.slots, "host_pinned_bytes": t.slots * t.slot_bytes,
+                "host_bytes_used": t.bytes_used, "host_hits": t.hits,
                 "host_misses": t.misses, "arc_p": t.arc_p, "spilled_bytes": self.counters.spilled_blocks
                 * self.copier.bytes_per_block, "reloaded_bytes": self.counters.reloaded_blocks
                 * self.copier.bytes_per_block, "spill_batches": self.counters.spill_batches,

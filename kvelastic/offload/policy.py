@@ -112,6 +112,14 @@ class EvictionPolicy(ABC):
         """The most keys that may be resident at once."""
 
     @abstractmethod
+    def grow(self, capacity: int) -> None:
+        """Raise the capacity to ``capacity`` (never lower it); nothing resident moves.
+
+        The host tier's slots arrive while its memory is pinned in the
+        background, and the policy must only fill the slots that exist.
+        """
+
+    @abstractmethod
     def request(self, key: Hashable) -> bool:
         """Record an access to ``key``; return True on a hit.
 

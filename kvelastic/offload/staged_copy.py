@@ -8,11 +8,16 @@ one DMA copy; loads do the same in reverse. Blocks are taken in slot order so
 that runs are as long as the slots allow. The staging buffer is small and
 reused chunk after chunk; all of it happens on the copier's one stream, so
 reuse needs no synchronisation.
+
+A DMA copy may not cross from one pinned registration into the next (the
+driver refuses it with "invalid argument"), and the host tier's buffer is
+registered in chunks (``host_memory.py``), so a run also ends where a chunk
+begins (``breaks``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import AbstractSet, Callable, Iterator, Sequence
 
 import torch
 
@@ -21,11 +26,12 @@ from kvelastic.offload.block_columns import BlockColumns
 Indices = Callable[[Sequence[int]], torch.Tensor]
 
 
-def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """(first position, first slot, length) of each run of consecutive slots in ``slots``."""
+def slot_runs(slots: Sequence[int], breaks: AbstractSet[int] = frozenset()) -> Iterator[tuple[int, int, int]]:
+    """(first position, first slot, length) of each run of consecutive slots in ``slots``; a slot in
+    ``breaks`` always starts a run."""
     start = 0
     for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+        if i == len(slots) or slots[i] != slots[i - 1] + 1 or slots[i] in breaks:
             yield start, slots[start], i - start
             start = i
 
@@ -33,9 +39,12 @@ def slot_runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
 class StagedCopy:
     """Gather into staging rows, then one DMA per run of host slots (and back)."""
 
-    def __init__(self, columns: BlockColumns, host: torch.Tensor, device: torch.device, staging_bytes: int):
+    def __init__(self, columns: BlockColumns, host: torch.Tensor, device: torch.device, staging_bytes: int,
+                 breaks: AbstractSet[int] = frozenset()):
+        """``breaks``: the first slot of each pinned registration of ``host`` after the first."""
         self.columns = columns
         self.host = host
+        self.breaks = breaks
         self.rows_per_chunk = max(1, min(staging_bytes // columns.row_bytes, host.shape[0]))
         self.staging = torch.empty((self.rows_per_chunk, columns.row_bytes), dtype=torch.int8, device=device)
 
@@ -51,13 +60,13 @@ class StagedCopy:
             wide, index = self.columns.rows(stage), indices(blocks)
             for view, c0, c1 in self.columns.pieces():
                 torch.index_select(view, 0, index, out=wide[:, c0:c1])
-            for row, slot, count in slot_runs(chunk_slots):
+            for row, slot, count in slot_runs(chunk_slots, self.breaks):
                 self.host[slot:slot + count].copy_(stage[row:row + count], non_blocking=True)
 
     def load(self, block_ids: Sequence[int], slots: Sequence[int], indices: Indices) -> None:
         for blocks, chunk_slots in self._chunks(block_ids, slots):
             stage = self.staging[:len(blocks)]
-            for row, slot, count in slot_runs(chunk_slots):
+            for row, slot, count in slot_runs(chunk_slots, self.breaks):
                 stage[row:row + count].copy_(self.host[slot:slot + count], non_blocking=True)
             wide, index = self.columns.rows(stage), indices(blocks)
             for view, c0, c1 in self.columns.pieces():

@@ -11,7 +11,8 @@ rank writes two files there and nothing else:
   per group, the physical limit vLLM profiled, host-tier slots), written once,
   as bounded JSON (:mod:`kvelastic.tp.rank_files`);
 * ``rank<r>.board``: a small int64 array the rank keeps current: its pid, the
-  last command and step it applied, free device bytes, and per page group the
+  last command and step it applied, free device bytes, how much of its host-tier
+  share it has pinned (:mod:`kvelastic.tp.host_supply`), and per page group the
   number of the command that mapped it (negative: refused; 0: unmapped). It is
   created new (never through an existing path) with every block allocated at
   once, so a full ``/dev/shm`` is an error at start-up, not a SIGBUS later.
@@ -43,7 +44,7 @@ __all__ = ["RankInfo", "RankBoard", "engine_dir", "write_info", "read_info", "wr
            "idle_files", "read_idle_commands", "remove_rank_files"]
 
 HEADER = 8
-PID, APPLIED, STEPS_DONE, DEVICE_FREE, MAPPED_BYTES, HELD_BYTES = range(6)
+PID, APPLIED, STEPS_DONE, DEVICE_FREE, MAPPED_BYTES, HELD_BYTES, HOST_PINNED = range(7)
 _IDLE = re.compile(r"^idle-(\d{1,18})-(\d{1,18})\.cmd$")
 
 

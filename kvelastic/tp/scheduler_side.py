@@ -86,14 +86,16 @@ class RankConnection(CacheConnection):
         self.slot_bytes = first.slot_bytes * first.world  # one slot of the index: every rank's share of a block
 
     def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
-        """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank."""
+        """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank, and a
+        slot is handed out once every rank has pinned it."""
         from kvelastic.offload.host_tier import HostTier
+        from kvelastic.tp.host_supply import RankHostSupply
 
         if not self.host_slots:
             raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
                              "set up no host tier; give every process of the engine the same environment")
         tier = HostTier(self.host_slots * self.slot_bytes, self.slot_bytes, pin=False, allocate=False,
-                        policy=settings.cpu_policy)
+                        policy=settings.cpu_policy, supply=RankHostSupply(self.mapper.boards))
         return tier, RemoteCopier(self.mapper, self.slot_bytes)
 
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None]:

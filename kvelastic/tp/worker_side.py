@@ -1,8 +1,9 @@
 """Set up a worker rank whose scheduler runs in another process (TP, multiprocess executor).
 
 Runs right after the rank has published its elastic KV cache: describes it in
-the engine's folder, allocates this rank's share of the host tier (pinning
-takes seconds, so it is done at start-up, not on the serving path) and starts
+the engine's folder, allocates this rank's share of the host tier (pinned in
+the background; the rank publishes its progress on its board and the
+scheduler hands out a slot once every rank has it) and starts
 the :class:`~kvelastic.tp.rank.RankWorker` that the patched
 ``Worker.execute_model`` feeds each step's commands.
 """
@@ -17,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
+from kvelastic.tp import host_supply
 from kvelastic.tp.rank import RankWorker
 
 if TYPE_CHECKING:
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.copier import BlockCopier
+    from kvelastic.offload.host_memory import HostMemory
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -55,26 +58,29 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
 def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit_bytes: int | None,
                cpu_bytes: int | None, copy_path: str = Settings.copy_path) -> RankWorker:
     """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
-    copier, slots, slot_bytes = None, 0, 0
+    copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
-        copier, slots, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path)
+        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path)
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
-                        limit_bytes=limit_bytes, host_slots=slots, slot_bytes=slot_bytes)
+                        limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes)
     worker = RankWorker(cache, folder, info, copier)
+    if memory is not None:
+        board = worker.board
+        memory.watch(lambda ready, settled: host_supply.publish(board, ready, settled))
     worker.start()
     return worker
 
 
 def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
-                copy_path: str) -> tuple["BlockCopier | None", int, int]:
-    """This rank's pinned slots: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
+                copy_path: str) -> tuple["BlockCopier | None", "HostMemory | None", int]:
+    """This rank's slots, pinning in the background: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
     from kvelastic.hooks.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
     rows = BlockRows(cache)
     slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
-        return None, 0, rows.slot_bytes
-    host = allocate_slots(slots, rows.slot_bytes, pin=rows.pin)
-    return rows.copier(host, copy_path), slots, rows.slot_bytes
+        return None, None, rows.slot_bytes
+    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin)
+    return rows.copier(memory, copy_path), memory, rows.slot_bytes

@@ -1,0 +1,51 @@
+"""How far every rank has pinned its share of the host tier, through the rank boards.
+
+Under tensor parallelism the host-tier index lives on the scheduler and each
+rank pins its own buffer in the background (``offload/host_memory.py``). A
+slot of the index may be handed out only once every rank has it pinned, so
+each rank publishes its pinned prefix on its board and the scheduler's tier
+reads the least of them at its next admission. No rank waits for another and
+the scheduler never blocks: until every rank has a slot, admissions miss.
+
+The count and "settled" travel in one int64 board field (one aligned store,
+so a reader in another process never sees one without the other): ``n >= 0``
+means n slots pinned and more may come; ``-(n + 1)`` means n slots, final.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvelastic.tp import board as shm
+
+
+def encode(ready_slots: int, settled: bool) -> int:
+    return -(ready_slots + 1) if settled else ready_slots
+
+
+def decode(value: int) -> tuple[int, bool]:
+    """(ready slots, settled) from a board's field."""
+    return (-value - 1, True) if value < 0 else (value, False)
+
+
+def publish(board: shm.RankBoard, ready_slots: int, settled: bool) -> None:
+    """The rank's side, called from its pin threads (the field has no other writer)."""
+    board.set(shm.HOST_PINNED, encode(ready_slots, settled))
+
+
+class RankHostSupply:
+    """The scheduler's :class:`~kvelastic.offload.host_memory.SlotSupply`: the least pinned prefix of all ranks."""
+
+    def __init__(self, boards: Sequence[shm.RankBoard]):
+        self.boards = list(boards)
+
+    def _states(self) -> list[tuple[int, bool]]:
+        return [decode(b.get(shm.HOST_PINNED)) for b in self.boards]
+
+    @property
+    def ready_slots(self) -> int:
+        return min(ready for ready, _ in self._states())
+
+    @property
+    def settled(self) -> bool:
+        return all(settled for _, settled in self._states())
