@@ -31,12 +31,14 @@ def test_nobody_is_capped_while_nobody_waits(account):
 
 
 def test_a_member_waiting_below_its_share_caps_the_one_above_at_its_share(account):
-    a, b, _ = account.join("a"), account.join("b"), account.join("c")
+    a, b, c = account.join("a"), account.join("b"), account.join("c")
     assert a.acquire(1100)
     assert not b.acquire(200)  # refused by the budget: a want, and b holds nothing of its 400
-    assert a.tick().share_cap_bytes == 400  # 1200 / 3 members
+    assert a.tick().share_cap_bytes == 600  # 1200 / the 2 busy members (idle c's part is theirs)
     assert b.tick().share_cap_bytes == 0  # the waiting one is below its share: never capped
     assert a.tick(cached_bytes=0).pressure_bytes == 0  # nothing cached: the cap is what makes it shrink
+    assert c.acquire(100) and c.tick(cached_bytes=0).share_cap_bytes == 0  # c now uses a real part...
+    assert a.tick().share_cap_bytes == 400  # ...so the busy are three: 1200 / 3
 
 
 def test_no_cap_once_the_waiting_member_holds_its_share(account):
@@ -129,6 +131,30 @@ def test_the_cap_lifts_and_the_engine_may_grow_again_once_nobody_waits(tmp_path,
         assert a_pool.stats().limit_bytes is None
         assert a_queue.excess_blocks == 0 and a_bp.get_num_free_blocks() > 0
         a_bp.free_blocks(running)
+    finally:
+        for eng in (a, b):
+            eng[5].leave()
+            eng[0].close()
+
+
+def test_a_warm_reserve_that_cannot_grow_asks_for_nothing_and_so_never_waits(tmp_path, monkeypatch):
+    """Pages kept warm ahead of need are not demand: a refusal for them would be a want, and a waiting
+    engine is spared the others' pressure, so an engine done with its requests would keep its cache."""
+    from kvelastic.scheduler.upkeep import engine_upkeep
+    from tests.test_cluster_link import _NoLock
+
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    a = engine("a", budget=8 * PAGE, limit=None)
+    b = engine("b", budget=8 * PAGE, limit=None)
+    upkeep = engine_upkeep(b[4], b[2], _NoLock(), cache_ttl_s=60.0, reserve_bytes=2 * PAGE, link=b[5])
+    try:
+        held = a[3].get_new_blocks(6 * 32 - 16)  # a holds 7 of the 8 pages: room for one more
+        b[2].forget_device_free()
+        upkeep.tick()  # b is busy (it allocated lately): it keeps what fits of its 2 warm pages
+        assert b[0].stats().reserve_bytes <= PAGE
+        info = b[5].member.info()
+        assert info.wanted_bytes == 0 and info.waiting_since is None
+        a[3].free_blocks(held)
     finally:
         for eng in (a, b):
             eng[5].leave()

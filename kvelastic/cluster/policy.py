@@ -25,15 +25,19 @@ for its owner however hungry the others are.
   rate and no one member's prefix cache is wiped first; if all the donors
   together hold less than the demand, each gives all it can.
 * **Fair share.** Every member may borrow the whole budget while the others
-  do not need it, but each is promised back an equal part of it (or its
-  reservation, if larger): :func:`fair_share`. When a member waits for the
+  do not need it, but each busy one is promised back an equal part of it
+  among the busy members (or its reservation, if larger): :func:`fair_share`.
+  Busy means waiting for the budget, or using beyond its cache more than an
+  eighth of an equal part among all members (:func:`busy`), so an idle
+  member's part goes to those that work. When a member waits for the
   budget while it holds less than its share, every member holding more than
   its own share must shrink to it (:func:`share_cap`), also memory its running
   requests use: the engine stops admitting, and vLLM preempts what does not
   fit, as it would in a static partition of that size. So a model that turns
-  busy gets at least what a static split would have given it, within the time
-  its neighbours take to let go, and the memory an idle model does not use is
-  never wasted. Above their shares, members are served first come.
+  busy gets at least what a static split among the busy models would give it,
+  within the time its neighbours take to let go, and the memory an idle model
+  does not use is never wasted. Above their shares, members are served first
+  come.
 """
 
 from __future__ import annotations
@@ -123,9 +127,19 @@ def headroom(records: list[MemberRecord], me: MemberRecord, budget: int) -> int:
     return room
 
 
-def fair_share(record: MemberRecord, members: int, budget: int) -> int:
-    """The bytes ``record`` is promised back when it waits: an equal part of the budget, or its ``min``."""
-    return max(record.min_bytes, budget // max(1, members))
+IDLE_FRACTION = 8  # using less than 1/8 of an equal part (beyond its cache), a member counts as idle
+
+
+def busy(record: MemberRecord, members: int, budget: int, now: float,
+         want_ttl_s: float = DEFAULT_WANT_TTL_S) -> bool:
+    """Whether ``record`` waits for the budget or uses (beyond its cache) a real part of it."""
+    in_use = max(0, record.mapped_bytes - record.cached_bytes)
+    return wanting(record, now, want_ttl_s) or in_use * IDLE_FRACTION * max(1, members) > budget
+
+
+def fair_share(record: MemberRecord, busy_members: int, budget: int) -> int:
+    """The bytes ``record`` is promised back when it waits: an equal part among the busy, or its ``min``."""
+    return max(record.min_bytes, budget // max(1, busy_members))
 
 
 def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: float,
@@ -133,14 +147,15 @@ def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: f
     """The bytes ``me`` must shrink to because another member waits below its fair share; 0: none.
 
     Only a member holding more than its own share is capped, and only to that
-    share: never below it, so two busy members settle at their shares at worst.
+    share: never below it, so busy members settle at their shares at worst.
     """
     live = [r for r in records if r.used]
-    mine = fair_share(me, len(live), budget)
+    working = sum(busy(r, len(live), budget, now, want_ttl_s) for r in live) or len(live)
+    mine = fair_share(me, working, budget)
     if me.mapped_bytes <= mine:
         return 0
     for other in live:
         if other.slot != me.slot and wanting(other, now, want_ttl_s) and \
-                other.mapped_bytes < fair_share(other, len(live), budget):
+                other.mapped_bytes < fair_share(other, working, budget):
             return mine
     return 0

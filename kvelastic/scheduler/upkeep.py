@@ -101,7 +101,7 @@ def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: Cont
     account = AccountSync(link, queue, offload) if link is not None else None
     jobs: list[PeriodicJob] = [] if account is None else [account]
     jobs += [CacheReclaim(queue, cache, cache_ttl_s=cache_ttl_s, account=account),
-             WarmReserve(queue, cache.pool, reserve_pages=reserve_bytes // cache.pool.page_bytes,
+             WarmReserve(queue, cache, reserve_pages=reserve_bytes // cache.pool.page_bytes,
                          cache_ttl_s=cache_ttl_s),
              StatsLog(cache, offload, rank_held_bytes=rank_held_bytes)]
     if publisher is not None:
