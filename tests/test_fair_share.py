@@ -159,3 +159,26 @@ def test_a_warm_reserve_that_cannot_grow_asks_for_nothing_and_so_never_waits(tmp
         for eng in (a, b):
             eng[5].leave()
             eng[0].close()
+
+
+def test_a_request_that_does_not_fit_is_a_want_that_caps_the_engine_above_its_share(tmp_path, monkeypatch):
+    """The scheduler asks nothing while its headroom is short; its estimate for a waiting request tells the
+    account instead (the commit guard's map_for), and that want is what the others' fair share answers."""
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    a = engine("a", budget=8 * PAGE, limit=None)
+    b = engine("b", budget=8 * PAGE, limit=None)
+    upkeep = _linked_reclaimer(a[4], a[2], a[5])
+    try:
+        running = a[3].get_new_blocks(6 * 32 - 16)  # a holds 7 of the 8 pages in running requests
+        b[2].forget_device_free()
+        assert b[5].member.info().wanted_bytes == 0
+        assert b[4].map_for(3 * 32)  # vLLM's estimate for b's waiting request: 3 groups it cannot have
+        info = b[5].member.info()
+        assert info.wanted_bytes >= 2 * PAGE and info.waiting_since is not None
+        upkeep.tick()
+        assert a[0].stats().limit_bytes == 4 * PAGE
+        a[3].free_blocks(running)
+    finally:
+        for eng in (a, b):
+            eng[5].leave()
+            eng[0].close()

@@ -110,6 +110,26 @@ class Member:
             snap.write(me)
         return Grant(verdict is policy.Verdict.GRANTED, verdict, nbytes, available)
 
+    def want(self, nbytes: int) -> bool:
+        """Record that this member needs ``nbytes`` more that the budget cannot give now; take nothing.
+
+        How an engine's scheduler says that a request waits for memory it has
+        not asked for (it does not ask while its headroom is short): the want
+        creates pressure on the others exactly as a refused grant would. True
+        if recorded; False if the budget has the room after all (the engine
+        maps it on its next step).
+        """
+        if nbytes <= 0:
+            raise AccountingError(f"{self.name!r} wanted a non-positive amount ({nbytes})")
+        with self._mine() as (snap, me):
+            if policy.judge(snap.records, me, nbytes, snap.header.budget_bytes) is not policy.Verdict.OVER_BUDGET:
+                return False
+            if not me.waiting_since or not policy.wanting(me, snap.now, self.account.want_ttl_s):
+                me.waiting_since = snap.now
+            me.wanted_bytes, me.wanted_at, me.heartbeat = nbytes, snap.now, snap.now
+            snap.write(me)
+            return True
+
     def acquire(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the budget if the rules allow (see :mod:`kvelastic.cluster.policy`)."""
         return self.request(nbytes).granted

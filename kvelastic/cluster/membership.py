@@ -83,6 +83,19 @@ class Membership:
             self._lost(member, error)
             return None
 
+    def want(self, nbytes: int) -> bool:
+        """The member's :meth:`~kvelastic.cluster.member.Member.want`; False when busy or without an account."""
+        member = self.member
+        if member is None:
+            return False
+        try:
+            return member.want(nbytes)
+        except AccountBusy:
+            return False
+        except ACCOUNT_ERRORS as error:
+            self._lost(member, error)
+            return False
+
     def adopt(self, nbytes: int) -> None:
         self._count(nbytes, lambda m: m.adopt(nbytes))
 

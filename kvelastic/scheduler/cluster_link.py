@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from kvelastic.cluster.account import SharedAccount
@@ -38,6 +39,7 @@ from kvelastic.units import format_size
 log = logging.getLogger("vllm.kvelastic")
 
 LOCK_TIMEOUT_S = 0.005  # the longest the scheduler's thread waits for another process
+WANT_PERIOD_S = 0.05  # the scheduler tells the account of its waiting requests at most this often
 
 
 def gpu_identity(cache: ElasticKVCache) -> tuple[str, int | None]:
@@ -95,6 +97,8 @@ class ClusterLink:
         source.observer = self.timing
         source.attach(self.membership)
         cache.external_headroom = self.headroom
+        cache.external_want = self.want
+        self._next_want = 0.0
         self.source = source
         self.cache = cache
         atexit.register(self.leave)
@@ -129,6 +133,20 @@ class ClusterLink:
         """Bytes the account would still grant this engine (asked at most every 50 ms); None: no account."""
         grant = self.membership.request(0)
         return None if grant is None else grant.available_bytes
+
+    def want(self, nbytes: int) -> None:
+        """The scheduler has requests waiting for ``nbytes`` the budget does not give: tell the others.
+
+        Asked on vLLM's scheduler thread for each allocation that does not fit,
+        so at most every ``WANT_PERIOD_S``; the lock is waited for 5 ms at most.
+        """
+        now = time.monotonic()
+        if now < self._next_want:
+            return
+        self._next_want = now + WANT_PERIOD_S
+        if self.membership.want(nbytes):
+            with self.source.lock:
+                self.timing.refused(nbytes)
 
     def tick(self, queue: Any, offload: Any) -> int:
         """Report, apply the current limit; return the bytes other engines want back from us."""
@@ -206,5 +224,6 @@ class ClusterLink:
 
     def leave(self) -> None:
         self.cache.external_headroom = None
+        self.cache.external_want = None
         self.source.member = None  # pages freed after leaving are no longer the account's business
         self.membership.leave()

@@ -43,6 +43,9 @@ class GroupedBlocks(SchedulerCache):
     layout: KVGroupLayout
     group_bytes: int
     pool: PoolView
+    #: Told the bytes that waiting requests need beyond what a budget outside this process grants (the
+    #: GPU's shared account), so the others give them back; None where there is no such budget.
+    external_want: Callable[[int], None] | None = None
 
     @property
     def blocks_per_group(self) -> int:

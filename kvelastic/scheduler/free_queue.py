@@ -245,7 +245,13 @@ class PageAwareFreeQueue:
         if blocks <= 0:  # most estimates of a decode step: nothing new to map
             return True
         short = blocks - self.mapped_free_blocks()
-        if short <= 0 or short > self._mappable_blocks():
+        if short <= 0:
+            return True
+        mappable = self._mappable_blocks()
+        if short > mappable:  # vLLM will decline: the request waits; say what it waits for
+            want = self.cache.external_want
+            if want is not None and self.mapper.synchronous:
+                want(-(-(short - mappable) // self.cache.blocks_per_group) * self.cache.group_bytes)
             return True
         refused = self.refused_groups
         self._map_now(short)
