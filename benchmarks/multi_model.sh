@@ -10,7 +10,8 @@
 # summary), CONFIG.png (if matplotlib imports), server logs, KV sizes and reclaim episode lines
 # from the logs, steps.log.
 # Environment knobs: MM_KV_GIB (6), MM_CPU_BYTES (8GiB), MM_EAGER=1 (no CUDA graphs: faster start),
-# MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then),
+# MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then;
+# MM_STOP_S, 60, of it kept for that),
 # MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -134,7 +135,7 @@ kvcached)
     exit 2 ;;
 esac
 trap 'stop_servers; finish 130' INT TERM
-limit=$((BUDGET_S - ($(date +%s) - began) - 60))  # 60 s kept for stopping the servers and the tarball
+limit=$((BUDGET_S - ($(date +%s) - began) - ${MM_STOP_S:-60}))  # kept for stopping the servers and the tarball
 client=(python3 benchmarks/multi_model.py run --config "$config" --out "$W/$config.json"
         --models "${NAMES[@]}" --ports "${PORTS[@]}" --ready-timeout 420 --deadline "$((limit - 15))")
 for pid in "${PIDS[@]}"; do client+=(--watch-pid "$pid"); done
