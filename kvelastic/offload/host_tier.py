@@ -16,7 +16,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.offload.arc import ARC
@@ -65,17 +65,28 @@ class HostTier:
     """Slots of pinned host memory indexed by block hash."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc",
-                 allocate: bool = True):
-        """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank)."""
+                 allocate: bool = True, ahead_slots: int = 0):
+        """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank).
+
+        ``ahead_slots``: slots kept outside the policy for copies stored ahead
+        of eviction (write-through, :mod:`kvelastic.offload.store_ahead`); the
+        policy manages the rest.
+        """
         slots = capacity_bytes // slot_bytes
         if slots < 1:
             raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
+        if not 0 <= ahead_slots < slots:
+            raise ConfigError(f"the write-through share ({ahead_slots} blocks) must leave the host tier's policy "
+                              f"at least one of its {slots} blocks; lower KVELASTIC_CPU_AHEAD")
         start = time.perf_counter()
         self.buffer = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
         self.pin_seconds = time.perf_counter() - start
         self.slot_bytes = slot_bytes
-        self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots, on_evict=self._evicted)
+        self.slots = slots
+        self.policy: EvictionPolicy = (ARC if policy == "arc" else LRU)(slots - ahead_slots, on_evict=self._evicted)
         self._free = list(range(slots))  # a heap
+        #: Called for a slot when none is free (write-through's copies give one up); None: never short.
+        self.reclaim_slot: Callable[[], int] | None = None
         self._slot_of: dict[Hashable, int] = {}
         self.hits = self.misses = self.admitted = self.evicted = 0
         log.info("kvelastic: host tier of %s (%d blocks of %s) %s in %.2f s, policy %s",
@@ -85,14 +96,46 @@ class HostTier:
 
     def admit(self, key: Hashable) -> int | None:
         """A slot to copy ``key``'s block into, or None when the tier already holds it."""
-        if key in self._slot_of:
-            self.policy.request(key)
+        if self.admit_held(key):
             return None
         self.policy.request(key)  # a miss: admits the key, evicting as the policy says
-        slot = heapq.heappop(self._free)
+        slot = self.take_slot()
         self._slot_of[key] = slot
         self.admitted += 1
         return slot
+
+    def adopt(self, key: Hashable, slot: int) -> None:
+        """Admit ``key`` whose data already sits in ``slot`` (stored ahead): the same request as :meth:`admit`,
+        no copy. If the policy already held ``key``, ``slot`` is simply freed."""
+        if self.admit_held(key):
+            self.give_slot(slot)
+            return
+        self.policy.request(key)
+        self._slot_of[key] = slot
+        self.admitted += 1
+
+    def admit_held(self, key: Hashable) -> bool:
+        """If the policy holds ``key``, request it as :meth:`admit` does (no copy needed) and say so."""
+        if key in self._slot_of:
+            self.policy.request(key)
+            return True
+        return False
+
+    def take_slot(self) -> int:
+        """A free slot, lowest first; when none is free, one :attr:`reclaim_slot` gives up."""
+        if self._free:
+            return heapq.heappop(self._free)
+        if self.reclaim_slot is None:
+            raise HostTierError("internal: no free host slot and nothing to reclaim one from")
+        return self.reclaim_slot()
+
+    def free_slot(self) -> int | None:
+        """A free slot, or None: never one the policy holds."""
+        return heapq.heappop(self._free) if self._free else None
+
+    def give_slot(self, slot: int) -> None:
+        """``slot`` (from :meth:`take_slot` or :meth:`free_slot`) is free again."""
+        heapq.heappush(self._free, slot)
 
     def lookup(self, key: Hashable) -> int | None:
         """The slot holding ``key``, counting a hit (and telling the policy), or None."""
@@ -107,7 +150,7 @@ class HostTier:
     def clear(self) -> None:
         """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
         self.policy = type(self.policy)(self.policy.capacity, on_evict=self._evicted)
-        self._free = list(range(self.policy.capacity))
+        self._free = list(range(self.slots))
         self._slot_of.clear()
 
     def __contains__(self, key: object) -> bool:
@@ -119,6 +162,6 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         p = self.policy.p if isinstance(self.policy, ARC) else None
-        return HostTierStats(slots=self.policy.capacity, slots_used=len(self._slot_of),
+        return HostTierStats(slots=self.slots, slots_used=self.slots - len(self._free),
                              slot_bytes=self.slot_bytes, hits=self.hits, misses=self.misses,
                              admitted=self.admitted, evicted=self.evicted, arc_p=p)
