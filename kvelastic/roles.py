@@ -150,6 +150,10 @@ class Copier(Protocol):
     def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> "Fence":
         """Host slots into blocks, before the next forward pass reads them."""
 
+    @abstractmethod
+    def fence_compute(self) -> None:
+        """The next forward pass waits for every copy issued so far (a block a store reads is reused)."""
+
 
 class CacheConnection(Protocol):
     """How a scheduler reaches its engine's KV cache: the cache and mapper, and what differs around them."""

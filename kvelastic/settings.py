@@ -120,6 +120,11 @@ class Settings:
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
     copy_path: str = "direct"  # chosen from bench_copy.py on an H100: docs/gpu-results.md
+    #: When blocks are copied to the host: as they leave the GPU, or once computed (docs/offload.md).
+    #: ``eviction`` until a GPU run shows write-through wins: it moves more bytes and shrinks the policy's share.
+    cpu_store: str = "eviction"
+    cpu_ahead_bytes: int | None = None  # write-through's share of the tier; None: a quarter of it
+    cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -217,6 +222,9 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
     "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged")),
+    "cpu_store": ("KVELASTIC_CPU_STORE", _choice("eviction", "write-through")),
+    "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
+    "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

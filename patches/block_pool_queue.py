@@ -70,7 +70,7 @@ KV_CACHE_BLOCK = Target(  # read by the queue and the host tier on every block i
     qualname="KVCacheBlock",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("block_id", "block_hash")),),
+    shapes=(Attributes(ALL, ("block_id", "block_hash", "is_null")),),  # is_null: write-through skips the null block
 )
 
 _QUEUE_MEMBERS = ("popleft", "popleft_n", "append_n", "remove", "num_free_blocks")

@@ -5,6 +5,11 @@
 becomes a hit on a free GPU block that is given the hash, entered in the map
 and filled from the host before the next forward pass.
 
+With write-through, ``BlockPool.cache_full_blocks`` is wrapped on the GPU
+pool's instance too: the blocks it names are stored to the host once computed.
+It takes ``block_mask`` from 0.22; the wrapper reads only ``blocks`` and the two
+counts, and keeps the blocks that came out with a hash.
+
 Version difference handled here: how a block is given its hash. Up to 0.23
 ``KVCacheBlock.block_hash`` is a property with a setter; from 0.24 it is
 read-only and ``set_block_hash(block_hash, num_tokens)`` sets it.
@@ -49,7 +54,25 @@ SET_BLOCK_HASH = Target(
     shapes=(Absent(before("0.24")), Signature(since("0.24"), ("self", "block_hash", "num_tokens"))),
 )
 
-TARGETS = (GET_ONE_BLOCK, INSERT, HASH_SETTER, SET_BLOCK_HASH)
+_CACHE_FULL = ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id")
+CACHE_FULL_BLOCKS = Target(  # wrapped on the GPU block pool instance: write-through learns which blocks are named full
+    module="vllm.v1.core.block_pool",
+    qualname="BlockPool.cache_full_blocks",
+    kind="method",
+    use="instance",
+    shapes=(Signature(before("0.22"), _CACHE_FULL), Signature(since("0.22"), (*_CACHE_FULL, "block_mask"))),
+)
+
+TARGETS = (GET_ONE_BLOCK, INSERT, HASH_SETTER, SET_BLOCK_HASH, CACHE_FULL_BLOCKS)
+
+
+def named_full(args: tuple, kwargs: dict) -> list[Any]:
+    """The blocks a ``cache_full_blocks`` call (already run) gave a hash: the new full ones, null and masked
+    ones left out. Read by position or name as declared (vLLM passes names; it runs once per request and
+    step, so no signature binding)."""
+    blocks, start, end = (kwargs[name] if name in kwargs else args[i]
+                          for i, name in enumerate(_CACHE_FULL[2:5], start=1))
+    return [b for b in blocks[start:end] if b.block_hash is not None and not b.is_null]
 
 
 def hash_assigner(patcher: Patcher) -> Callable[[Any, Hashable], None]:

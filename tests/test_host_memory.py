@@ -126,6 +126,22 @@ def test_admission_before_any_slot_is_pinned_misses_without_blocking():
     assert tier.admit("a") == 0 and tier.lookup("a") == 0 and tier.stats().slots == 3
 
 
+def test_the_write_through_share_comes_out_of_the_pinned_slots_before_the_policy_gets_any():
+    """Copies stored ahead have their share of the slots pinned so far; the policy grows with the rest."""
+    class Growing:
+        ready_slots = 0
+        settled = False
+
+    supply = Growing()
+    tier = HostTier(10 * SLOT, SLOT, pin=False, allocate=False, supply=supply, ahead_slots=3)
+    supply.ready_slots = 2
+    assert tier.admit("k") is None and tier.policy is None  # all of it is the ahead share so far
+    assert tier.free_slot() == 0  # ...which write-through may use
+    supply.ready_slots, supply.settled = 10, True
+    assert tier.admit("k") is not None and tier.policy is not None and tier.policy.capacity == 7
+    assert tier.stats().slots == 10 and tier.stats().slots_used == 2
+
+
 def test_failure_midway_leaves_a_smaller_working_tier(caplog):
     pinner = GatedPinner(fail_at=2)
     mem = memory(17, pinner, threads=1)  # [0,1) [1,5) | [5,9) fails

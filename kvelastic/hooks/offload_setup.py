@@ -15,6 +15,7 @@ and a :class:`BlockRows` copier on each rank.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Hashable
 
 import torch
@@ -25,7 +26,9 @@ from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
-from kvelastic.patches.host_tier_lookup import GET_ONE_BLOCK, hash_assigner
+from kvelastic.offload.store_ahead import AheadCopies
+from kvelastic.offload.write_through import WriteThrough, ahead_slots
+from kvelastic.patches.host_tier_lookup import CACHE_FULL_BLOCKS, GET_ONE_BLOCK, hash_assigner, named_full
 from kvelastic.patching.apply import Change, Patcher
 from kvelastic.roles import Copier
 from kvelastic.settings import Settings
@@ -60,18 +63,36 @@ class BlockRows:
 def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
     """A tier of ``settings.cpu_bytes`` pinned now, and the copier between it and ``cache``'s blocks."""
     rows = BlockRows(cache)
-    tier = HostTier(settings.cpu_bytes or 0, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy)
+    capacity = settings.cpu_bytes or 0
+    tier = HostTier(capacity, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy,
+                    ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes))
     assert tier.memory is not None  # a tier that allocates (the default) always has its memory
     return tier, rows.copier(tier.memory, settings.copy_path)
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,
-                 patcher: Patcher) -> OffloadManager:
-    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload."""
-    manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher))
+                 patcher: Patcher, settings: Settings | None = None) -> OffloadManager:
+    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload.
+
+    With ``KVELASTIC_CPU_STORE=write-through`` the blocks ``cache_full_blocks``
+    names are stored as they are computed, and the blocks whose hash vLLM
+    drops outside an eviction lose their copies made ahead.
+    """
+    write_through = None
+    if settings is not None and settings.cpu_store == "write-through":
+        write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block)
+    manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through)
     queue.spill_hook = manager.spill
     hook_lookup(block_pool, manager, patcher)
+    if write_through is not None:
+        queue.drop_hook = manager.dropped
+        patcher.wrap_instance(block_pool, CACHE_FULL_BLOCKS, functools.partial(_named_full, manager))
     return manager
+
+
+def _named_full(manager: OffloadManager, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    wrapped(*args, **kwargs)
+    manager.computed(named_full(args, kwargs))
 
 
 def hook_lookup(block_pool: Any, manager: OffloadManager, patcher: Patcher) -> "PrefixLookupHook":

@@ -100,7 +100,8 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
                        offload: OffloadManager | None, step_hook: Callable[[Any], None] | None) -> None:
     """Each declared entry point runs under ``lock``, then what must follow it before the lock is let go.
 
-    No host copy outlives a call (``offload.flush``); what was secured for a
+    No host copy outlives a call (``offload.flush``; after ``schedule()``,
+    ``offload.end_step`` also issues the write-through stores due); what was secured for a
     step's allocations is not held past it (``guard.end_step``); a reset hooks
     the host tier into the new prefix-cache map; ``step_hook`` gets each
     ``schedule()`` output last (under tensor parallelism: the ranks' commands).
@@ -108,8 +109,8 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
     flush = offload.flush if offload is not None else None
     for target in LOCKED:
         then = flush
-        if target is SCHEDULE:
-            then = _chain(guard.end_step, flush)
+        if target is SCHEDULE:  # the step's write-through stores go out after its spills and loads
+            then = _chain(guard.end_step, offload.end_step if offload is not None else None)
         if target is RESET_PREFIX_CACHE and offload is not None:
             then = offload.reset  # the host copies go too; the lookup hook follows the new map
         on_result = step_hook if target is SCHEDULE else None
@@ -123,7 +124,7 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, 
         return None
     from kvelastic.hooks.offload_setup import wire_offload
 
-    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher)
+    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher, settings)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
 

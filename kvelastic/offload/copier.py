@@ -11,8 +11,13 @@ too small for one DMA call each. Two paths move whole batches instead:
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
-that stream wait for it, so no host thread ever blocks on the GPU. On a CPU
-(tests, host backend) the same operations run synchronously.
+that stream wait for it, so no host thread ever blocks on the GPU. A store
+makes it wait only when asked (its blocks are about to be overwritten); a
+write-through store does not, and :meth:`BlockCopier.fence_compute` makes
+compute wait later, if a block it reads is reused. All copies share the one
+stream, in the order issued: a host slot is never written or read before the
+copies queued into it earlier are done. On a CPU (tests, host backend) the
+same operations run synchronously.
 """
 
 from __future__ import annotations
@@ -89,6 +94,14 @@ class BlockCopier(Copier):
         if self.cuda:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
+
+    def fence_compute(self) -> None:
+        """Later compute on the legacy stream waits for every copy issued so far (one stream: all of them)."""
+        if not self.cuda:
+            return
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        torch.cuda.default_stream(self.device).wait_event(event)
 
     def _on_copy_stream(self) -> Any:
         if not self.cuda:

@@ -19,7 +19,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.offload.arc import ARC
@@ -65,21 +65,33 @@ class HostTier:
     """Slots of pinned host memory indexed by block hash."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc",
-                 allocate: bool = True, supply: SlotSupply | None = None):
+                 allocate: bool = True, supply: SlotSupply | None = None, ahead_slots: int = 0):
         """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank),
-        and ``supply`` says how many of them every rank has pinned (None: all of them)."""
+        and ``supply`` says how many of them every rank has pinned (None: all of them).
+
+        ``ahead_slots``: slots kept outside the policy for copies stored ahead
+        of eviction (write-through, :mod:`kvelastic.offload.store_ahead`); the
+        policy manages the rest of the slots pinned so far.
+        """
         slots = capacity_bytes // slot_bytes
         if slots < 1:
             raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
+        if not 0 <= ahead_slots < slots:
+            raise ConfigError(f"the write-through share ({ahead_slots} blocks) must leave the host tier's policy "
+                              f"at least one of its {slots} blocks; lower KVELASTIC_CPU_AHEAD")
         start = time.perf_counter()
         self.memory = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
         self.buffer = self.memory.buffer if self.memory is not None else None
         self.pin_seconds = time.perf_counter() - start  # the constructor's share; the rest is in the background
         self.slot_bytes = slot_bytes
-        self.capacity_slots = slots
+        self.slots = slots  # all of them, pinned or not yet
+        self.ahead_slots = ahead_slots
+        self._ready = 0  # slots pinned (on every rank) and handed out so far
         self._policy_type = ARC if policy == "arc" else LRU
-        self.policy: EvictionPolicy | None = None  # made with the first ready slot, grown with the others
+        self.policy: EvictionPolicy | None = None  # made once it has a slot, grown with the others
         self._free: list[int] = []  # a heap
+        #: Called for a slot when none is free (write-through's copies give one up); None: never short.
+        self.reclaim_slot: Callable[[], int] | None = None
         self._supply: SlotSupply | None = self.memory or supply
         self._slot_of: dict[Hashable, int] = {}
         self.hits = self.misses = self.admitted = self.evicted = 0
@@ -93,20 +105,50 @@ class HostTier:
                  "" if self._supply is None else ", pinning in the background", policy)
 
     def admit(self, key: Hashable) -> int | None:
-        """A slot to copy ``key``'s block into, or None when the tier already holds it (or has no
-        slot pinned yet)."""
-        if self._supply is not None:
-            self._take_ready()
-        if self.policy is None:
-            return None
-        if key in self._slot_of:
-            self.policy.request(key)
+        """A slot to copy ``key``'s block into, or None when the tier already holds it (or the policy
+        has no slot pinned yet)."""
+        self.refresh()
+        if self.policy is None or self.admit_held(key):
             return None
         self.policy.request(key)  # a miss: admits the key, evicting as the policy says
-        slot = heapq.heappop(self._free)
+        slot = self.take_slot()
         self._slot_of[key] = slot
         self.admitted += 1
         return slot
+
+    def adopt(self, key: Hashable, slot: int) -> None:
+        """Admit ``key`` whose data already sits in ``slot`` (stored ahead): the same request as :meth:`admit`,
+        no copy. If the policy already held ``key`` (or has no slot yet), ``slot`` is simply freed."""
+        if self.policy is None or self.admit_held(key):
+            self.give_slot(slot)
+            return
+        self.policy.request(key)
+        self._slot_of[key] = slot
+        self.admitted += 1
+
+    def admit_held(self, key: Hashable) -> bool:
+        """If the policy holds ``key``, request it as :meth:`admit` does (no copy needed) and say so."""
+        if self.policy is not None and key in self._slot_of:
+            self.policy.request(key)
+            return True
+        return False
+
+    def take_slot(self) -> int:
+        """A free slot, lowest first; when none is free, one :attr:`reclaim_slot` gives up."""
+        if self._free:
+            return heapq.heappop(self._free)
+        if self.reclaim_slot is None:
+            raise HostTierError("internal: no free host slot and nothing to reclaim one from")
+        return self.reclaim_slot()
+
+    def free_slot(self) -> int | None:
+        """A free slot, or None: never one the policy holds."""
+        self.refresh()
+        return heapq.heappop(self._free) if self._free else None
+
+    def give_slot(self, slot: int) -> None:
+        """``slot`` (from :meth:`take_slot` or :meth:`free_slot`) is free again."""
+        heapq.heappush(self._free, slot)
 
     def lookup(self, key: Hashable) -> int | None:
         """The slot holding ``key``, counting a hit (and telling the policy), or None."""
@@ -122,28 +164,37 @@ class HostTier:
         """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
         if self.policy is not None:
             self.policy = self._policy_type(self.policy.capacity, on_evict=self._evicted)
-            self._free = list(range(self.policy.capacity))
+        self._free = list(range(self._ready))
         self._slot_of.clear()
+
+    def refresh(self) -> None:
+        """Take in the slots pinned since the last call (nothing once pinning has settled)."""
+        if self._supply is not None:
+            self._take_ready()
 
     def _take_ready(self) -> None:
         """Hand out the slots pinned since the last call; stop asking once the supply has settled."""
         supply = self._supply
         assert supply is not None
         settled = supply.settled  # read first: a settled supply's count is final
-        self._grow_to(min(supply.ready_slots, self.capacity_slots))
+        self._grow_to(min(supply.ready_slots, self.slots))
         if settled:
             self._supply = None
 
     def _grow_to(self, slots: int) -> None:
-        have = self.policy.capacity if self.policy is not None else 0
-        if slots <= have:
+        """``slots`` are pinned now: the new ones become free, and the policy grows to all but the ahead share."""
+        if slots <= self._ready:
             return
-        for slot in range(have, slots):
+        for slot in range(self._ready, slots):
             heapq.heappush(self._free, slot)
+        self._ready = slots
+        capacity = slots - self.ahead_slots
+        if capacity <= 0:
+            return
         if self.policy is None:
-            self.policy = self._policy_type(slots, on_evict=self._evicted)
+            self.policy = self._policy_type(capacity, on_evict=self._evicted)
         else:
-            self.policy.grow(slots)
+            self.policy.grow(capacity)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
@@ -154,7 +205,6 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         p = self.policy.p if isinstance(self.policy, ARC) else None
-        slots = self.policy.capacity if self.policy is not None else 0
-        return HostTierStats(slots=slots, slots_used=len(self._slot_of),
+        return HostTierStats(slots=self._ready, slots_used=self._ready - len(self._free),
                              slot_bytes=self.slot_bytes, hits=self.hits, misses=self.misses,
                              admitted=self.admitted, evicted=self.evicted, arc_p=p)

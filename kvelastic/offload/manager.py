@@ -14,6 +14,10 @@ own block pool:
 
 Only free blocks that hold no cached prefix are used for loads, so a load can
 never evict a block the scheduler has just matched for the same request.
+
+With write-through (``KVELASTIC_CPU_STORE=write-through``) blocks are also
+stored as they are computed, beside the compute (:mod:`~kvelastic.offload.write_through`);
+an eviction then finds the copy made ahead and costs no copy.
 """
 
 from __future__ import annotations
@@ -21,17 +25,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
+from kvelastic.offload.fences import AllFences
 from kvelastic.offload.host_tier import HostTier
+from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
 
 
 @dataclass
 class OffloadCounters:
-    spilled_blocks: int = 0
+    spilled_blocks: int = 0  # copied as they left the GPU
     reloaded_blocks: int = 0
     spill_batches: int = 0
     load_batches: int = 0
+    stored_ahead_blocks: int = 0  # copied by write-through, beside the compute
+    evicted_free: int = 0  # evictions that found their copy made ahead (no copy)
+    store_fences: int = 0  # steps whose compute waited for a store only because its block was reused
 
 
 class OffloadManager:
@@ -44,7 +53,9 @@ class OffloadManager:
     """
 
     def __init__(self, tier: HostTier, copier: Copier, queue: Any,
-                 enter_block: Callable[[Any, Hashable], None]):
+                 enter_block: Callable[[Any, Hashable], None], write_through: WriteThrough | None = None):
+        """``write_through``: store blocks as they are computed (None: only as they leave the GPU)."""
+        self.write_through = write_through
         self.tier = tier
         self.copier = copier
         self.queue = queue
@@ -67,22 +78,32 @@ class OffloadManager:
         """
         ids: list[int] = []
         slots: list[int] = []
+        reading: list[Fence] = []  # write-through stores still reading blocks whose group is unmapped
         for block in blocks:
             key = block.block_hash
             if key is None:
                 continue
+            if self.write_through is not None:
+                fence = self.write_through.leaving(block, before_reuse=before_reuse)
+                if fence is not None:
+                    reading.append(fence)
+                if self.write_through.ahead.promote(key):
+                    self.counters.evicted_free += 1
+                    continue
             slot = self.tier.admit(key)
             if slot is not None:
                 ids.append(block.block_id)
                 slots.append(slot)
-        if not ids:
+        if ids:
+            self.counters.spilled_blocks += len(ids)
+            if before_reuse:
+                self._pending_spills.extend(zip(ids, slots))
+            else:
+                self.counters.spill_batches += 1
+                reading.append(self.copier.store(ids, slots))
+        if before_reuse or not reading:
             return None
-        self.counters.spilled_blocks += len(ids)
-        if before_reuse:
-            self._pending_spills.extend(zip(ids, slots))
-            return None
-        self.counters.spill_batches += 1
-        return self.copier.store(ids, slots)
+        return reading[0] if len(reading) == 1 else AllFences(reading)
 
     # ----------------------------------------------------------------- reload
     def load_on_miss(self, key: Hashable) -> Any | None:
@@ -108,22 +129,68 @@ class OffloadManager:
         self._matched.add(block.block_id)
 
     def flush(self) -> None:
-        """Issue the step's spills, then its loads, each as one batch (in that order on one stream)."""
+        """Issue the pending spills, then loads, each as one batch (in that order on one stream).
+
+        Both make later compute wait for the copy stream, so they also cover
+        every write-through store issued before them; a reuse of a block a
+        store still reads takes an explicit fence only when neither came.
+        """
         self._matched.clear()
+        waited = False
         if self._pending_spills:
             ids = [b for b, _ in self._pending_spills]
             slots = [s for _, s in self._pending_spills]
             self._pending_spills.clear()
             self.copier.store(ids, slots, block_compute=True)
             self.counters.spill_batches += 1
-        if not self._pending_loads:
+            waited = True
+        if self._pending_loads:
+            ids = [b for b, _ in self._pending_loads]
+            slots = [s for _, s in self._pending_loads]
+            self._pending_loads.clear()
+            self.copier.load(ids, slots)
+            self.counters.reloaded_blocks += len(ids)
+            self.counters.load_batches += 1
+            waited = True
+        wt = self.write_through
+        if wt is not None and (waited or wt.fence_needed):
+            if not waited:
+                self.copier.fence_compute()
+                self.counters.store_fences += 1
+            wt.fenced()
+
+    def end_step(self) -> None:
+        """End of ``schedule()``: :meth:`flush`, then issue the write-through stores now due, beside compute.
+
+        They go after the step's loads, so the loads (which compute waits for)
+        do not queue behind them on the copy stream.
+        """
+        self.flush()
+        wt = self.write_through
+        if wt is None:
             return
-        ids = [b for b, _ in self._pending_loads]
-        slots = [s for _, s in self._pending_loads]
-        self._pending_loads.clear()
-        self.copier.load(ids, slots)
-        self.counters.reloaded_blocks += len(ids)
-        self.counters.load_batches += 1
+        ids, slots = wt.take_due()
+        if not ids:
+            return
+        try:
+            fence = self.copier.store(ids, slots, block_compute=False)
+        except BaseException:
+            for bid in ids:  # never leave a slot claimed for a copy that was not queued
+                wt.ahead.forget_block(bid)
+            raise
+        wt.issued(ids, fence)
+        self.counters.stored_ahead_blocks += len(ids)
+        self.counters.spill_batches += 1
+
+    def computed(self, blocks: Sequence[Any]) -> None:
+        """vLLM named ``blocks`` full this step (write-through stores them once computed)."""
+        if self.write_through is not None:
+            self.write_through.computed(blocks)
+
+    def dropped(self, block_ids: Sequence[int]) -> None:
+        """vLLM dropped these blocks' hashes outside an eviction: no copy of their data may be kept."""
+        if self.write_through is not None:
+            self.write_through.dropped(block_ids)
 
     def on_reset(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` after each :meth:`reset` (the lookup hook follows vLLM's new prefix map)."""
@@ -131,16 +198,26 @@ class OffloadManager:
 
     def reset(self) -> None:
         """vLLM reset its prefix cache (new weights, say): drop the host copies too."""
+        if self.write_through is not None:
+            self.write_through.reset()
         self.flush()
         self.tier.clear()
+        if self.write_through is not None:
+            self.write_through.ahead.clear()
         for callback in self._after_reset:
             callback()
 
     def stats(self) -> dict[str, Any]:
-        t = self.tier.stats()
-        return {"host_slots": t.slots, "host_pinned_bytes": t.slots * t.slot_bytes,
-                "host_bytes_used": t.bytes_used, "host_hits": t.hits,
-                "host_misses": t.misses, "arc_p": t.arc_p, "spilled_bytes": self.counters.spilled_blocks
-                * self.copier.bytes_per_block, "reloaded_bytes": self.counters.reloaded_blocks
-                * self.copier.bytes_per_block, "spill_batches": self.counters.spill_batches,
-                "load_batches": self.counters.load_batches}
+        """The tier's numbers and what moved; ``spilled_bytes`` counts every copy to the host, stored ahead too."""
+        t, c, size = self.tier.stats(), self.counters, self.copier.bytes_per_block
+        values = {"host_slots": t.slots, "host_pinned_bytes": t.slots * t.slot_bytes,
+                  "host_bytes_used": t.bytes_used, "host_hits": t.hits,
+                  "host_misses": t.misses, "arc_p": t.arc_p,
+                  "spilled_bytes": (c.spilled_blocks + c.stored_ahead_blocks) * size,
+                  "reloaded_bytes": c.reloaded_blocks * size, "spill_batches": c.spill_batches,
+                  "load_batches": c.load_batches}
+        if self.write_through is not None:
+            values.update(stored_ahead_bytes=c.stored_ahead_blocks * size, evicted_free=c.evicted_free,
+                          store_fences=c.store_fences, ahead_held=len(self.write_through.ahead),
+                          ahead_dropped=self.write_through.ahead.dropped)
+        return values

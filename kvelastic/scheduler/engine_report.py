@@ -59,6 +59,9 @@ class StatsLog:
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
+            if "stored_ahead_bytes" in o:  # write-through: what of the spilled bytes went beside compute
+                line += (f"; write-through {format_size(o['stored_ahead_bytes'])} of it, evictions free "
+                         f"{o['evicted_free']}, fences {o['store_fences']}")
         return line
 
 

@@ -53,6 +53,7 @@ class PageAwareFreeQueue:
         self.demand_groups = 0  # empty groups the waiting requests need (see want_blocks)
         self.report_all_free = False
         self.spill_hook: Callable[..., Any] | None = None  # set when a host tier exists
+        self.drop_hook: Callable[[list[int]], Any] | None = None  # set with write-through: hashes dropped
         self.transfers_in_flight: Callable[[], bool] | None = None  # set for a connector freeing blocks mid-copy
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
@@ -186,6 +187,10 @@ class PageAwareFreeQueue:
     # ------------------------------------------------------------- maintenance
     def reclassify(self, block_ids: Iterable[int] | None = None) -> None:
         """Blocks whose hash vLLM dropped while they were free become plain free blocks."""
+        if block_ids is not None:
+            block_ids = list(block_ids)
+            if self.drop_hook is not None:
+                self.drop_hook(block_ids)
         self.free.drop_hashless(block_ids)
         self._balance()
 

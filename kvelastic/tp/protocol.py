@@ -16,6 +16,7 @@ UNMAP = "unmap"      # (seq, UNMAP, groups)
 STORE = "store"      # (seq, STORE, block_ids, slots, block_compute)
 LOAD = "load"        # (seq, LOAD, block_ids, slots)
 RESERVE = "reserve"  # (seq, RESERVE, pages): warm pages each rank keeps for fast mapping
+WAIT = "wait"        # (seq, WAIT): the step's compute waits for every copy queued before it
 
 #: Board value of a group mapped before the scheduler existed (start-up warm-up, the null block).
 START_SEQ = 1
@@ -37,6 +38,10 @@ def store_command(seq: int, block_ids: Sequence[int], slots: Sequence[int], bloc
 
 def load_command(seq: int, block_ids: Sequence[int], slots: Sequence[int]) -> Command:
     return (seq, LOAD, tuple(block_ids), tuple(slots))
+
+
+def wait_command(seq: int) -> Command:
+    return (seq, WAIT)
 
 
 def reserve_command(seq: int, pages: int) -> Command:

@@ -23,7 +23,7 @@ from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, Command, StepPlan
+from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan
 
 if TYPE_CHECKING:
     from kvelastic.offload.copier import BlockCopier
@@ -131,6 +131,8 @@ class RankWorker:
                 self._copies.append(self._copier().store(command[2], command[3], block_compute=command[4]))
             elif kind == LOAD:
                 self._copier().load(command[2], command[3])
+            elif kind == WAIT:
+                self._copier().fence_compute()
             elif kind == RESERVE:
                 self.reserve_pages = command[2]
             else:

@@ -27,7 +27,7 @@ from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
-                                   store_command, unmap_command)
+                                   store_command, unmap_command, wait_command)
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -101,6 +101,10 @@ class RemoteMapper(Mapper):
 
     def request_load(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         self._outbox.append(load_command(self._next(), block_ids, slots))
+
+    def request_wait(self) -> None:
+        """Every rank makes its next forward pass wait for the copies queued before this command."""
+        self._outbox.append(wait_command(self._next()))
 
     def request_reserve(self, pages: int) -> None:
         """Every rank keeps ``pages`` unmapped pages warm (fewer driver calls on the next map)."""

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
-from kvelastic.errors import PatchError
-from kvelastic.pool.backend import DoneFence
+from kvelastic.errors import KvelasticError, PatchError
+from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
 from kvelastic.tp.remote_mapper import RemoteMapper
@@ -89,13 +89,15 @@ class RankConnection(CacheConnection):
         """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank, and a
         slot is handed out once every rank has pinned it."""
         from kvelastic.offload.host_tier import HostTier
+        from kvelastic.offload.write_through import ahead_slots
         from kvelastic.tp.host_supply import RankHostSupply
 
         if not self.host_slots:
             raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
                              "set up no host tier; give every process of the engine the same environment")
         tier = HostTier(self.host_slots * self.slot_bytes, self.slot_bytes, pin=False, allocate=False,
-                        policy=settings.cpu_policy, supply=RankHostSupply(self.mapper.boards))
+                        policy=settings.cpu_policy, supply=RankHostSupply(self.mapper.boards),
+                        ahead_slots=ahead_slots(settings, self.host_slots, self.slot_bytes))
         return tier, RemoteCopier(self.mapper, self.slot_bytes)
 
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None]:
@@ -164,12 +166,34 @@ class RemoteCopier(Copier):
         self.mapper = mapper
         self.bytes_per_block = bytes_per_block
 
-    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = False) -> DoneFence:
-        if block_ids:
-            self.mapper.request_store(block_ids, slots, block_compute)
-        return DoneFence()  # each rank orders the copy before any later unmap of those blocks
+    def store(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = False) -> Fence:
+        """Each rank orders the copy before any later unmap of those blocks; with ``block_compute``
+        before the step's compute too. Otherwise the scheduler never learns when it is done."""
+        if not block_ids:
+            return DoneFence()
+        self.mapper.request_store(block_ids, slots, block_compute)
+        return DoneFence() if block_compute else RankCopyFence()
 
     def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> DoneFence:
         if block_ids:
             self.mapper.request_load(block_ids, slots)
         return DoneFence()
+
+    def fence_compute(self) -> None:
+        self.mapper.request_wait()
+
+
+class RankCopyFence(Fence):
+    """A copy running on the ranks beside their compute: the scheduler cannot see it finish.
+
+    Never done from here, so a block it reads and is reused always gets a WAIT
+    (cheap on a rank where the copy is long done). Waiting for it here would
+    block the scheduler on other processes; the ranks order it instead.
+    """
+
+    def is_done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise KvelasticError("internal: a rank's copy cannot be waited for from the scheduler; "
+                             "the rank orders it before its unmaps and (after a WAIT) its compute")

@@ -62,3 +62,31 @@ def test_load_orders_later_compute_and_store_returns_before_the_copy_ends():
     copier.load([5], [9])
     total = int(blocks[5].to(torch.int64).sum())  # on the default stream, after the load
     assert total == int(host[9].to(torch.int64).sum())
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_a_store_beside_compute_never_holds_the_default_stream_until_fenced(path):
+    """Write-through's contract: ``block_compute=False`` leaves compute free; ``fence_compute`` makes it wait."""
+    blocks = torch.randint(-128, 127, (64, 64 * 1024), dtype=torch.int8, device="cuda")
+    host = torch.zeros((64, 64 * 1024), dtype=torch.int8, pin_memory=True)
+    copier = BlockCopier([blocks], host, path=path)
+    default = torch.cuda.default_stream()
+    copier.store(list(range(64)), list(range(64)))  # warm-up: first-use allocations (pinned indices, the
+    torch.cuda.synchronize()                        # gather's output) may synchronize; serving is past them
+
+    def compute_marker() -> torch.cuda.Event:
+        marker = torch.cuda.Event()
+        marker.record(default)
+        return marker
+
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(400_000_000)  # keep the copy stream busy (~0.2-0.3 s): the store queues behind it
+    fence = copier.store(list(range(64)), list(range(64)), block_compute=False)
+    marker = compute_marker()
+    marker.synchronize()  # compute queued after the store runs at once
+    assert not fence.is_done(), "compute waited for a store made beside it"
+    copier.fence_compute()
+    marker = compute_marker()
+    marker.synchronize()
+    assert fence.is_done(), "after fence_compute, compute ran before the store it must wait for"
+    assert torch.equal(host, blocks.cpu())

@@ -1,0 +1,162 @@
+"""Write-through: which computed blocks to store to the host, when, and what a reuse must wait for.
+
+vLLM names a block full in ``BlockPool.cache_full_blocks`` while it schedules
+the step whose forward pass writes the block's last tokens: the data does not
+exist yet. Issuing its copy at the end of that same ``schedule()`` would be
+wrong even though the copier orders each copy after the work queued on the
+legacy default stream: the step's forward pass is queued only after
+``schedule()`` returns, so the copy would race it. The copy is issued
+:data:`DELAY_STEPS` scheduling steps later instead:
+
+* one step later is enough wherever the forward pass of step N is queued
+  before step N+1 is scheduled: the synchronous engine loop, vLLM's
+  uniprocess executor with async scheduling (it runs ``execute_model`` in the
+  engine's thread), and tensor parallelism (a rank applies step N+1's
+  commands only after it queued step N);
+* two steps later holds however the executor dispatches: with async
+  scheduling vLLM's batch queue holds at most two steps, so step N+2 is
+  scheduled only after step N's output came back, i.e. after its forward
+  pass ran. The cost is a block freed and evicted within two steps of its
+  computation, which is copied at eviction, as without write-through.
+
+Stores never make compute wait. Only a block reused while a store still reads
+it needs a fence: the manager makes the step's compute wait for the copy
+stream (one event; a step that spills or loads synchronously already waits for
+it). Every fence covers all copies issued before it, so the stores in flight
+are tracked only since the last one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Hashable, Iterable, NamedTuple
+
+from kvelastic.offload.store_ahead import AheadCopies
+from kvelastic.pool.backend import Fence
+from kvelastic.settings import Settings
+
+#: Scheduling steps between the one that names a block full and the one whose end issues its copy.
+DELAY_STEPS = 2
+
+
+def ahead_slots(settings: Settings, slots: int, slot_bytes: int) -> int:
+    """Slots of a tier of ``slots`` kept for copies made ahead: ``KVELASTIC_CPU_AHEAD`` (default a quarter
+    of the tier) with write-through, none without; always leaving the policy at least one."""
+    if settings.cpu_store != "write-through":
+        return 0
+    share = settings.cpu_ahead_bytes if settings.cpu_ahead_bytes is not None else slots * slot_bytes // 4
+    return max(0, min(slots - 1, share // slot_bytes))
+
+
+class Due(NamedTuple):
+    block: Any
+    key: Hashable
+    step: int  # the step whose forward pass completes the block's data
+
+
+class WriteThrough:
+    """Blocks waiting for their store, and the stores still reading GPU blocks since the last fence."""
+
+    def __init__(self, ahead: AheadCopies, step_bytes: int, bytes_per_block: int):
+        self.ahead = ahead
+        self.step = 0  # scheduling steps completed
+        self.max_blocks_per_step = max(1, step_bytes // max(1, bytes_per_block))
+        self.fence_needed = False  # a block some store still reads was reused: compute must wait
+        self._due: OrderedDict[int, Due] = OrderedDict()  # by block id, oldest first
+        self._reading: dict[int, Fence] = {}  # block id -> fence of the store reading it
+        self._batches: list[tuple[Fence, list[int]]] = []
+
+    # ------------------------------------------------------------ scheduler side
+    def computed(self, blocks: Iterable[Any]) -> None:
+        """``cache_full_blocks`` named ``blocks``: their data is complete after this step's forward pass."""
+        step = self.step + 1
+        for block in blocks:
+            key = block.block_hash
+            if key is None or getattr(block, "is_null", False):
+                continue
+            bid = block.block_id
+            if self.ahead.key_of_block(bid) not in (None, key):
+                self.ahead.forget_block(bid)  # its hash changed: the copy made ahead is stale
+            self._due.pop(bid, None)
+            self._due[bid] = Due(block, key, step)
+
+    def leaving(self, block: Any, *, before_reuse: bool) -> Fence | None:
+        """``block`` leaves the GPU: it needs no store any more; the fence of a store still reading it, if any.
+
+        ``before_reuse``: the block is overwritten by this step's compute, which
+        must then wait (:attr:`fence_needed`); otherwise (its group is unmapped)
+        the fence is returned for the unmap to wait for.
+        """
+        bid = block.block_id
+        self._due.pop(bid, None)
+        fence = self._reading.get(bid)
+        if fence is None or fence.is_done():
+            return None
+        if before_reuse:
+            self.fence_needed = True
+            return None
+        return fence
+
+    def dropped(self, block_ids: Iterable[int]) -> None:
+        """vLLM dropped these blocks' hashes (their data is not to be trusted): no store, no copy kept."""
+        for bid in block_ids:
+            self._due.pop(bid, None)
+            self.ahead.forget_block(bid)
+            if bid in self._reading:
+                self.fence_needed = True  # the block may be reused without passing through eviction
+
+    def reset(self) -> None:
+        """vLLM reset its prefix cache: nothing is due; blocks still read by a store may be reused at once."""
+        self._due.clear()
+        if self._reading:
+            self.fence_needed = True
+
+    # ------------------------------------------------------------- issuing
+    def take_due(self) -> tuple[list[int], list[int]]:
+        """End of a scheduling step: the blocks to store now and the slots reserved for them (at most the cap)."""
+        self.step += 1
+        self._prune()
+        ids: list[int] = []
+        slots: list[int] = []
+        while self._due and len(ids) < self.max_blocks_per_step:
+            bid, due = next(iter(self._due.items()))
+            if due.step + DELAY_STEPS > self.step:
+                break  # later records were made no earlier
+            if due.block.block_hash != due.key or not self.ahead.wants(due.key):
+                del self._due[bid]  # rehashed meanwhile, or the tier holds the key already
+                continue
+            slot = self.ahead.place(due.key, bid)
+            if slot is None:
+                break  # no free slot: try again after evictions made room
+            del self._due[bid]
+            ids.append(bid)
+            slots.append(slot)
+        return ids, slots
+
+    def issued(self, block_ids: list[int], fence: Fence) -> None:
+        """The stores of ``block_ids`` are queued; ``fence`` passes when they are done."""
+        for bid in block_ids:
+            self._reading[bid] = fence
+        self._batches.append((fence, block_ids))
+
+    def fenced(self) -> None:
+        """Compute queued from now on waits for every copy issued so far: no store is a hazard any more."""
+        self._reading.clear()
+        self._batches.clear()
+        self.fence_needed = False
+
+    @property
+    def due_blocks(self) -> int:
+        return len(self._due)
+
+    @property
+    def reading_blocks(self) -> int:
+        return len(self._reading)
+
+    def _prune(self) -> None:
+        """Forget stores that are known done (in this process; a rank's are never known here)."""
+        while self._batches and self._batches[0][0].is_done():
+            fence, ids = self._batches.pop(0)
+            for bid in ids:
+                if self._reading.get(bid) is fence:
+                    del self._reading[bid]
