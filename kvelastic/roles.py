@@ -74,6 +74,8 @@ class SchedulerCache(Protocol):
     layout: "KVGroupLayout"
     group_bytes: int
     pool: PoolView
+    #: Told the bytes waiting requests need beyond what a budget outside the engine grants; None: no such budget.
+    external_want: "Callable[[int], None] | None"
 
     @property
     @abstractmethod

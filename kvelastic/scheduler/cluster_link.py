@@ -141,8 +141,8 @@ class ClusterLink:
         so at most every ``WANT_PERIOD_S``; the lock is waited for 5 ms at most.
         """
         now = time.monotonic()
-        if now < self._next_want:
-            return
+        if now < self._next_want or self._share_cap:
+            return  # held to its fair share, this engine's shortfall is its own: nobody else can help
         self._next_want = now + WANT_PERIOD_S
         if self.membership.want(nbytes):
             with self.source.lock:
