@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 from kvelastic.cluster import policy
 from kvelastic.cluster.errors import AccountBusy, NameInUse
@@ -32,6 +32,7 @@ log = logging.getLogger("kvelastic")
 REJOIN_PERIOD_S = 1.0
 #: What reading or writing a shared file can raise besides kvelastic's own errors.
 ACCOUNT_ERRORS = (KvelasticError, OSError, struct.error, ValueError)
+T = TypeVar("T")
 
 
 class Membership:
@@ -72,29 +73,24 @@ class Membership:
     # ------------------------------------------------------------- grants
     def request(self, nbytes: int) -> Grant | None:
         """The account's answer; a refusal when it is busy; None when there is no account to ask."""
-        member = self.member
-        if member is None:
-            return None
-        try:
-            return member.request(nbytes)
-        except AccountBusy:
-            return Grant(False, policy.Verdict.BUSY, nbytes, 0)
-        except ACCOUNT_ERRORS as error:
-            self._lost(member, error)
-            return None
+        return self._ask(lambda m: m.request(nbytes), busy=Grant(False, policy.Verdict.BUSY, nbytes, 0), gone=None)
 
     def want(self, nbytes: int) -> bool:
         """The member's :meth:`~kvelastic.cluster.member.Member.want`; False when busy or without an account."""
+        return self._ask(lambda m: m.want(nbytes), busy=False, gone=False)
+
+    def _ask(self, question: Callable[[Member], T], *, busy: T, gone: T) -> T:
+        """``question`` put to the member: ``busy`` if the lock stayed taken, ``gone`` without an account."""
         member = self.member
         if member is None:
-            return False
+            return gone
         try:
-            return member.want(nbytes)
+            return question(member)
         except AccountBusy:
-            return False
+            return busy
         except ACCOUNT_ERRORS as error:
             self._lost(member, error)
-            return False
+            return gone
 
     def adopt(self, nbytes: int) -> None:
         self._count(nbytes, lambda m: m.adopt(nbytes))
