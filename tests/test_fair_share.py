@@ -50,11 +50,13 @@ def test_no_cap_once_the_waiting_member_holds_its_share(account):
     assert a.tick().share_cap_bytes == 0
 
 
-def test_a_member_at_or_below_its_share_is_never_capped(account):
+def test_a_member_at_its_share_is_held_there_and_one_below_it_is_never_capped(account):
     a, b = account.join("a"), account.join("b")
     assert a.acquire(600) and b.acquire(100)
     assert not b.acquire(600)  # 700 + 600 > 1200
-    assert a.tick().share_cap_bytes == 0  # a holds exactly its share
+    assert a.tick().share_cap_bytes == 600  # a holds exactly its share: it keeps it, and does not grow
+    a.release(100)
+    assert a.tick().share_cap_bytes == 0  # below its share, a is never capped
 
 
 def test_a_reservation_larger_than_the_equal_part_is_the_share(account):

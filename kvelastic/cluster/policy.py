@@ -144,15 +144,17 @@ def fair_share(record: MemberRecord, busy_members: int, budget: int) -> int:
 
 def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: float,
               want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
-    """The bytes ``me`` must shrink to because another member waits below its fair share; 0: none.
+    """The bytes ``me`` must stay within, or shrink to, because another member waits below its fair share.
 
-    Only a member holding more than its own share is capped, and only to that
-    share: never below it, so busy members settle at their shares at worst.
+    0: none. Only a member holding its own share or more is capped, and only at
+    that share: it is never pushed below it, so busy members settle at their
+    shares at worst; and it does not grow while the other waits, so what it
+    gives back goes to the one waiting, not back to itself.
     """
     live = [r for r in records if r.used]
     working = sum(busy(r, len(live), budget, now, want_ttl_s) for r in live) or len(live)
     mine = fair_share(me, working, budget)
-    if me.mapped_bytes <= mine:
+    if me.mapped_bytes < mine:
         return 0
     for other in live:
         if other.slot != me.slot and wanting(other, now, want_ttl_s) and \

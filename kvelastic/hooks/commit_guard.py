@@ -64,7 +64,8 @@ class CommitGuard:
 
     def secure(self, blocks: int) -> None:
         """vLLM will take ``blocks`` free blocks if the free count allows: map what is missing now."""
-        if self.admitting:
+        if self.admitting:  # a whole-sequence check: map nothing, but a request it declines waits
+            self.queue.note_shortfall(blocks)
             return
         hold = self.queue.hold
         hold.secured = blocks
@@ -112,6 +113,8 @@ def guard_of(kv_cache_manager: Any) -> CommitGuard | None:
 def _estimate(guard: CommitGuard, flag_at: int | None, wrapped: Any, instance: Any, args: tuple,
               kwargs: dict) -> int:
     blocks = wrapped(*args, **kwargs)
-    if not is_admission_check(flag_at, args, kwargs):
+    if is_admission_check(flag_at, args, kwargs):
+        guard.queue.note_shortfall(blocks)  # nothing to map; a request it declines waits for memory
+    else:
         guard.secure(blocks)
     return blocks

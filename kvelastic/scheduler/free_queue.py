@@ -252,15 +252,26 @@ class PageAwareFreeQueue:
         short = blocks - self.mapped_free_blocks()
         if short <= 0:
             return True
-        mappable = self._mappable_blocks()
-        if short > mappable:  # vLLM will decline: the request waits; say what it waits for
-            want = self.cache.external_want
-            if want is not None and self.mapper.synchronous:
-                want(-(-(short - mappable) // self.cache.blocks_per_group) * self.cache.group_bytes)
+        if short > self._mappable_blocks():  # vLLM will decline: the request waits
+            self.note_shortfall(blocks)
             return True
         refused = self.refused_groups
         self._map_now(short)
         return self.refused_groups == refused
+
+    def note_shortfall(self, blocks: int) -> None:
+        """A request needs ``blocks`` free blocks; if the pool cannot have them, say what it waits for.
+
+        The budget outside this process (the GPU's shared account) learns of
+        the wait from here: vLLM declines the request without asking for any
+        page, so no refusal would tell it.
+        """
+        want = self.cache.external_want
+        if want is None or not self.mapper.synchronous:
+            return
+        missing = blocks - self.mapped_free_blocks() - self._mappable_blocks()
+        if missing > 0:
+            want(-(-missing // self.cache.blocks_per_group) * self.cache.group_bytes)
 
     def cached_groups(self) -> int:
         return self.free.cached_groups()
