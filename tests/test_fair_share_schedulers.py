@@ -72,3 +72,33 @@ def test_a_busy_engine_gives_a_newly_busy_one_its_share_before_its_own_wave_ends
     assert b_done is not None and a_done is not None, "a wave never finished"
     assert b_most >= BUDGET_GROUPS // 2 * GROUP_BYTES, "b never had its share while a's wave ran"
     assert b_done < a_done, f"b waited for a's wave (b done at step {b_done}, a at {a_done})"
+
+
+def test_three_engines_turning_busy_in_turn_all_finish_within_the_budget(patched):  # noqa: F811
+    """Staggered waves, as the GPU benchmark's bursts: nobody deadlocks on the shares, nothing passes the
+    budget, and each newcomer holds its share (a third of the budget) while an earlier wave still runs."""
+    budget_groups = 9
+    settings = dict(shared=True, shared_budget_bytes=budget_groups * GROUP_BYTES, cache_ttl_s=60.0,
+                    reserve_bytes=0)
+    engines = [patched(name=name, **settings) for name in "abc"]
+    waves = [make_requests(name, 6, 480, 0, seed=10 + i, max_tokens=50) for i, name in enumerate("abc")]
+    got_share = [False, False, False]
+    for step in range(900):
+        for i, (scheduler, _, _) in enumerate(engines):
+            if step == 25 * i:
+                for request in waves[i]:
+                    scheduler.add_request(request)
+            _step(scheduler)
+        for scheduler, _, _ in engines:
+            scheduler.kvelastic_reclaimer.tick()
+        held = [pool.stats().held_bytes for _, pool, _ in engines]
+        assert sum(held) <= budget_groups * GROUP_BYTES, f"step {step}: {held}"
+        running = [scheduler.has_requests() for scheduler, _, _ in engines]
+        for i in range(3):
+            others_busy = any(running[j] for j in range(3) if j != i)
+            if running[i] and others_busy and held[i] >= budget_groups // 3 * GROUP_BYTES:
+                got_share[i] = True
+        if step > 50 and not any(running):
+            break
+    assert not any(scheduler.has_requests() for scheduler, _, _ in engines), "a wave never finished"
+    assert got_share == [True, True, True], f"who held a third of the budget beside a busy other: {got_share}"
