@@ -90,7 +90,7 @@ finish() {
     local rc=$1
     local facts='GPU KV cache size|Available KV cache memory|Maximum concurrency|kvelastic: KV cache virtual'
     grep -hE "$facts|kvelastic: joined|Traceback|Error" "$W"/servers/*.log >"$W/kv_sizes.txt" 2>/dev/null
-    grep -hE "reclaim-episode" "$W"/servers/*.log >"$W/reclaim_episodes.txt" 2>/dev/null
+    grep -hE "reclaim-episode|fair share" "$W"/servers/*.log >"$W/reclaim_episodes.txt" 2>/dev/null
     if [ -f "$W/$config.json" ] && python3 -c 'import matplotlib' 2>/dev/null; then
         python3 benchmarks/plot_multi_model.py "$W/$config.json" --png "$W/$config.png" >>"$W/steps.log" 2>&1
     fi
