@@ -100,6 +100,10 @@ class SchedulerCache(Protocol):
         """How many of ``unmapped`` groups could be mapped now, within the limit and the device."""
 
     @abstractmethod
+    def device_room(self) -> int | None:
+        """Bytes the device (and a budget outside the engine) can still give this cache; None if unknown."""
+
+    @abstractmethod
     def forget_device_free(self) -> None:
         """A map was refused that the last free-memory reading allowed: read it again next time."""
 

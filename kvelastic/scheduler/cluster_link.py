@@ -186,8 +186,8 @@ class ClusterLink:
         Logged when a cap begins and when it lifts (not on every tick it holds).
         """
         if cap and cap != self._share_cap:
-            log.info("kvelastic: %s holds %s, above its fair share of %s, while another engine waits below its "
-                     "own: shrinking to it (new requests wait; vLLM preempts what does not fit)", self.name,
+            log.info("kvelastic: %s holds %s, at or above its fair share of %s, while another engine waits below "
+                     "its own: held to it (new requests wait; vLLM preempts what does not fit)", self.name,
                      format_size(held), format_size(cap))
         elif not cap and self._share_cap:
             log.info("kvelastic: %s may grow past its fair share again (no engine waits below its own)", self.name)

@@ -252,8 +252,9 @@ class PageAwareFreeQueue:
         short = blocks - self.mapped_free_blocks()
         if short <= 0:
             return True
-        if short > self._mappable_blocks():  # vLLM will decline: the request waits
-            self.note_shortfall(blocks)
+        mappable = self._mappable_blocks()
+        if short > mappable:  # vLLM will decline: the request waits
+            self._report_missing(short - mappable)
             return True
         refused = self.refused_groups
         self._map_now(short)
@@ -266,11 +267,13 @@ class PageAwareFreeQueue:
         the wait from here: vLLM declines the request without asking for any
         page, so no refusal would tell it.
         """
+        if self.cache.external_want is not None:
+            self._report_missing(blocks - self.mapped_free_blocks() - self._mappable_blocks())
+
+    def _report_missing(self, missing: int) -> None:
+        """Tell the outside budget that ``missing`` blocks are wanted (as whole groups), where it can help."""
         want = self.cache.external_want
-        if want is None or not self.mapper.synchronous:
-            return
-        missing = blocks - self.mapped_free_blocks() - self._mappable_blocks()
-        if missing > 0:
+        if want is not None and missing > 0 and self.mapper.synchronous:
             want(-(-missing // self.cache.blocks_per_group) * self.cache.group_bytes)
 
     def cached_groups(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvelastic.roles import PoolView, SchedulerCache
+from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
     from kvelastic.scheduler.cluster_link import ClusterLink
@@ -91,7 +91,7 @@ class CacheReclaim:
             queue.reclaim_cached(groups_wanted=groups_for(over, self.cache))
             over = pool.stats().over_limit_bytes
         # What is still over the limit is held by running requests: stop offering it (see shrink_by).
-        queue.shrink_by(groups_for(over, self.cache) if over else 0)
+        queue.shrink_by(groups_for(over, self.cache))
 
 
 class WarmReserve:
@@ -110,12 +110,11 @@ class WarmReserve:
                  cache_ttl_s: float):
         self.queue = queue
         self.cache = cache
-        self.pool: PoolView = cache.pool
         self.reserve_pages = reserve_pages
         self.cache_ttl_s = cache_ttl_s
 
     def run(self, now: float) -> None:
-        pool = self.pool
+        pool = self.cache.pool
         pool.collect()
         if not recently_busy(self.queue, now, self.cache_ttl_s):
             pool.trim_reserve(0)
