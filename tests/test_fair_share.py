@@ -80,3 +80,23 @@ def test_the_cap_ends_when_the_want_lapses(account, monkeypatch):
     assert a.tick().share_cap_bytes == 600
     now[0] += policy.DEFAULT_WANT_TTL_S + 0.01  # b's demand went away
     assert a.tick().share_cap_bytes == 0
+
+
+def test_the_cap_outlives_the_grants_that_meet_the_want_a_group_at_a_time(account, monkeypatch):
+    """A waiting engine is granted its want piece by piece; each grant must not free the one above its share."""
+    from types import SimpleNamespace
+
+    from kvelastic.cluster import storage
+
+    now = [1000.0]
+    monkeypatch.setattr(storage, "time", SimpleNamespace(time=lambda: now[0]))
+    a, b = account.join("a"), account.join("b")
+    assert a.acquire(1100) and not b.acquire(200)  # b short, holding nothing of its 600
+    assert a.tick().share_cap_bytes == 600
+    a.release(100)
+    assert b.acquire(100)  # the grant clears b's want...
+    assert b.info().wanted_bytes == 0
+    now[0] += 1.0
+    assert a.tick().share_cap_bytes == 600  # ...but b is still below its share and was short 1 s ago
+    now[0] += policy.DEFAULT_WANT_TTL_S  # no refusal since: b's demand is met
+    assert a.tick().share_cap_bytes == 0

@@ -87,7 +87,8 @@ class Member:
         """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see.
 
         The want holds until a grant of more bytes, or until it lapses
-        (:func:`policy.wanting`). Asking for 0 bytes (how an engine reads its
+        (:func:`policy.wanting`); the time of the last refusal outlives a grant,
+        for the fair share (:func:`policy.short_lately`). Asking for 0 bytes (how an engine reads its
         headroom, every 50 ms while it schedules) leaves it alone: the engine
         still waits for what was refused, and clearing the want there would hide
         it from the others between two refusals. ``waiting_since`` is when the
@@ -102,7 +103,7 @@ class Member:
             me.heartbeat = snap.now
             if verdict is policy.Verdict.GRANTED and nbytes:
                 me.mapped_bytes += nbytes
-                me.wanted_bytes, me.wanted_at, me.waiting_since = 0, 0.0, 0.0
+                me.wanted_bytes, me.waiting_since = 0, 0.0  # wanted_at stays: policy.short_lately
             elif verdict is policy.Verdict.OVER_BUDGET and nbytes:
                 if not me.waiting_since or not policy.wanting(me, snap.now, self.account.want_ttl_s):
                     me.waiting_since = snap.now

@@ -27,12 +27,12 @@ for its owner however hungry the others are.
 * **Fair share.** Every member may borrow the whole budget while the others
   do not need it, but each busy one is promised back an equal part of it
   among the busy members (or its reservation, if larger): :func:`fair_share`.
-  Busy means waiting for the budget, or using beyond its cache more than an
-  eighth of an equal part among all members (:func:`busy`), so an idle
-  member's part goes to those that work. When a member waits for the
-  budget while it holds less than its share, every member holding more than
-  its own share must shrink to it (:func:`share_cap`), also memory its running
-  requests use: the engine stops admitting, and vLLM preempts what does not
+  Busy means short of the budget lately (:func:`short_lately`), or using
+  beyond its cache more than an eighth of an equal part among all members
+  (:func:`busy`), so an idle member's part goes to those that work. When a
+  member has been short lately while it holds less than its share, every
+  member holding more than its own share must shrink to it
+  (:func:`share_cap`), also memory its running requests use: the engine stops admitting, and vLLM preempts what does not
   fit, as it would in a static partition of that size. So a model that turns
   busy gets at least what a static split among the busy models would give it,
   within the time its neighbours take to let go, and the memory an idle model
@@ -96,6 +96,18 @@ def demand(records: list[MemberRecord], budget: int, now: float,
     return max(0, wanted + charged_total(records) - budget)
 
 
+def short_lately(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
+    """Whether ``record`` was refused by the budget within ``want_ttl_s``, even if a grant has come since.
+
+    The fair share reads this rather than :func:`wanting`: a waiting engine's
+    wants are met a group at a time, and each grant clears the want, so a cap
+    that lifted with it let the engine above its share take the next group
+    back (on the H100 the cap came and went within a second, 2026-11-27). A
+    member still below its share that was short this recently stays protected.
+    """
+    return record.used and record.wanted_at > 0 and now - record.wanted_at <= want_ttl_s
+
+
 def reclaimable(record: MemberRecord) -> int:
     """Cached bytes ``record`` holds above its reservation: what it can give without preempting."""
     return min(record.cached_bytes, max(0, record.mapped_bytes - record.min_bytes))
@@ -132,9 +144,9 @@ IDLE_FRACTION = 8  # using less than 1/8 of an equal part (beyond its cache), a 
 
 def busy(record: MemberRecord, members: int, budget: int, now: float,
          want_ttl_s: float = DEFAULT_WANT_TTL_S) -> bool:
-    """Whether ``record`` waits for the budget or uses (beyond its cache) a real part of it."""
+    """Whether ``record`` was short of the budget lately or uses (beyond its cache) a real part of it."""
     in_use = max(0, record.mapped_bytes - record.cached_bytes)
-    return wanting(record, now, want_ttl_s) or in_use * IDLE_FRACTION * max(1, members) > budget
+    return short_lately(record, now, want_ttl_s) or in_use * IDLE_FRACTION * max(1, members) > budget
 
 
 def fair_share(record: MemberRecord, busy_members: int, budget: int) -> int:
@@ -144,12 +156,13 @@ def fair_share(record: MemberRecord, busy_members: int, budget: int) -> int:
 
 def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: float,
               want_ttl_s: float = DEFAULT_WANT_TTL_S) -> int:
-    """The bytes ``me`` must stay within, or shrink to, because another member waits below its fair share.
+    """The bytes ``me`` must stay within, or shrink to, because another member is short below its fair share.
 
     0: none. Only a member holding its own share or more is capped, and only at
     that share: it is never pushed below it, so busy members settle at their
     shares at worst; and it does not grow while the other waits, so what it
-    gives back goes to the one waiting, not back to itself.
+    gives back goes to the one waiting, not back to itself. The other counts
+    as short for ``want_ttl_s`` after its last refusal (:func:`short_lately`).
     """
     live = [r for r in records if r.used]
     working = sum(busy(r, len(live), budget, now, want_ttl_s) for r in live) or len(live)
@@ -157,7 +170,7 @@ def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: f
     if me.mapped_bytes < mine:
         return 0
     for other in live:
-        if other.slot != me.slot and wanting(other, now, want_ttl_s) and \
+        if other.slot != me.slot and short_lately(other, now, want_ttl_s) and \
                 other.mapped_bytes < fair_share(other, working, budget):
             return mine
     return 0
