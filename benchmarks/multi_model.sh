@@ -127,9 +127,12 @@ kvcached)
     fi
     # Its README: "no need to set memory utilization limit"; its physical total is capped by
     # KVCACHED_GPU_UTILIZATION (0.95 unless MM_KVCACHED_ENV sets it), vLLM's 0.9 bounds each engine.
+    # kvcached 0.1.6 refuses vLLM 0.25's default model runner (V2) at start-up and names the way
+    # out, VLLM_USE_V2_MODEL_RUNNER=0 (2026-11-27): set here, so its servers run vLLM's V1 runner
+    # while the other configurations run the default one (say so beside any comparison).
     PLAIN_ARGS=()
     # shellcheck disable=SC2086 # MM_KVCACHED_ENV is a list of VAR=VALUE words
-    start_plain KVELASTIC=0 ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 ${MM_KVCACHED_ENV:-} ;;
+    start_plain KVELASTIC=0 ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1 VLLM_USE_V2_MODEL_RUNNER=0 ${MM_KVCACHED_ENV:-} ;;
 *)
     echo "unknown config $config (static, kvelastic, kvelastic-host, kvcached)" >&2
     exit 2 ;;
