@@ -7,7 +7,14 @@ heads of 64, 16 KiB per run). Moves batches of random blocks to host slots and
 back, through each copy path, with the slots consecutive (as the host tier
 hands them out) or scattered. A 16k-token 8B prefix is 1024 blocks (2 GiB).
 
-    python scripts/bench_copy.py --json $OUT/bench_copy.json
+The host side is, per ``--host``, torch's pinned allocation (``torch``, what the
+tier used before it pinned in the background) or the tier's own buffer
+(``tier``: one mmap registered with the driver chunk by chunk, :class:`HostMemory`,
+copies ending at chunk starts). The multi-turn A/B of 2026-11-27 found the tier
+9 % slower than a tree that still used torch's allocation: ``--host torch tier``
+shows whether the buffer is why.
+
+    python scripts/bench_copy.py --host torch tier --json $OUT/bench_copy.json
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 import torch
 
 from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.host_memory import CudaPinner, HostMemory
 from kvelastic.pool import PagePool
 from kvelastic.pool.cuda import CudaBackend
 
@@ -51,10 +59,22 @@ def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, bat
             "exact": exact}
 
 
+def host_buffer(kind: str, slots: int, slot_bytes: int) -> tuple[torch.Tensor, frozenset[int], object]:
+    """The host slots, the slots no DMA copy may cross, and what to free afterwards."""
+    if kind == "torch":
+        return torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=True), frozenset(), None
+    memory = HostMemory(slots, slot_bytes, pinner=CudaPinner())
+    memory.wait()
+    if memory.ready_slots < slots:
+        raise SystemExit(f"the tier's buffer pinned {memory.ready_slots} of {slots} slots: {memory.failure}")
+    return memory.buffer, memory.breaks, memory
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--paths", nargs="+", default=["staged", "direct"], choices=["staged", "direct"])
+    p.add_argument("--host", nargs="+", default=["torch"], choices=["torch", "tier"])
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--reps", type=int, default=5)
@@ -63,8 +83,8 @@ def main() -> None:
     torch.cuda.init()
     random.seed(0)
     rows = []
-    print(f"{'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} {'reload GB/s':>12} "
-          f"{'reload ms':>10} {'exact':>6}")
+    print(f"{'host':>5} {'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
+          f"{'reload GB/s':>12} {'reload ms':>10} {'exact':>6}")
     for shape in args.shapes:
         layers, run_kib = SHAPES[shape]
         run = run_kib * 1024
@@ -76,19 +96,24 @@ def main() -> None:
         for r in raws:
             r.view(torch.bfloat16).normal_()
         capacity = 2 * max(args.batches)
-        host = torch.empty((capacity, len(views) * run), dtype=torch.int8, pin_memory=True)
-        for path in args.paths:
-            copier = BlockCopier(views, host, path=path)  # type: ignore[arg-type]
-            for layout in ("runs", "scattered"):
-                for batch in args.batches:
-                    slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
-                    row = {"shape": shape, "path": path, "slots": layout,
-                           **measure(copier, views, args.blocks, batch, slots, args.reps)}
-                    rows.append(row)
-                    print(f"{shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
-                          f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
-                          f"{str(row['exact']):>6}")
-            del copier
+        for kind in args.host:
+            host, breaks, owner = host_buffer(kind, capacity, len(views) * run)
+            for path in args.paths:
+                copier = BlockCopier(views, host, path=path, breaks=breaks)  # type: ignore[arg-type]
+                for layout in ("runs", "scattered"):
+                    for batch in args.batches:
+                        slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
+                        row = {"host": kind, "shape": shape, "path": path, "slots": layout,
+                               **measure(copier, views, args.blocks, batch, slots, args.reps)}
+                        rows.append(row)
+                        print(f"{kind:>5} {shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
+                              f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
+                              f"{str(row['exact']):>6}")
+                del copier
+            torch.cuda.synchronize()
+            del host
+            if owner is not None:
+                owner.free()  # type: ignore[attr-defined]
         del views, raws
         torch.cuda.synchronize()
         pool.close()
