@@ -408,8 +408,11 @@ def test_a_stop_during_the_slow_gpu_probe_works_from_the_start(tmp_path, signum)
     _fake_tool(tmp_path / "nvidia-smi", SLOW_NVIDIA_SMI)
     env = {**os.environ, "FAKE_DIR": str(tmp_path), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
     env.pop("KVELASTIC_LAUNCH_NO_GPU", None)
+    # A launcher started under nohup keeps SIGHUP ignored, by design; this test is about a terminal's
+    # SIGHUP, so the launcher starts with the default disposition even when the suite runs under nohup.
     process = subprocess.Popen(_sigint_ignored([sys.executable, "-m", "kvelastic.launch"]), env=env, cwd=REPO,
-                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     smi_pid = None
     try:
         _wait_for(lambda: (tmp_path / "smi.pid").exists())
