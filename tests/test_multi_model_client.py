@@ -30,7 +30,7 @@ from benchmarks.mmbench.compare import compare_runs, probes_identical  # noqa: E
 from benchmarks.mmbench.reclaim import (bucket_quantile, engine_histograms, log_summary,  # noqa: E402
                                         read_logs)
 from benchmarks.mmbench.sampling import AccountReader, Sampler, metric_values, owner_port  # noqa: E402
-from benchmarks.mmbench.summary import reclaim_episodes  # noqa: E402
+from benchmarks.mmbench.summary import reclaim_episodes, short_of_memory  # noqa: E402
 from benchmarks.mmbench.workload import (Workload, WorkloadError, digest, max_busy_at_once,  # noqa: E402
                                          prompt_ids, schedule)
 from tests.fake_openai_server import Behaviour, FakeServers, cached_tokens, failure_of, tokens_for  # noqa: E402
@@ -395,3 +395,33 @@ def test_a_budget_refusal_in_a_real_account_is_one_reclaim_episode(tmp_path, mon
     assert found["count"] == 1 and found["unresolved"] == 0
     assert found["episodes"][0] == {"member": "busy", "start": 1, "seconds": 2, "wanted_bytes": 4 * gib,
                                     "others_released_bytes": 6 * gib}
+
+
+def test_a_busy_period_says_how_much_of_it_the_engine_waited_for_memory(tmp_path, monkeypatch):
+    """From a real account's samples: the share of a window in which a member wanted memory."""
+    from kvelastic.cluster import SharedAccount
+
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    gib = 1 << 30
+    clock = iter(range(100)).__next__
+    account = SharedAccount.open("GPU-short", 4 * gib)
+    try:
+        model = account.join("model-a", model="m", port=1)
+        reader = AccountReader()
+        sampler = Sampler("account", reader, 1.0, clock, close=reader.close)
+        assert model.acquire(3 * gib)
+        sampler.sample()  # t=0: has what it asked for
+        assert not model.acquire(2 * gib)  # the budget refuses: a want
+        sampler.sample()  # t=1
+        sampler.sample()  # t=2: still wanting
+        model.release(gib)
+        assert model.acquire(2 * gib)  # granted: the want is gone
+        sampler.sample()  # t=3
+    finally:
+        account.close()
+    result = {"account": {"samples": sampler.stop()["samples"]}}
+    assert short_of_memory(result, "model-a", 0, 4) == pytest.approx(0.5)
+    assert short_of_memory(result, "model-a", 1, 3) == 1.0
+    assert short_of_memory(result, "model-a", 3, 10) == 0.0
+    assert short_of_memory(result, "model-b", 0, 4) is None  # not a member: nothing to say
+    assert short_of_memory({}, "model-a", 0, 4) is None  # a run without kvelastic

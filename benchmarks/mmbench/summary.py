@@ -138,8 +138,28 @@ def window_rows(result: dict[str, Any], slo: dict[str, float]) -> list[dict[str,
             delta = counter_deltas(result["metrics"]["samples"], model, start0 + begin, start0 + end)
             rows.append({"model": model, "window": k, "start": begin, "end": end,
                          **latency_stats(inside, slo, end - begin), **ratios(delta),
-                         "preemptions": delta.get("preemptions")})
+                         "preemptions": delta.get("preemptions"),
+                         "short_of_memory": short_of_memory(result, model, start0 + begin, start0 + end)})
     return rows
+
+
+def short_of_memory(result: dict[str, Any], model: str, begin: float, end: float) -> float | None:
+    """The share of the account's samples in ``[begin, end)`` that show ``model`` wanting memory.
+
+    Tells a busy period bound by memory (the engine waits for the budget) from one
+    bound by compute (its requests queue while it asks for nothing). None without
+    account samples (configurations without kvelastic).
+    """
+    seen = wanting = 0
+    for sample in result.get("account", {}).get("samples", []):
+        if not begin <= sample["t"] < end:
+            continue
+        for account in sample["accounts"]:
+            member = account["members"].get(model)
+            if member is not None:
+                seen += 1
+                wanting += member["wanted_bytes"] > 0
+    return wanting / seen if seen else None
 
 
 def workload_of(result: dict[str, Any]) -> Workload:
@@ -206,10 +226,12 @@ def render(summary: dict[str, Any], label: str) -> str:
                      f"{_ms(s['tpot_s']['p99']):>7} {_ratio(s['slo_attainment']):>6} {s['goodput_rps']:>9.2f} "
                      f"{'-' if preempt is None else f'{preempt:.0f}':>7} "
                      f"{_ratio(server.get('prefix_hit_ratio')):>10} {_ratio(server.get('host_hit_ratio')):>8}")
-    lines.append("busy periods (model/window: sent, TTFT p50/p99 ms, SLO, cached prompt tokens, host-tier hits):")
+    lines.append("busy periods (model/window: sent, TTFT p50/p99 ms, SLO, cached prompt tokens, host-tier hits, "
+                 "share of account samples wanting memory):")
     lines += [f"  {r['model']}/{r['window']} {r['start']:g}-{r['end']:g} s: {r['requests']}, "
               f"{_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}, {_ratio(r['slo_attainment'])}, "
-              f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}" for r in summary["windows"]]
+              f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}, "
+              f"{_ratio(r.get('short_of_memory'))}" for r in summary["windows"]]
     lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"))
     rec = summary["reclaim"]
     if rec["samples"]:
