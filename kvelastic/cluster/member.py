@@ -87,12 +87,13 @@ class Member:
         """Ask for ``nbytes`` more; on a budget refusal the want is recorded for the others to see.
 
         The want holds until a grant of more bytes, or until it lapses
-        (:func:`policy.wanting`); the time of the last refusal outlives a grant,
-        for the fair share (:func:`policy.short_lately`). Asking for 0 bytes (how an engine reads its
-        headroom, every 50 ms while it schedules) leaves it alone: the engine
-        still waits for what was refused, and clearing the want there would hide
-        it from the others between two refusals. ``waiting_since`` is when the
-        current run of refusals began, for ``kvelastic status``.
+        (:func:`policy.wanting`); the time of the last refusal outlives a
+        grant, for the fair share (:func:`policy.short_lately`). Asking for 0
+        bytes (how an engine reads its headroom, every 50 ms while it
+        schedules) leaves it alone: the engine still waits for what was
+        refused, and clearing the want there would hide it from the others
+        between two refusals. ``waiting_since`` is when the current run of
+        refusals began, for ``kvelastic status``.
         """
         if nbytes < 0:
             raise AccountingError(f"{self.name!r} asked for a negative amount ({nbytes})")

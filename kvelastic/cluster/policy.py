@@ -32,12 +32,12 @@ for its owner however hungry the others are.
   (:func:`busy`), so an idle member's part goes to those that work. When a
   member has been short lately while it holds less than its share, every
   member holding more than its own share must shrink to it
-  (:func:`share_cap`), also memory its running requests use: the engine stops admitting, and vLLM preempts what does not
-  fit, as it would in a static partition of that size. So a model that turns
-  busy gets at least what a static split among the busy models would give it,
-  within the time its neighbours take to let go, and the memory an idle model
-  does not use is never wasted. Above their shares, members are served first
-  come.
+  (:func:`share_cap`), also memory its running requests use: the engine
+  stops admitting, and vLLM preempts what does not fit, as it would in a
+  static partition of that size. So a model that turns busy gets at least
+  what a static split among the busy models would give it, within the time
+  its neighbours take to let go, and the memory an idle model does not use is
+  never wasted. Above their shares, members are served first come.
 """
 
 from __future__ import annotations
