@@ -42,6 +42,7 @@ import aiohttp  # noqa: E402
 
 from benchmarks.mmbench import compare as comparing  # noqa: E402
 from benchmarks.mmbench.client import NotReady, OpenLoop, Server, new_record, wait_ready  # noqa: E402
+from benchmarks.mmbench.cpu import CpuReader  # noqa: E402
 from benchmarks.mmbench.reclaim import read_logs  # noqa: E402
 from benchmarks.mmbench.sampling import (AccountReader, GpuMemory, Sampler, metrics_reader,  # noqa: E402
                                          open_memory_source)
@@ -128,10 +129,11 @@ def process_problem(pids: list[int]) -> Callable[[], str | None]:
 
 def start_samplers(args: argparse.Namespace, servers: list[Server],
                    clock: Callable[[], float]) -> tuple[dict[str, Sampler], dict[str, Any]]:
-    """Memory, /metrics and (with --account) account samplers, started; plus what they measure."""
+    """Memory, /metrics, CPU and (with --account) account samplers, started; plus what they measure."""
     source, what = open_memory_source(args.memory, args.gpu_index)
     memory = GpuMemory(source, args.ports) if source else None
-    samplers = {"metrics": Sampler("metrics", metrics_reader({s.model: s.url for s in servers}), 1.0, clock)}
+    samplers = {"metrics": Sampler("metrics", metrics_reader({s.model: s.url for s in servers}), 1.0, clock),
+                "cpu": Sampler("cpu", CpuReader(dict(zip(args.ports, (s.model for s in servers)))), 1.0, clock)}
     if memory:
         samplers["memory"] = Sampler("memory", memory.read, 0.5, clock)
     if args.account:

@@ -12,7 +12,8 @@
 # Environment knobs: MM_KV_GIB (6), MM_CPU_BYTES (8GiB), MM_EAGER=1 (no CUDA graphs: faster start),
 # MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then;
 # MM_STOP_S, 60, of it kept for that),
-# MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached).
+# MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached), MM_VLLM_ARGS (more
+# arguments for every server of every configuration, e.g. "--stream-interval 8": give all the same).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 config=${1:?usage: bash benchmarks/multi_model.sh static|kvelastic|kvelastic-host|kvcached [client args...]}
@@ -29,6 +30,8 @@ PORTS=(8101 8102 8103)
 VLLM_ARGS=(--load-format dummy --tokenizer "$TOKENIZER" --max-model-len 8192 --seed 0
            --enable-prompt-tokens-details)
 [ "${MM_EAGER:-0}" = 1 ] && VLLM_ARGS+=(--enforce-eager)
+# shellcheck disable=SC2206 # MM_VLLM_ARGS is a list of words
+[ -n "${MM_VLLM_ARGS:-}" ] && VLLM_ARGS+=(${MM_VLLM_ARGS})
 began=$(date +%s)
 PIDS=()
 LAUNCHER=

@@ -27,6 +27,7 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="needs prome
 from benchmarks import multi_model  # noqa: E402
 from benchmarks.mmbench.client import SseBuffer, finish_timing  # noqa: E402
 from benchmarks.mmbench.compare import compare_runs, probes_identical  # noqa: E402
+from benchmarks.mmbench.cpu import CpuReader, cpu_rates  # noqa: E402
 from benchmarks.mmbench.reclaim import (bucket_quantile, engine_histograms, log_summary,  # noqa: E402
                                         read_logs)
 from benchmarks.mmbench.sampling import AccountReader, Sampler, metric_values, owner_port  # noqa: E402
@@ -145,6 +146,9 @@ def test_a_run_times_every_token_and_keeps_the_ids(fake_run):
     prompts = {i: prompt_ids(w, r) for i, r in requests.items()}
     assert all(r["prompt_tokens"] == len(prompts[r["index"]]) for r in ok)  # from the final usage chunk
     assert all(r["cached_tokens"] == cached_tokens(prompts[r["index"]]) for r in ok)
+    cpu = result["cpu"]["samples"]  # sampled every second: the fake servers are no 'serve' processes
+    assert len(cpu) >= 2 and all(s["servers"] == {} and s["host_total"] > 0 for s in cpu)
+    assert cpu[-1]["client_s"] >= cpu[0]["client_s"] > 0
     fast_timed = [r for r in fast if not r["probe"]]
     assert result["summary"]["models"]["fast"]["cached_token_ratio"] == pytest.approx(
         sum(r["cached_tokens"] for r in fast_timed) / sum(r["prompt_tokens"] for r in fast_timed))
@@ -425,3 +429,36 @@ def test_a_busy_period_says_how_much_of_it_the_engine_waited_for_memory(tmp_path
     assert short_of_memory(result, "model-a", 3, 10) == 0.0
     assert short_of_memory(result, "model-b", 0, 4) is None  # not a member: nothing to say
     assert short_of_memory({}, "model-a", 0, 4) is None  # a run without kvelastic
+
+
+def _wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
+    """Real processes: a 'serve --port N' process that spins, with a spinning child; the reader tells them apart."""
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass\n"
+    server_code = ("import subprocess, sys, time\n"
+                   f"child = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+                   "end = time.time() + 30\n"
+                   "while time.time() < end: pass\n")
+    server = subprocess.Popen([sys.executable, "-c", server_code, "serve", "--port", "18931"])
+    try:
+        reader = CpuReader({18931: "model-x"})
+        _wait_for(lambda: reader()["servers"].get("model-x", {}).get("engine_s", 0) > 0, timeout=20)
+        first = {"t": 0.0, **reader()}
+        time.sleep(1.5)
+        last = {"t": 1.5, **reader()}
+    finally:
+        server.kill()
+        server.wait()
+    rates = cpu_rates([first, last], 0.0, 2.0, ["model-x", "model-y"])
+    assert 0.2 < rates["servers"]["model-x"]["api_s"] < 1.3  # one spinning process: up to one core
+    assert 0.2 < rates["servers"]["model-x"]["engine_s"] < 1.3  # its child, counted apart
+    assert rates["servers"]["model-y"] == {"api_s": None, "engine_s": None}  # no such server
+    assert 0.0 < rates["host_busy"] <= 1.0
+    assert rates["client"] is not None and rates["client"] < 0.5  # this test process sleeps
+    assert cpu_rates([first], 0.0, 2.0, ["model-x"]) is None  # one sample gives no rate

@@ -20,6 +20,7 @@ from scripts.bench_multiturn import percentile
 
 from benchmarks.mmbench import reclaim
 from benchmarks.mmbench.client import FAILED, UNFINISHED
+from benchmarks.mmbench.cpu import cpu_rates
 from benchmarks.mmbench.workload import Workload
 
 COUNTERS = {"preemptions": "vllm:num_preemptions_total", "prefix_queries": "vllm:prefix_cache_queries_total",
@@ -139,8 +140,17 @@ def window_rows(result: dict[str, Any], slo: dict[str, float]) -> list[dict[str,
             rows.append({"model": model, "window": k, "start": begin, "end": end,
                          **latency_stats(inside, slo, end - begin), **ratios(delta),
                          "preemptions": delta.get("preemptions"),
-                         "short_of_memory": short_of_memory(result, model, start0 + begin, start0 + end)})
+                         "short_of_memory": short_of_memory(result, model, start0 + begin, start0 + end),
+                         "cpu": window_cpu(result, model, start0 + begin, start0 + end)})
     return rows
+
+
+def window_cpu(result: dict[str, Any], model: str, begin: float, end: float) -> dict[str, Any] | None:
+    """Cores used in the window by ``model``'s API server and engine, the client, and how busy the host was."""
+    rates = cpu_rates(result.get("cpu", {}).get("samples", []), begin, end, [model])
+    if rates is None:
+        return None
+    return {**rates["servers"][model], "client": rates["client"], "host_busy": rates["host_busy"]}
 
 
 def short_of_memory(result: dict[str, Any], model: str, begin: float, end: float) -> float | None:
@@ -207,6 +217,14 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
 def render(summary: dict[str, Any], label: str) -> str:
     """The summary as a text table."""
     slo = summary["slo"]
@@ -232,6 +250,11 @@ def render(summary: dict[str, Any], label: str) -> str:
               f"{_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}, {_ratio(r['slo_attainment'])}, "
               f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}, "
               f"{_ratio(r.get('short_of_memory'))}" for r in summary["windows"]]
+    cpu = [r for r in summary["windows"] if r.get("cpu")]
+    if cpu:
+        lines.append("CPU per busy period (cores: the model's API server / its engine; the client; host busy):")
+        lines += [f"  {r['model']}/{r['window']}: {_cores(r['cpu']['api_s'])} / {_cores(r['cpu']['engine_s'])}; "
+                  f"{_cores(r['cpu']['client'])}; {_percent(r['cpu']['host_busy'])}" for r in cpu]
     lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"))
     rec = summary["reclaim"]
     if rec["samples"]:

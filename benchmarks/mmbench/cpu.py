@@ -1,0 +1,120 @@
+"""Where the host's CPU goes while the load runs: each server's API server, its engine, the client.
+
+On the H100 (2026-11-27) a busy model's engine sometimes had no request running
+or waiting while the client had a dozen without a first token: they were held
+before vLLM's scheduler, in its API server, which also streams every token of
+every running request. Whether that server (one Python process per model) or
+the host's 16 cores run out is what these samples tell.
+
+A server is the ``vllm ... serve ... --port N`` process (vLLM's API server);
+everything below it (the engine core and its workers) is its engine. Readings
+are cumulative CPU seconds from ``/proc/PID/stat`` (user + system, the process's
+own threads), so a rate needs two samples (:func:`cpu_rates`); the host's line
+of ``/proc/stat`` gives how busy all cores were.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Collection
+
+from benchmarks.mmbench.sampling import port_in_args
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(proc: Path, pid: str) -> list[str] | None:
+    try:
+        text = (proc / pid / "stat").read_text()
+    except OSError:
+        return None  # gone between the listing and the read
+    return text.rpartition(")")[2].split()  # fields after the command name: state, ppid, ...
+
+
+def process_table(proc: Path = Path("/proc")) -> dict[int, tuple[int, float]]:
+    """Every process: pid -> (parent pid, CPU seconds so far)."""
+    table = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(proc, entry.name)) is not None:
+            table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS)
+    return table
+
+
+def host_ticks(proc: Path = Path("/proc")) -> tuple[int, int]:
+    """All cores' (busy, total) clock ticks since boot (iowait and idle count as not busy)."""
+    # user nice system idle iowait irq softirq steal (guest time is already in user)
+    fields = [int(v) for v in (proc / "stat").read_text().splitlines()[0].split()[1:9]]
+    total = sum(fields)
+    return total - fields[3] - fields[4], total
+
+
+class CpuReader:
+    """One reading: per server, its API server's and its engine's CPU seconds; the client's; the host's ticks."""
+
+    def __init__(self, ports: dict[int, str], proc: Path = Path("/proc"), me: int | None = None):
+        self.ports, self.proc, self.me = ports, proc, os.getpid() if me is None else me
+        self.roots: dict[int, str] = {}  # API server pid -> model
+
+    def _find_roots(self, table: dict[int, tuple[int, float]]) -> None:
+        for pid in table:
+            if pid in self.roots:
+                continue
+            try:
+                args = (self.proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if (port := port_in_args(args, self.ports)) is not None:
+                self.roots[pid] = self.ports[port]
+
+    def __call__(self) -> dict[str, Any]:
+        table = process_table(self.proc)
+        if len(self.roots) < len(self.ports):
+            self._find_roots(table)
+        servers: dict[str, dict[str, float]] = {}
+        for root, model in self.roots.items():
+            if root not in table:
+                continue
+            below = sum(table[pid][1] for pid in descendants(table, root))
+            servers[model] = {"api_s": round(table[root][1], 3), "engine_s": round(below, 3)}
+        busy, total = host_ticks(self.proc)
+        client = table.get(self.me, (0, 0.0))[1]
+        return {"servers": servers, "client_s": round(client, 3), "host_busy": busy, "host_total": total}
+
+
+def descendants(table: dict[int, tuple[int, float]], root: int) -> list[int]:
+    """Every process below ``root`` in ``table``."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def cpu_rates(samples: list[dict[str, Any]], begin: float, end: float,
+              models: Collection[str]) -> dict[str, Any] | None:
+    """Mean cores used in ``[begin, end]`` by each model's API server and engine, the client, and the host.
+
+    From the first and last samples inside the window; None with fewer than two.
+    """
+    inside = [s for s in samples if begin <= s["t"] <= end]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+    seconds = last["t"] - first["t"]
+    if seconds <= 0:
+        return None
+
+    def rate(get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        a, b = get(first), get(last)
+        return None if a is None or b is None else round((b - a) / seconds, 2)
+
+    servers = {m: {part: rate(lambda s, m=m, part=part: s["servers"].get(m, {}).get(part))
+                   for part in ("api_s", "engine_s")} for m in models}
+    total = last["host_total"] - first["host_total"]
+    host = round((last["host_busy"] - first["host_busy"]) / total, 3) if total > 0 else None
+    return {"servers": servers, "client": rate(lambda s: s["client_s"]), "host_busy": host}
