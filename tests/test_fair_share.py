@@ -100,3 +100,13 @@ def test_the_cap_outlives_the_grants_that_meet_the_want_a_group_at_a_time(accoun
     assert a.tick().share_cap_bytes == 600  # ...but b is still below its share and was short 1 s ago
     now[0] += policy.DEFAULT_WANT_TTL_S  # no refusal since: b's demand is met
     assert a.tick().share_cap_bytes == 0
+
+
+def test_a_small_want_met_at_once_does_not_hold_a_busy_neighbour_down(account):
+    """One request on an idle model: once its want is met it presses no more, so the busy one is not capped."""
+    a, c = account.join("a"), account.join("c")
+    assert a.acquire(1150) and not c.acquire(100)  # c's one request does not fit: it waits
+    assert a.tick().share_cap_bytes == 600  # while it waits, a is held to its share
+    a.release(50)
+    assert c.acquire(50)  # met; c uses 50, under an eighth of an equal part (1200 / 2 / 8 = 75)
+    assert a.tick().share_cap_bytes == 0  # c was short a moment ago, but it does not work: no cap

@@ -27,14 +27,14 @@ for its owner however hungry the others are.
 * **Fair share.** Every member may borrow the whole budget while the others
   do not need it, but each busy one is promised back an equal part of it
   among the busy members (or its reservation, if larger): :func:`fair_share`.
-  Busy means short of the budget lately (:func:`short_lately`), or using
-  beyond its cache more than an eighth of an equal part among all members
-  (:func:`busy`), so an idle member's part goes to those that work. When a
-  member has been short lately while it holds less than its share, every
-  member holding more than its own share must shrink to it
-  (:func:`share_cap`), also memory its running requests use: the engine
-  stops admitting, and vLLM preempts what does not fit, as it would in a
-  static partition of that size. So a model that turns busy gets at least
+  Busy means waiting for the budget, or using beyond its cache more than an
+  eighth of an equal part among all members (:func:`busy`), so an idle
+  member's part goes to those that work. While a member presses for its
+  share (:func:`contending`: it waits, or it works and was refused in the last
+  ``want_ttl_s``) and holds less than it, every member holding more than its
+  own share must shrink to it (:func:`share_cap`), also memory its running
+  requests use: the engine stops admitting, and vLLM preempts what does not
+  fit, as it would in a static partition of that size. So a model that turns busy gets at least
   what a static split among the busy models would give it, within the time
   its neighbours take to let go, and the memory an idle model does not use is
   never wasted. Above their shares, members are served first come.
@@ -97,14 +97,8 @@ def demand(records: list[MemberRecord], budget: int, now: float,
 
 
 def short_lately(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
-    """Whether ``record`` was refused by the budget within ``want_ttl_s``, even if a grant has come since.
-
-    The fair share reads this rather than :func:`wanting`: a waiting engine's
-    wants are met a group at a time, and each grant clears the want, so a cap
-    that lifted with it let the engine above its share take the next group
-    back (on the H100 the cap came and went within a second, 2026-11-27). A
-    member still below its share that was short this recently stays protected.
-    """
+    """Whether ``record`` was refused by the budget within ``want_ttl_s``, even if a grant has come since
+    (:func:`contending` says why that matters)."""
     return record.used and record.wanted_at > 0 and now - record.wanted_at <= want_ttl_s
 
 
@@ -142,11 +136,32 @@ def headroom(records: list[MemberRecord], me: MemberRecord, budget: int) -> int:
 IDLE_FRACTION = 8  # using less than 1/8 of an equal part (beyond its cache), a member counts as idle
 
 
+def uses_a_real_part(record: MemberRecord, members: int, budget: int) -> bool:
+    """Whether ``record`` uses, beyond its cache, more than an eighth of an equal part of the budget."""
+    in_use = max(0, record.mapped_bytes - record.cached_bytes)
+    return in_use * IDLE_FRACTION * max(1, members) > budget
+
+
 def busy(record: MemberRecord, members: int, budget: int, now: float,
          want_ttl_s: float = DEFAULT_WANT_TTL_S) -> bool:
-    """Whether ``record`` was short of the budget lately or uses (beyond its cache) a real part of it."""
-    in_use = max(0, record.mapped_bytes - record.cached_bytes)
-    return short_lately(record, now, want_ttl_s) or in_use * IDLE_FRACTION * max(1, members) > budget
+    """Whether ``record`` waits for the budget or uses (beyond its cache) a real part of it."""
+    return wanting(record, now, want_ttl_s) or uses_a_real_part(record, members, budget)
+
+
+def contending(record: MemberRecord, members: int, budget: int, now: float, want_ttl_s: float) -> bool:
+    """Whether ``record`` still presses for its fair share: it waits now, or it works and was short lately.
+
+    A working engine's wants are met a group at a time and each grant clears
+    the want, so the want alone would lift the others' caps between two groups
+    and let the engine above its share take the next group back (on the H100
+    the cap came and went within a second, 2026-11-27): for a member that uses
+    a real part of the budget, a refusal counts for ``want_ttl_s``
+    (:func:`short_lately`). A member that does not (one request on an idle
+    model) presses only while it waits, so a neighbour is not held down, and
+    its requests preempted, for the seconds after a small want was met.
+    """
+    return wanting(record, now, want_ttl_s) or (
+        short_lately(record, now, want_ttl_s) and uses_a_real_part(record, members, budget))
 
 
 def fair_share(record: MemberRecord, busy_members: int, budget: int) -> int:
@@ -161,8 +176,8 @@ def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: f
     0: none. Only a member holding its own share or more is capped, and only at
     that share: it is never pushed below it, so busy members settle at their
     shares at worst; and it does not grow while the other waits, so what it
-    gives back goes to the one waiting, not back to itself. The other counts
-    as short for ``want_ttl_s`` after its last refusal (:func:`short_lately`).
+    gives back goes to the one waiting, not back to itself. Whether the other
+    still presses: :func:`contending`.
     """
     live = [r for r in records if r.used]
     working = sum(busy(r, len(live), budget, now, want_ttl_s) for r in live) or len(live)
@@ -170,7 +185,7 @@ def share_cap(records: list[MemberRecord], me: MemberRecord, budget: int, now: f
     if me.mapped_bytes < mine:
         return 0
     for other in live:
-        if other.slot != me.slot and short_lately(other, now, want_ttl_s) and \
+        if other.slot != me.slot and contending(other, len(live), budget, now, want_ttl_s) and \
                 other.mapped_bytes < fair_share(other, working, budget):
             return mine
     return 0
