@@ -125,8 +125,11 @@ def test_status_without_accounts_or_instances_exits_4(shared):
 
 def test_status_watch_refreshes_until_interrupted(fleet, shared):
     env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
+    # Ctrl-C reaches a command in the foreground; a suite run in the background inherits SIGINT ignored
+    # (and Python then installs no handler), so the watcher starts with SIGINT at its default here.
     watcher = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "status", "--watch", "0.1"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen, deadline = [], time.time() + 30
     while sum("GPU GPU-aaaa" in line for line in seen) < 2 and time.time() < deadline:
         seen.append(watcher.stdout.readline())  # the watcher flushes after every refresh
