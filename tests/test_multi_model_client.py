@@ -440,20 +440,24 @@ def _wait_for(predicate, timeout: float) -> None:
 
 def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
     """Real processes: a 'serve --port N' process that spins, with a spinning child; the reader tells them apart."""
-    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass\n"
-    server_code = ("import subprocess, sys, time\n"
+    spin = "import time\nend = time.time() + 10\nwhile time.time() < end: pass\n"
+    server_code = ("import os, subprocess, sys, time\n"
                    f"child = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
-                   "end = time.time() + 30\n"
-                   "while time.time() < end: pass\n")
-    server = subprocess.Popen([sys.executable, "-c", server_code, "serve", "--port", "18931"])
+                   "if os.fork() == 0:\n"  # a forked child keeps the 'serve --port' command line
+                   "    time.sleep(10)\n"
+                   "    os._exit(0)\n"
+                   f"exec({spin!r})\n")
+    server = subprocess.Popen([sys.executable, "-c", server_code, "serve", "--port", "18931"],
+                              start_new_session=True)
     try:
         reader = CpuReader({18931: "model-x"})
-        _wait_for(lambda: reader()["servers"].get("model-x", {}).get("engine_s", 0) > 0, timeout=20)
+        _wait_for(lambda: reader()["servers"].get("model-x", {}).get("engine_s", 0) > 0, timeout=8)
         first = {"t": 0.0, **reader()}
         time.sleep(1.5)
         last = {"t": 1.5, **reader()}
+        assert list(reader.roots) == [server.pid]  # the forked child is part of the engine, not a server
     finally:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)  # the server and everything it started
         server.wait()
     rates = cpu_rates([first, last], 0.0, 2.0, ["model-x", "model-y"])
     assert 0.2 < rates["servers"]["model-x"]["api_s"] < 1.3  # one spinning process: up to one core

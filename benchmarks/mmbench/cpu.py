@@ -57,15 +57,17 @@ class CpuReader:
         self.roots: dict[int, str] = {}  # API server pid -> model
 
     def _find_roots(self, table: dict[int, tuple[int, float]]) -> None:
+        """The API servers: processes serving a port whose parent does not (a forked child keeps the
+        command line of its parent, and belongs to its engine)."""
+        serving = {}
         for pid in table:
-            if pid in self.roots:
-                continue
             try:
                 args = (self.proc / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
             if (port := port_in_args(args, self.ports)) is not None:
-                self.roots[pid] = self.ports[port]
+                serving[pid] = self.ports[port]
+        self.roots = {pid: model for pid, model in serving.items() if table[pid][0] not in serving}
 
     def __call__(self) -> dict[str, Any]:
         table = process_table(self.proc)
