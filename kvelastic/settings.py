@@ -120,6 +120,10 @@ class Settings:
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
     copy_path: str = "direct"  # chosen from bench_copy.py on an H100: docs/gpu-results.md
+    #: How the host tier's memory is pinned: ``background`` (one mmap registered chunk by chunk while the
+    #: engine serves) or ``at-start`` (one torch pinned allocation before it serves, as before 2026-11-26):
+    #: the multi-turn A/B of 2026-11-27 found the tier 9 % slower than a tree that used torch's allocation.
+    cpu_pin: str = "background"
     #: When blocks are copied to the host: as they leave the GPU, or once computed (docs/offload.md).
     #: ``eviction`` until a GPU run shows write-through wins: it moves more bytes and shrinks the policy's share.
     cpu_store: str = "eviction"
@@ -223,6 +227,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
     "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged")),
     "cpu_store": ("KVELASTIC_CPU_STORE", _choice("eviction", "write-through")),
+    "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "name": ("KVELASTIC_NAME", _name),

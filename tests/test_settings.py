@@ -245,6 +245,10 @@ def test_host_tier_policy_and_copy_path_are_choices():
         Settings.from_env({"KVELASTIC_CPU_POLICY": "fifo"})
     with pytest.raises(ConfigError, match=r"KVELASTIC_COPY_PATH='dma' is not one of: direct, staged"):
         Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
+    assert Settings().cpu_pin == "background"
+    assert Settings.from_env({"KVELASTIC_CPU_PIN": "at-start"}).cpu_pin == "at-start"
+    with pytest.raises(ConfigError, match=r"KVELASTIC_CPU_PIN='now' is not one of: background, at-start"):
+        Settings.from_env({"KVELASTIC_CPU_PIN": "now"})
 
 
 # ------------------------------------------------- values that cannot work

@@ -65,7 +65,8 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
     rows = BlockRows(cache)
     capacity = settings.cpu_bytes or 0
     tier = HostTier(capacity, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy,
-                    ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes))
+                    ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes),
+                    pin_at_start=settings.cpu_pin == "at-start")
     assert tier.memory is not None  # a tier that allocates (the default) always has its memory
     return tier, rows.copier(tier.memory, settings.copy_path)
 

@@ -37,10 +37,13 @@ import mmap
 import threading
 import time
 import weakref
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from kvelastic.errors import KvelasticError
 from kvelastic.units import format_size
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -157,19 +160,27 @@ def chunk_plan(slots: int, slot_bytes: int, chunk_bytes: int = CHUNK_BYTES,
 class HostMemory:
     """A (slots, slot_bytes) int8 host buffer whose slots ``[0, ready_slots)`` are pinned.
 
-    ``pinner=None``: nothing to pin (a host-backend engine, tests): every slot
+    ``pinner=None``: nothing to pin (a host-backend engine, tests), or
+    ``buffer`` is already pinned (``KVELASTIC_CPU_PIN=at-start``): every slot
     is ready at once and no thread starts.
     """
 
     def __init__(self, slots: int, slot_bytes: int, *, pinner: Pinner | None, chunk_bytes: int = CHUNK_BYTES,
-                 head_bytes: int = HEAD_BYTES, threads: int = THREADS, hugepages: bool = True):
+                 head_bytes: int = HEAD_BYTES, threads: int = THREADS, hugepages: bool = True,
+                 buffer: torch.Tensor | None = None):
         import torch
 
+        if buffer is not None and (pinner is not None or tuple(buffer.shape) != (slots, slot_bytes)):
+            raise ValueError("a given buffer is used as it is: no pinner, and shaped (slots, slot_bytes)")
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self._mapping = mmap.mmap(-1, -(-slots * slot_bytes // PAGE) * PAGE)  # untouched: costs nothing yet
-        self.buffer = torch.frombuffer(self._mapping, dtype=torch.int8, count=slots * slot_bytes).view(slots,
-                                                                                                      slot_bytes)
+        if buffer is None:
+            self._mapping: mmap.mmap | None = mmap.mmap(-1, -(-slots * slot_bytes // PAGE) * PAGE)  # untouched
+            buffer = torch.frombuffer(self._mapping, dtype=torch.int8, count=slots * slot_bytes).view(slots,
+                                                                                                    slot_bytes)
+        else:
+            self._mapping = None
+        self.buffer = buffer
         self.address = self.buffer.data_ptr()
         self._pinner = pinner
         self._plan = chunk_plan(slots, slot_bytes, chunk_bytes, head_bytes) if pinner is not None else []
@@ -188,7 +199,7 @@ class HostMemory:
         if not self._plan:
             return
         if hugepages:
-            _madvise(self.address, len(self._mapping), _MADV_HUGEPAGE)
+            _madvise(self.address, self._mapped_bytes(), _MADV_HUGEPAGE)
         self._pin_head()
         _LIVE.add(self)
         self._threads = [threading.Thread(target=self._run, name=f"kvelastic-pin{i}", daemon=True)
@@ -245,8 +256,12 @@ class HostMemory:
     def _chunk(self, i: int) -> tuple[int, int]:
         """(address, bytes) of chunk ``i``; the last one runs to the mapping's (page-aligned) end."""
         first, end = self._plan[i]
-        stop = len(self._mapping) if i == len(self._plan) - 1 else end * self.slot_bytes
+        stop = self._mapped_bytes() if i == len(self._plan) - 1 else end * self.slot_bytes
         return self.address + first * self.slot_bytes, stop - first * self.slot_bytes
+
+    def _mapped_bytes(self) -> int:
+        assert self._mapping is not None  # only a buffer of our own is pinned in chunks
+        return len(self._mapping)
 
     def _pin_head(self) -> None:
         """Pin the first chunk now; :class:`PinError` if this host cannot pin at all."""

@@ -48,7 +48,7 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
     rank, world = rank_and_world(runner)
     settings = runtime.settings
     worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, runtime.limit_bytes, settings.cpu_bytes,
-                        copy_path=settings.copy_path)
+                        copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start")
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
              os.getppid(), worker.folder)
@@ -56,11 +56,11 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
 
 
 def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None, copy_path: str = Settings.copy_path) -> RankWorker:
+               cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False) -> RankWorker:
     """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
-        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path)
+        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
                         limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes)
@@ -72,9 +72,9 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
     return worker
 
 
-def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
-                copy_path: str) -> tuple["BlockCopier | None", "HostMemory | None", int]:
-    """This rank's slots, pinning in the background: ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
+def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: str,
+                pin_at_start: bool = False) -> tuple["BlockCopier | None", "HostMemory | None", int]:
+    """This rank's slots, pinned in the background (or now): ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
     from kvelastic.hooks.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
@@ -82,5 +82,5 @@ def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int,
     slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
         return None, None, rows.slot_bytes
-    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin)
+    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, at_start=pin_at_start)
     return rows.copier(memory, copy_path), memory, rows.slot_bytes

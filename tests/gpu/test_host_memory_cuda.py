@@ -70,3 +70,23 @@ def test_tier_grows_to_every_slot_on_the_device():
         assert tier.stats().slots == 256 and tier.buffer is not None and tier.buffer.is_pinned()
     finally:
         tier.memory.free()
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_a_tier_pinned_at_start_is_all_pinned_and_copies_round_trip(path):
+    """KVELASTIC_CPU_PIN=at-start: torch's pinned allocation, every slot ready before the constructor returns."""
+    tier = HostTier(64 * SLOT, SLOT, pin=True, pin_at_start=True)
+    try:
+        memory = tier.memory
+        assert memory is not None and memory.settled and memory.ready_slots == 64 and memory.buffer.is_pinned()
+        kv = torch.randint(-128, 127, (16, SLOT), dtype=torch.int8, device="cuda")
+        copier = BlockCopier([kv], memory.buffer, path=path, breaks=memory.breaks)
+        slots = list(range(56, 64))
+        copier.store(list(range(8)), slots).wait()
+        assert torch.equal(memory.buffer[slots], kv[:8].cpu())
+        copier.load(list(range(8, 16)), slots).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(kv[8:], kv[:8])
+    finally:
+        tier.memory.free()
+
