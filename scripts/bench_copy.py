@@ -29,7 +29,8 @@ import time
 import torch
 
 from kvelastic.offload.copier import BlockCopier
-from kvelastic.offload.host_memory import CudaPinner, HostMemory
+from kvelastic.offload.host_memory import HostMemory
+from kvelastic.offload.host_tier import allocate_slots
 from kvelastic.pool import PagePool
 from kvelastic.pool.cuda import CudaBackend
 
@@ -59,15 +60,14 @@ def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, bat
             "exact": exact}
 
 
-def host_buffer(kind: str, slots: int, slot_bytes: int) -> tuple[torch.Tensor, frozenset[int], object]:
-    """The host slots, the slots no DMA copy may cross, and what to free afterwards."""
-    if kind == "torch":
-        return torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=True), frozenset(), None
-    memory = HostMemory(slots, slot_bytes, pinner=CudaPinner())
+def host_buffer(kind: str, slots: int, slot_bytes: int) -> HostMemory:
+    """The host tier's memory as ``KVELASTIC_CPU_PIN`` makes it (``torch``: at-start; ``tier``: background),
+    all of it pinned."""
+    memory = allocate_slots(slots, slot_bytes, pin=True, at_start=kind == "torch")
     memory.wait()
     if memory.ready_slots < slots:
         raise SystemExit(f"the tier's buffer pinned {memory.ready_slots} of {slots} slots: {memory.failure}")
-    return memory.buffer, memory.breaks, memory
+    return memory
 
 
 def main() -> None:
@@ -97,9 +97,9 @@ def main() -> None:
             r.view(torch.bfloat16).normal_()
         capacity = 2 * max(args.batches)
         for kind in args.host:
-            host, breaks, owner = host_buffer(kind, capacity, len(views) * run)
+            memory = host_buffer(kind, capacity, len(views) * run)
             for path in args.paths:
-                copier = BlockCopier(views, host, path=path, breaks=breaks)  # type: ignore[arg-type]
+                copier = BlockCopier(views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
                 for layout in ("runs", "scattered"):
                     for batch in args.batches:
                         slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
@@ -111,9 +111,7 @@ def main() -> None:
                               f"{str(row['exact']):>6}")
                 del copier
             torch.cuda.synchronize()
-            del host
-            if owner is not None:
-                owner.free()  # type: ignore[attr-defined]
+            memory.free()
         del views, raws
         torch.cuda.synchronize()
         pool.close()

@@ -27,7 +27,7 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="needs prome
 from benchmarks import multi_model  # noqa: E402
 from benchmarks.mmbench.client import SseBuffer, finish_timing  # noqa: E402
 from benchmarks.mmbench.compare import compare_runs, probes_identical  # noqa: E402
-from benchmarks.mmbench.cpu import CpuReader, cpu_rates, descendants, process_table  # noqa: E402
+from benchmarks.mmbench.cpu import CpuReader, children_of, cpu_rates, descendants, process_table  # noqa: E402
 from benchmarks.mmbench.reclaim import (bucket_quantile, engine_histograms, log_summary,  # noqa: E402
                                         read_logs)
 from benchmarks.mmbench.sampling import AccountReader, Sampler, metric_values, owner_port  # noqa: E402
@@ -450,7 +450,8 @@ def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
     server = subprocess.Popen([sys.executable, "-c", server_code, "serve", "--port", "18931"],
                               start_new_session=True)
     try:
-        _wait_for(lambda: len(descendants(process_table(), server.pid)) >= 2, timeout=8)  # both children up
+        both_children_up = lambda: len(descendants(children_of(process_table()), server.pid)) >= 2  # noqa: E731
+        _wait_for(both_children_up, timeout=8)
         reader = CpuReader({18931: "model-x"})
         _wait_for(lambda: reader()["servers"].get("model-x", {}).get("engine_s", 0) > 0, timeout=8)
         first = {"t": 0.0, **reader()}

@@ -74,21 +74,27 @@ class CpuReader:
         if len(self.roots) < len(self.ports):
             self._find_roots(table)
         servers: dict[str, dict[str, float]] = {}
+        children = children_of(table)
         for root, model in self.roots.items():
             if root not in table:
                 continue
-            below = sum(table[pid][1] for pid in descendants(table, root))
+            below = sum(table[pid][1] for pid in descendants(children, root))
             servers[model] = {"api_s": round(table[root][1], 3), "engine_s": round(below, 3)}
         busy, total = host_ticks(self.proc)
         client = table.get(self.me, (0, 0.0))[1]
         return {"servers": servers, "client_s": round(client, 3), "host_busy": busy, "host_total": total}
 
 
-def descendants(table: dict[int, tuple[int, float]], root: int) -> list[int]:
-    """Every process below ``root`` in ``table``."""
+def children_of(table: dict[int, tuple[int, float]]) -> dict[int, list[int]]:
+    """Each process's children, from a :func:`process_table`."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in table.items():
         children.setdefault(parent, []).append(pid)
+    return children
+
+
+def descendants(children: dict[int, list[int]], root: int) -> list[int]:
+    """Every process below ``root``, given :func:`children_of` the process table."""
     found, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()

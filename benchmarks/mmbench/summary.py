@@ -217,10 +217,6 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _cores(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -253,8 +249,8 @@ def render(summary: dict[str, Any], label: str) -> str:
     cpu = [r for r in summary["windows"] if r.get("cpu")]
     if cpu:
         lines.append("CPU per busy period (cores: the model's API server / its engine; the client; host busy):")
-        lines += [f"  {r['model']}/{r['window']}: {_cores(r['cpu']['api_s'])} / {_cores(r['cpu']['engine_s'])}; "
-                  f"{_cores(r['cpu']['client'])}; {_percent(r['cpu']['host_busy'])}" for r in cpu]
+        lines += [f"  {r['model']}/{r['window']}: {_ratio(r['cpu']['api_s'])} / {_ratio(r['cpu']['engine_s'])}; "
+                  f"{_ratio(r['cpu']['client'])}; {_percent(r['cpu']['host_busy'])}" for r in cpu]
     lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"))
     rec = summary["reclaim"]
     if rec["samples"]:

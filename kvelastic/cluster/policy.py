@@ -34,10 +34,11 @@ for its owner however hungry the others are.
   ``want_ttl_s``) and holds less than it, every member holding more than its
   own share must shrink to it (:func:`share_cap`), also memory its running
   requests use: the engine stops admitting, and vLLM preempts what does not
-  fit, as it would in a static partition of that size. So a model that turns busy gets at least
-  what a static split among the busy models would give it, within the time
-  its neighbours take to let go, and the memory an idle model does not use is
-  never wasted. Above their shares, members are served first come.
+  fit, as it would in a static partition of that size. So a model that turns
+  busy gets at least what a static split among the busy models would give it,
+  within the time its neighbours take to let go, and the memory an idle model
+  does not use is never wasted. Above their shares, members are served first
+  come.
 """
 
 from __future__ import annotations
