@@ -5,7 +5,8 @@
 #   AB_ORDER="old new new old" bash benchmarks/ab_multiturn.sh OLD_TREE.tar.gz [bench_multiturn args...]
 # OLD_TREE.tar.gz: `git archive --format=tar.gz -o .ab/old.tar.gz <commit> -- . ':!benchmarks/results'`
 # (an untracked file travels with the working tree). AB_ORDER's words are old, new and vanilla (vLLM
-# without kvelastic); each is one bench_multiturn.py run of about 2 minutes with the default workload,
+# without kvelastic), each optionally with a variant, new.NAME, run with the settings AB_ENV_NAME holds
+# (AB_ORDER="old new new.atstart old" AB_ENV_atstart="KVELASTIC_CPU_PIN=at-start"); each is one bench_multiturn.py run of about 2 minutes with the default workload,
 # so four fit a call. Each run's JSON is $W/multiturn/TAG-N.json; benchmarks/ab_table.py tabulates them
 # (per run, the median of each tree's rounds, new/old, tokens against the first run). Output: $OUT/ab.tgz
 set -uo pipefail
@@ -19,13 +20,20 @@ install() {
     [ "$installed" = "$1" ] && return 0
     python3 -m pip install -q --no-deps --no-build-isolation -e "$1" >>"$W/install.log" 2>&1 && installed=$1
 }
-run() {  # TAG N [bench args]: one run of the tree TAG names, kept as TAG-N
-    local tag=$1 n=$2 tree=$here config=kvelastic
+run() {  # TAG N [bench args]: one run of the tree TAG names (with TAG's variant settings), kept as TAG-N
+    local tag=$1 n=$2 tree=$here config=kvelastic settings=
     shift 2
-    [ "$tag" = old ] && tree=$old
-    [ "$tag" = vanilla ] && config=vanilla
+    case "$tag" in
+        old|old.*) tree=$old ;;
+        vanilla|vanilla.*) config=vanilla ;;
+    esac
+    if [ "${tag#*.}" != "$tag" ]; then
+        local var="AB_ENV_${tag#*.}"
+        settings=${!var:-}
+        [ -n "$settings" ] || { echo "$tag-$n: $var is empty"; return 1; }
+    fi
     install "$tree" || { echo "$tag-$n: install of $tree failed (install.log)"; return 1; }
-    python3 scripts/bench_multiturn.py --outdir "$W/scratch" --json "$W/scratch/last.json" --configs "$config" "$@" \
+    env ${settings//,/ } python3 scripts/bench_multiturn.py --outdir "$W/scratch" --json "$W/scratch/last.json" --configs "$config" "$@" \
         && mv "$W/scratch/$config.json" "$W/multiturn/$tag-$n.json" \
         && mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.log"
 }

@@ -1,7 +1,8 @@
 """Tabulate an alternated A/B of ``bench_multiturn.py`` runs (``ab_multiturn.sh``): per run, per tree, the ratio.
 
 Each run is one ``<outdir>/<tag>-<n>.json`` of ``bench_multiturn.py --config``
-(tag ``old``, ``new`` or ``vanilla``; ``n`` its place in the call's order). Runs
+(tag ``old``, ``new`` or ``vanilla``, or one of them with a variant's name,
+``new.atstart``; ``n`` its place in the call's order). Runs
 of one tree are pooled by the median of their rounds' throughput, so a drift
 across the call (the machine warming, page cache) lands on both trees alike
 when the order is symmetric (old new new old). Outputs: every run's against
@@ -22,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_multiturn import identical, summarize  # noqa: E402
 
-RUN = re.compile(r"^(old|new|vanilla)-(\d+)\.json$")
+RUN = re.compile(r"^((?:old|new|vanilla)(?:\.\w+)?)-(\d+)\.json$")
 
 
 def load_runs(outdir: Path) -> list[tuple[str, int, dict]]:
@@ -48,19 +49,24 @@ def table(runs: list[tuple[str, int, dict]], out_len: int) -> dict:
     ratio = None
     if "old" in trees and "new" in trees:
         ratio = trees["new"]["tok_s_median"] / trees["old"]["tok_s_median"]
+    if "old" in trees:
+        for name, t in trees.items():
+            if name != "old":
+                t["over_old"] = t["tok_s_median"] / trees["old"]["tok_s_median"]
     return {"runs": rows, "trees": trees, "new_over_old": ratio}
 
 
 def render(result: dict) -> str:
-    lines = [f"{'run':<12} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'same as first':>14}"]
+    lines = [f"{'run':<16} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'same as first':>14}"]
     for row in result["runs"]:
         same, total = row["identical_to_first"]
-        lines.append(f"{row['tree'] + '-' + str(row['place']):<12} {row['tok_s']:>9.0f} "
+        lines.append(f"{row['tree'] + '-' + str(row['place']):<16} {row['tok_s']:>9.0f} "
                      f"{row['tok_s_min']:>8.0f}-{row['tok_s_max']:<8.0f} {row['ttft_p50']:>9.3f} "
                      f"{row['ttft_p99']:>9.3f} {same:>7}/{total:<6}")
     for tree, t in result["trees"].items():
+        over_old = f", {t['over_old']:.3f}x old" if "over_old" in t else ""
         lines.append(f"{tree}: median of {t['rounds']} rounds {t['tok_s_median']:.0f} tok/s "
-                     f"(rounds {t['tok_s_min']:.0f}-{t['tok_s_max']:.0f})")
+                     f"(rounds {t['tok_s_min']:.0f}-{t['tok_s_max']:.0f}){over_old}")
     if result["new_over_old"] is not None:
         lines.append(f"new / old: {result['new_over_old']:.3f}")
     return "\n".join(lines)

@@ -60,7 +60,7 @@ demo)
 copy)
     mkdir -p "$W/copy"
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$W/copy/gpu_tests.log"
-    python3 scripts/bench_copy.py --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
+    python3 scripts/bench_copy.py --host torch tier --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;

@@ -29,7 +29,7 @@ import time
 import torch
 
 from kvelastic.offload.copier import BlockCopier
-from kvelastic.offload.host_memory import HostMemory
+from kvelastic.offload.host_memory import CHUNK_BYTES, CudaPinner, HostMemory
 from kvelastic.offload.host_tier import allocate_slots
 from kvelastic.pool import PagePool
 from kvelastic.pool.cuda import CudaBackend
@@ -60,10 +60,18 @@ def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, bat
             "exact": exact}
 
 
+HOSTS = ("torch", "tier", "tier-one", "tier-4k")
+
+
 def host_buffer(kind: str, slots: int, slot_bytes: int) -> HostMemory:
     """The host tier's memory as ``KVELASTIC_CPU_PIN`` makes it (``torch``: at-start; ``tier``: background),
-    all of it pinned."""
-    memory = allocate_slots(slots, slot_bytes, pin=True, at_start=kind == "torch")
+    all of it pinned. Two variants of ``tier`` tell its parts apart: ``tier-one`` registers everything
+    after the first chunk in one call, ``tier-4k`` leaves out the transparent-huge-page advice."""
+    if kind in ("tier-one", "tier-4k"):
+        memory = HostMemory(slots, slot_bytes, pinner=CudaPinner(),
+                            chunk_bytes=1 << 50 if kind == "tier-one" else CHUNK_BYTES, hugepages=kind != "tier-4k")
+    else:
+        memory = allocate_slots(slots, slot_bytes, pin=True, at_start=kind == "torch")
     memory.wait()
     if memory.ready_slots < slots:
         raise SystemExit(f"the tier's buffer pinned {memory.ready_slots} of {slots} slots: {memory.failure}")
@@ -74,7 +82,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--paths", nargs="+", default=["staged", "direct"], choices=["staged", "direct"])
-    p.add_argument("--host", nargs="+", default=["torch"], choices=["torch", "tier"])
+    p.add_argument("--host", nargs="+", default=["torch"], choices=HOSTS)
+    p.add_argument("--host-gib", type=float, default=0,
+                   help="host buffer size (default: twice the largest batch); scattered slots span all of it")
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--reps", type=int, default=5)
@@ -83,7 +93,7 @@ def main() -> None:
     torch.cuda.init()
     random.seed(0)
     rows = []
-    print(f"{'host':>5} {'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
+    print(f"{'host':>8} {'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
           f"{'reload GB/s':>12} {'reload ms':>10} {'exact':>6}")
     for shape in args.shapes:
         layers, run_kib = SHAPES[shape]
@@ -95,7 +105,7 @@ def main() -> None:
                  for r in raws for half in (0, 1)]  # K runs, then V runs, as FlashAttention lays them out
         for r in raws:
             r.view(torch.bfloat16).normal_()
-        capacity = 2 * max(args.batches)
+        capacity = max(2 * max(args.batches), int(args.host_gib * 1024 * MIB) // (len(views) * run))
         for kind in args.host:
             memory = host_buffer(kind, capacity, len(views) * run)
             for path in args.paths:
@@ -106,7 +116,7 @@ def main() -> None:
                         row = {"host": kind, "shape": shape, "path": path, "slots": layout,
                                **measure(copier, views, args.blocks, batch, slots, args.reps)}
                         rows.append(row)
-                        print(f"{kind:>5} {shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
+                        print(f"{kind:>8} {shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
                               f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
                               f"{str(row['exact']):>6}")
                 del copier
