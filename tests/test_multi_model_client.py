@@ -439,19 +439,21 @@ def _wait_for(predicate, timeout: float) -> None:
 
 
 def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
-    """Real processes: a 'serve --port N' process that spins, with a spinning child; the reader tells them apart."""
+    """Real processes: a 'serve --port N' process that supervises two spinning children, one titled as vLLM
+    titles its API servers; the reader puts that one's CPU to the API server, the other's to the engine."""
     spin = "import time\nend = time.time() + 10\nwhile time.time() < end: pass\n"
     server_code = ("import os, subprocess, sys, time\n"
                    f"child = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+                   f"api = subprocess.Popen([sys.executable, '-c', {spin!r}, 'VLLM::APIServer_0'])\n"
                    "if os.fork() == 0:\n"  # a forked child keeps the 'serve --port' command line
                    "    time.sleep(10)\n"
                    "    os._exit(0)\n"
-                   f"exec({spin!r})\n")
+                   "time.sleep(10)\n")
     server = subprocess.Popen([sys.executable, "-c", server_code, "serve", "--port", "18931"],
                               start_new_session=True)
     try:
-        both_children_up = lambda: len(descendants(children_of(process_table()), server.pid)) >= 2  # noqa: E731
-        _wait_for(both_children_up, timeout=8)
+        children_up = lambda: len(descendants(children_of(process_table()), server.pid)) >= 3  # noqa: E731
+        _wait_for(children_up, timeout=8)
         reader = CpuReader({18931: "model-x"})
         _wait_for(lambda: reader()["servers"].get("model-x", {}).get("engine_s", 0) > 0, timeout=8)
         first = {"t": 0.0, **reader()}
@@ -462,8 +464,8 @@ def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
         os.killpg(server.pid, signal.SIGKILL)  # the server and everything it started
         server.wait()
     rates = cpu_rates([first, last], 0.0, 2.0, ["model-x", "model-y"])
-    assert 0.2 < rates["servers"]["model-x"]["api_s"] < 1.3  # one spinning process: up to one core
-    assert 0.2 < rates["servers"]["model-x"]["engine_s"] < 1.3  # its child, counted apart
+    assert 0.2 < rates["servers"]["model-x"]["api_s"] < 1.3  # the titled child (the server itself sleeps)
+    assert 0.2 < rates["servers"]["model-x"]["engine_s"] < 1.3  # the other child, counted apart
     assert rates["servers"]["model-y"] == {"api_s": None, "engine_s": None}  # no such server
     assert 0.0 < rates["host_busy"] <= 1.0
     assert rates["client"] is not None and rates["client"] < 0.5  # this test process sleeps

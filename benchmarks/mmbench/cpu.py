@@ -7,7 +7,10 @@ every running request. Whether that server (one Python process per model) or
 the host's 16 cores run out is what these samples tell.
 
 A server is the ``vllm ... serve ... --port N`` process (vLLM's API server);
-everything below it (the engine core and its workers) is its engine. Readings
+everything below it (the engine core and its workers) is its engine, except
+the API server processes of ``--api-server-count`` > 1, which vLLM titles
+``VLLM::APIServer_<i>`` (through ``setproctitle``; without it they count as
+engine). With two of them, the parent only supervises. Readings
 are cumulative CPU seconds from ``/proc/PID/stat`` (user + system, the process's
 own threads), so a rate needs two samples (:func:`cpu_rates`); the host's line
 of ``/proc/stat`` gives how busy all cores were.
@@ -22,6 +25,8 @@ from typing import Any, Callable, Collection
 from benchmarks.mmbench.sampling import port_in_args
 
 TICKS = os.sysconf("SC_CLK_TCK")
+#: What vLLM's ``set_process_title`` makes of an API server's command line (``VLLM::APIServer_0``).
+API_SERVER_TITLE = b"::APIServer"
 
 
 def _stat_fields(proc: Path, pid: str) -> list[str] | None:
@@ -55,6 +60,7 @@ class CpuReader:
     def __init__(self, ports: dict[int, str], proc: Path = Path("/proc"), me: int | None = None):
         self.ports, self.proc, self.me = ports, proc, os.getpid() if me is None else me
         self.roots: dict[int, str] = {}  # API server pid -> model
+        self._serves: dict[int, bool] = {}  # a process below a root: is it one of vLLM's API servers?
 
     def _find_roots(self, table: dict[int, tuple[int, float]]) -> None:
         """The API servers: processes serving a port whose parent does not (a forked child keeps the
@@ -78,11 +84,27 @@ class CpuReader:
         for root, model in self.roots.items():
             if root not in table:
                 continue
-            below = sum(table[pid][1] for pid in descendants(children, root))
-            servers[model] = {"api_s": round(table[root][1], 3), "engine_s": round(below, 3)}
+            api, engine = table[root][1], 0.0
+            for pid in descendants(children, root):
+                if self._is_api_server(pid):
+                    api += table[pid][1]
+                else:
+                    engine += table[pid][1]
+            servers[model] = {"api_s": round(api, 3), "engine_s": round(engine, 3)}
         busy, total = host_ticks(self.proc)
         client = table.get(self.me, (0, 0.0))[1]
         return {"servers": servers, "client_s": round(client, 3), "host_busy": busy, "host_total": total}
+
+
+    def _is_api_server(self, pid: int) -> bool:
+        """Whether ``pid`` is titled as one of vLLM's API server processes (read once per process)."""
+        if pid not in self._serves:
+            try:
+                title = (self.proc / str(pid) / "cmdline").read_bytes()
+            except OSError:
+                return False  # gone: its CPU left the table with it
+            self._serves[pid] = API_SERVER_TITLE in title
+        return self._serves[pid]
 
 
 def children_of(table: dict[int, tuple[int, float]]) -> dict[int, list[int]]:
