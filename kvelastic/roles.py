@@ -160,6 +160,11 @@ class Copier(Protocol):
     def fence_compute(self) -> None:
         """The next forward pass waits for every copy issued so far (a block a store reads is reused)."""
 
+    @abstractmethod
+    def copy_times(self) -> dict[str, float] | None:
+        """GPU seconds and bytes of the copies done so far (``store_seconds``, ``load_seconds``,
+        ``store_timed_bytes``, ``load_timed_bytes``), or None where this process cannot see them."""
+
 
 class CacheConnection(Protocol):
     """How a scheduler reaches its engine's KV cache: the cache and mapper, and what differs around them."""

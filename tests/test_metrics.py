@@ -182,7 +182,7 @@ def test_metric_names_follow_prometheus_conventions():
 
     for metric, help_text in [*GAUGES.values(), *COUNTERS.values()]:
         assert metric.startswith("kvelastic_") and not metric.endswith("_total")
-        assert metric.endswith(("_bytes", "_blocks", "_hits", "_misses", "_waits", "_asks")), metric
+        assert metric.endswith(("_bytes", "_blocks", "_seconds", "_hits", "_misses", "_waits", "_asks")), metric
         assert not metric.endswith("_blocks") or "count of KV blocks" in help_text
     for metric, _ in HISTOGRAMS.values():
         assert metric.startswith("kvelastic_") and metric.endswith("_seconds"), metric

@@ -52,6 +52,21 @@ def test_copier_round_trip_on_cpu():
     assert torch.equal(blocks[0][1], blocks[0][2]) and int(blocks[1][1, 0]) == 3
     with pytest.raises(ValueError):
         BlockCopier(blocks, torch.zeros((5, 7), dtype=torch.int8))
+    assert copier.copy_times() is None  # synchronous CPU copies: no GPU time to report
+
+
+def test_the_log_line_gives_the_copies_gpu_time_and_rate_where_the_copier_measures_them():
+    from kvelastic.scheduler.engine_report import StatsLog
+
+    pool = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(mapped_bytes=1 << 30, held_bytes=1 << 30,
+                                                                      limit_bytes=2 << 30))
+    base = {"host_bytes_used": 0, "host_hits": 3, "host_misses": 1, "spilled_bytes": 0, "reloaded_bytes": 0,
+            "arc_p": 0.0}
+    timed = dict(base, store_seconds=0.5, load_seconds=0.0, store_timed_bytes=20e9, load_timed_bytes=0.0)
+    cache = types.SimpleNamespace(pool=pool)
+    line = StatsLog(cache, types.SimpleNamespace(stats=lambda: timed)).line()  # type: ignore[arg-type]
+    assert line.endswith("; copies on the GPU: spill 0.50 s (40.0 GB/s), reload 0.00 s (-)")
+    assert "copies on the GPU" not in StatsLog(cache, types.SimpleNamespace(stats=lambda: base)).line()
 
 
 @pytest.mark.parametrize("policy, copy_path", [("arc", "direct"), ("lru", "staged")])

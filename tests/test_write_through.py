@@ -60,6 +60,9 @@ class Recording:
     def fence_compute(self):
         self.calls.append(("fence",))
 
+    def copy_times(self):
+        return self.inner.copy_times()
+
     def kinds(self) -> list:
         return [(c[0], c[2]) if c[0] == "store" else (c[0],) for c in self.calls]
 

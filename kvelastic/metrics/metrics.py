@@ -52,6 +52,11 @@ GAUGES = {
 COUNTERS = {
     "spilled_bytes": ("kvelastic_spilled_bytes", "KV bytes copied from the GPU to the host tier"),
     "reloaded_bytes": ("kvelastic_reloaded_bytes", "KV bytes copied back from the host tier on a prefix hit"),
+    "store_seconds": ("kvelastic_spill_gpu_seconds",
+                      "GPU time of the copies to the host tier (CUDA events around each batch on the copy stream)"),
+    "load_seconds": ("kvelastic_reload_gpu_seconds",
+                     "GPU time of the copies back from the host tier (CUDA events around each batch on the copy "
+                     "stream)"),
     "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
     "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
     "reclaim_released_bytes": ("kvelastic_reclaim_released_bytes",

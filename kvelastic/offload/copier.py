@@ -27,6 +27,7 @@ from typing import AbstractSet, Any, Literal, Sequence
 import torch
 
 from kvelastic.offload.block_columns import BlockColumns
+from kvelastic.offload.copy_clock import CopyClock, Direction
 from kvelastic.offload.direct_copy import DirectCopy
 from kvelastic.offload.fences import EventFence
 from kvelastic.offload.staged_copy import StagedCopy
@@ -56,6 +57,7 @@ class BlockCopier(Copier):
         self.bytes_per_block = host.shape[1]
         self.path = path
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
+        self.clock = CopyClock() if self.cuda else None
         if path == "staged":
             self.mover: StagedCopy | DirectCopy = StagedCopy(columns, host, self.device, staging_bytes, breaks)
         elif path == "direct":
@@ -78,8 +80,9 @@ class BlockCopier(Copier):
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
+            start = self._start()
             self.mover.store(block_ids, slots, self._indices)
-            fence = self._done()
+            fence = self._done("store", len(block_ids), start)
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
@@ -89,8 +92,9 @@ class BlockCopier(Copier):
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
+            start = self._start()
             self.mover.load(block_ids, slots, self._indices)
-            fence = self._done()
+            fence = self._done("load", len(block_ids), start)
         if self.cuda:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
@@ -111,11 +115,19 @@ class BlockCopier(Copier):
         self.stream.wait_event(queued)
         return torch.cuda.stream(self.stream)
 
-    def _done(self) -> Fence:
-        if not self.cuda:
+    def copy_times(self) -> dict[str, float] | None:
+        """GPU seconds and bytes of the batches done so far, per direction (:class:`CopyClock`); None on a CPU."""
+        return self.clock.totals() if self.clock is not None else None
+
+    def _start(self) -> "torch.cuda.Event | None":
+        return self.clock.start(self.stream) if self.clock is not None else None
+
+    def _done(self, direction: Direction, blocks: int, start: "torch.cuda.Event | None") -> Fence:
+        if self.clock is None:
             return DoneFence()
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=start is not None)
         event.record(self.stream)
+        self.clock.finish(direction, blocks * self.bytes_per_block, start, event)
         return EventFence(event)
 
 

@@ -216,6 +216,7 @@ class OffloadManager:
                   "spilled_bytes": (c.spilled_blocks + c.stored_ahead_blocks) * size,
                   "reloaded_bytes": c.reloaded_blocks * size, "spill_batches": c.spill_batches,
                   "load_batches": c.load_batches}
+        values.update(self.copier.copy_times() or {})
         if self.write_through is not None:
             values.update(stored_ahead_bytes=c.stored_ahead_blocks * size, evicted_free=c.evicted_free,
                           store_fences=c.store_fences, ahead_held=len(self.write_through.ahead),

@@ -59,6 +59,9 @@ class StatsLog:
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
+            if "load_seconds" in o:  # the copies' own GPU time: what the copies cost the engine
+                line += (f"; copies on the GPU: spill {o['store_seconds']:.2f} s ({_rate(o, 'store')}), "
+                         f"reload {o['load_seconds']:.2f} s ({_rate(o, 'load')})")
             if "stored_ahead_bytes" in o:  # write-through: what of the spilled bytes went beside compute
                 line += (f"; write-through {format_size(o['stored_ahead_bytes'])} of it, evictions free "
                          f"{o['evicted_free']}, fences {o['store_fences']}")
@@ -93,3 +96,8 @@ class MetricsPublish:
         if self.reclaim is not None:
             values.update(self.reclaim.values())
         return values
+
+
+def _rate(stats: dict[str, Any], direction: str) -> str:
+    seconds = stats[f"{direction}_seconds"]
+    return f"{stats[f'{direction}_timed_bytes'] / seconds / 1e9:.1f} GB/s" if seconds > 0 else "-"

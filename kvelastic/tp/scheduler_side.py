@@ -182,6 +182,10 @@ class RemoteCopier(Copier):
     def fence_compute(self) -> None:
         self.mapper.request_wait()
 
+    def copy_times(self) -> None:
+        """The copies run on the ranks; their GPU time is not brought back."""
+        return None
+
 
 class RankCopyFence(Fence):
     """A copy running on the ranks beside their compute: the scheduler cannot see it finish.

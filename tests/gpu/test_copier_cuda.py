@@ -90,3 +90,22 @@ def test_a_store_beside_compute_never_holds_the_default_stream_until_fenced(path
     marker.synchronize()
     assert fence.is_done(), "after fence_compute, compute ran before the store it must wait for"
     assert torch.equal(host, blocks.cpu())
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_the_copiers_own_clock_times_finished_batches_only_and_never_waits(path):
+    """GPU seconds per direction from events around each batch: a 1 GiB store unfinished is not counted yet
+    (reading the totals does not wait for it); once done, its bytes and a time that fits PCIe are."""
+    blocks = torch.randint(-128, 127, (2048, 512 * 1024), dtype=torch.int8, device="cuda")
+    host = torch.zeros((2048, 512 * 1024), dtype=torch.int8, pin_memory=True)
+    copier = BlockCopier([blocks], host, path=path)
+    torch.cuda.synchronize()
+    fence = copier.store(list(range(2048)), list(range(2048)))
+    early = copier.copy_times()
+    assert not fence.is_done() and early["store_timed_bytes"] == 0.0 and early["store_seconds"] == 0.0
+    fence.wait()
+    copier.load(list(range(64)), list(range(64))).wait()
+    times = copier.copy_times()
+    assert times["store_timed_bytes"] == 2048 * 512 * 1024 and times["load_timed_bytes"] == 64 * 512 * 1024
+    assert 1 << 30 < times["store_timed_bytes"] / times["store_seconds"] < 200e9  # bytes per GPU second
+    assert times["load_seconds"] > 0
