@@ -147,7 +147,8 @@ def main() -> int:
     p.add_argument("--turn-len", type=int, default=256)
     p.add_argument("--out-len", type=int, default=64)
     p.add_argument("--gpu-kv-bytes", type=int, default=2 << 30)
-    p.add_argument("--cpu-bytes", type=int, default=16 << 30)
+    p.add_argument("--cpu-bytes", type=int, default=16 << 30,
+                   help="host bytes of the connectors and of kvelastic's tier (0: kvelastic without one)")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3, help="measured rounds, each with new conversations (median)")
     p.add_argument("--warmup", type=int, default=1, help="rounds run first and left out")
@@ -169,6 +170,8 @@ def main() -> int:
         env = dict(os.environ, KVELASTIC="1" if config.startswith("kvelastic") else "0",
                    KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes),
                    KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
+        if not args.cpu_bytes:  # kvelastic without a host tier (an A/B of what is not offload)
+            del env["KVELASTIC_CPU_BYTES"]
         env.update(variants.get(config, {}))
         cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
         with open(Path(args.outdir, f"{config}.log"), "w") as log:
