@@ -169,6 +169,7 @@ async def drive(args: argparse.Namespace, workload: Workload, requests: list[Req
     """Wait for the servers, then warm-up, the timed load, the probes; samplers run throughout."""
     origin = time.perf_counter()
     clock = lambda: time.perf_counter() - origin  # noqa: E731 - one clock for every timestamp
+    result["clock_epoch"] = time.time() - clock()  # the wall time of t = 0: engines log wall times
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(signum, stop.set)

@@ -12,14 +12,24 @@ cross-check on the client's clock):
 - the servers' logs, where collected (``--server-logs``): one line per ended episode with its exact
   duration. The engines rate-limit these lines; the ones left out are counted, and the metrics
   count every episode.
+
+Issue #20 asks for reclaim latency of memory an *idle* model holds. A wait can also be for memory
+busy engines hold (the fair-share cap makes them give it back as their requests finish), which is
+bounded by request lifetimes, not by reclaim. :func:`wait_sources` tells the two apart with the
+account sample taken just before each wait began: whether the budget's free room and the cached
+memory idle engines could give (the policy's own ``reclaimable`` and ``uses_a_real_part``) covered
+what the engine asked.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from kvelastic.cluster.policy import reclaimable, uses_a_real_part
+from kvelastic.cluster.records import MemberRecord
 from scripts.bench_multiturn import percentile
 
 WAIT, RELEASE = "kvelastic_reclaim_wait_seconds", "kvelastic_reclaim_release_seconds"
@@ -140,12 +150,51 @@ def log_summary(logs: dict[str, Any] | None) -> dict[str, Any] | None:
             "unserved_asks": len(seconds("release", "unserved"))}
 
 
+def wait_sources(logs: dict[str, Any] | None, samples: list[dict[str, Any]],
+                 clock_epoch: float | None) -> dict[str, Any] | None:
+    """Granted waits split by where the memory was when each began: ``idle`` (free room plus idle
+    engines' cache covered the ask), ``busy`` (only engines at work held it), ``unknown`` (no account
+    sample before it). None without logs, samples or the run's clock anchor (runs before it was kept)."""
+    if logs is None or not samples or clock_epoch is None:
+        return None
+    times = [s["t"] for s in samples]
+    split: dict[str, list[float]] = {"idle": [], "busy": []}
+    unknown = 0
+    for episode in logs["episodes"]:
+        if episode["kind"] != "wait" or episode["outcome"] != "granted":
+            continue
+        at = bisect.bisect_right(times, episode["began"] - clock_epoch) - 1
+        source = _source(samples[at], episode) if at >= 0 else None
+        if source is None:
+            unknown += 1
+        else:
+            split[source].append(episode["seconds"])
+    return {"idle": _exact(split["idle"]), "busy": _exact(split["busy"]), "unknown": unknown}
+
+
+def _source(sample: dict[str, Any], episode: dict[str, Any]) -> str | None:
+    for account in sample.get("accounts", []):
+        members = account["members"]
+        if episode["instance"] not in members:
+            continue
+        records = {name: MemberRecord(name=name, mapped_bytes=m["mapped_bytes"], cached_bytes=m["cached_bytes"],
+                                      min_bytes=m["min_bytes"], wanted_bytes=m["wanted_bytes"])
+                   for name, m in members.items()}
+        budget = account["budget"]
+        free = budget - sum(max(r.mapped_bytes, r.min_bytes) for r in records.values())
+        idle = sum(reclaimable(r) for name, r in records.items() if name != episode["instance"]
+                   and r.wanted_bytes == 0 and not uses_a_real_part(r, len(records), budget))
+        return "idle" if max(0, free) + idle >= episode["asked_bytes"] else "busy"
+    return None
+
+
 # ------------------------------------------------------------------ text
 def _s(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
-def render(metrics: dict[str, Any] | None, logs: dict[str, Any] | None) -> list[str]:
+def render(metrics: dict[str, Any] | None, logs: dict[str, Any] | None,
+           sources: dict[str, Any] | None = None) -> list[str]:
     """The summary's lines about the engines' own reclaim numbers."""
     lines = []
     if metrics is None:
@@ -164,4 +213,9 @@ def render(metrics: dict[str, Any] | None, logs: dict[str, Any] | None) -> list[
                      f"waits {w['count']} p50 {_s(w['p50_s'])} p95 {_s(w['p95_s'])} max {_s(w['max_s'])}, "
                      f"{logs['lapsed_waits']} lapsed; releases {r['count']} p50 {_s(r['p50_s'])} "
                      f"p95 {_s(r['p95_s'])} max {_s(r['max_s'])}, {logs['unserved_asks']} unserved")
+    if sources is not None:
+        i, b = sources["idle"], sources["busy"]
+        lines.append(f"reclaim waits by where the memory was as each began: free or idle engines' cache "
+                     f"{i['count']} p50 {_s(i['p50_s'])} p95 {_s(i['p95_s'])}; only busy engines "
+                     f"{b['count']} p50 {_s(b['p50_s'])} p95 {_s(b['p95_s'])}; {sources['unknown']} unknown")
     return lines

@@ -202,7 +202,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "send_lateness_s": {"p99": percentile(late, 99) if late else None, "max": max(late, default=None)},
             "reclaim": reclaim_episodes(result.get("account", {}).get("samples", [])),
             "reclaim_engines": reclaim.engine_histograms(result["metrics"]["samples"], list(w["models"])),
-            "reclaim_logs": reclaim.log_summary(result.get("reclaim_log"))}
+            "reclaim_logs": reclaim.log_summary(result.get("reclaim_log")),
+            "reclaim_wait_sources": reclaim.wait_sources(result.get("reclaim_log"),
+                                                         result.get("account", {}).get("samples", []),
+                                                         result.get("clock_epoch"))}
 
 
 def _ms(value: float | None) -> str:
@@ -251,7 +254,8 @@ def render(summary: dict[str, Any], label: str) -> str:
         lines.append("CPU per busy period (cores: the model's API server / its engine; the client; host busy):")
         lines += [f"  {r['model']}/{r['window']}: {_ratio(r['cpu']['api_s'])} / {_ratio(r['cpu']['engine_s'])}; "
                   f"{_ratio(r['cpu']['client'])}; {_percent(r['cpu']['host_busy'])}" for r in cpu]
-    lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"))
+    lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"),
+                            summary.get("reclaim_wait_sources"))
     rec = summary["reclaim"]
     if rec["samples"]:
         lines.append(f"reclaim cross-check (account sampled, a refusal until its grant): {rec['count']} "
