@@ -141,6 +141,7 @@ def window_rows(result: dict[str, Any], slo: dict[str, float]) -> list[dict[str,
                          **latency_stats(inside, slo, end - begin), **ratios(delta),
                          "preemptions": delta.get("preemptions"),
                          "short_of_memory": short_of_memory(result, model, start0 + begin, start0 + end),
+                         "queued_on_full_kv": queued_on_full_kv(result, model, start0 + begin, start0 + end),
                          "cpu": window_cpu(result, model, start0 + begin, start0 + end)})
     return rows
 
@@ -170,6 +171,24 @@ def short_of_memory(result: dict[str, Any], model: str, begin: float, end: float
                 seen += 1
                 wanting += member["wanted_bytes"] > 0
     return wanting / seen if seen else None
+
+
+#: A KV cache this full (vLLM's ``kv_cache_usage_perc``) with requests waiting: they wait for KV memory.
+FULL_KV = 0.97
+
+
+def queued_on_full_kv(result: dict[str, Any], model: str, begin: float, end: float) -> float | None:
+    """The share of ``model``'s ``/metrics`` samples in ``[begin, end)`` with requests waiting while its KV
+    cache was full: a period bound by KV memory, in any configuration (static too, where the account's
+    wants do not exist). None without samples of it."""
+    seen = full = 0
+    for sample in result["metrics"]["samples"]:
+        values = sample["servers"].get(model) if begin <= sample["t"] < end else None
+        if not values or "vllm:kv_cache_usage_perc" not in values:
+            continue
+        seen += 1
+        full += values["vllm:kv_cache_usage_perc"] >= FULL_KV and values.get("vllm:num_requests_waiting", 0) > 0
+    return full / seen if seen else None
 
 
 def workload_of(result: dict[str, Any]) -> Workload:
@@ -244,11 +263,11 @@ def render(summary: dict[str, Any], label: str) -> str:
                      f"{'-' if preempt is None else f'{preempt:.0f}':>7} "
                      f"{_ratio(server.get('prefix_hit_ratio')):>10} {_ratio(server.get('host_hit_ratio')):>8}")
     lines.append("busy periods (model/window: sent, TTFT p50/p99 ms, SLO, cached prompt tokens, host-tier hits, "
-                 "share of account samples wanting memory):")
+                 "share of account samples wanting memory, share of samples queued on a full KV cache):")
     lines += [f"  {r['model']}/{r['window']} {r['start']:g}-{r['end']:g} s: {r['requests']}, "
               f"{_ms(r['ttft_s']['p50'])}/{_ms(r['ttft_s']['p99'])}, {_ratio(r['slo_attainment'])}, "
               f"{_ratio(r['cached_token_ratio'])}, {_ratio(r['host_hit_ratio'])}, "
-              f"{_ratio(r.get('short_of_memory'))}" for r in summary["windows"]]
+              f"{_ratio(r.get('short_of_memory'))}, {_ratio(r.get('queued_on_full_kv'))}" for r in summary["windows"]]
     cpu = [r for r in summary["windows"] if r.get("cpu")]
     if cpu:
         lines.append("CPU per busy period (cores: the model's API server / its engine; the client; host busy):")
