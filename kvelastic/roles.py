@@ -153,8 +153,9 @@ class Copier(Protocol):
         """Blocks to host slots; ``block_compute``: later compute waits for it (the blocks are reused)."""
 
     @abstractmethod
-    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> "Fence":
-        """Host slots into blocks, before the next forward pass reads them."""
+    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> "Fence":
+        """Host slots into blocks; ``block_compute``: the next forward pass waits for it (it reads the
+        blocks). False: an asynchronous load, whose request is scheduled only once the fence passed."""
 
     @abstractmethod
     def fence_compute(self) -> None:

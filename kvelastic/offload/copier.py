@@ -87,15 +87,20 @@ class BlockCopier(Copier):
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
 
-    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> Fence:
-        """Copy host slots into GPU blocks; later compute on the legacy stream waits for it."""
+    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> Fence:
+        """Copy host slots into GPU blocks; the returned fence passes when the copy is done.
+
+        ``block_compute``: later compute on the legacy stream waits for it (a
+        request scheduled in this step reads the blocks). False: an
+        asynchronous load, polled through its fence.
+        """
         if not block_ids:
             return DoneFence()
         with self._on_copy_stream():
             start = self._start()
             self.mover.load(block_ids, slots, self._indices)
             fence = self._done("load", len(block_ids), start)
-        if self.cuda:
+        if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
 

@@ -168,6 +168,16 @@ class HostTier:
         self.hits += 1
         return slot
 
+    def pin(self, key: Hashable) -> None:
+        """Keep ``key`` (and its slot) until :meth:`unpin`: a load still has to read it (nested by count)."""
+        assert self.policy is not None and key in self._slot_of, f"internal: pinning {key!r}, which the tier lacks"
+        self.policy.pin(key)
+
+    def unpin(self, key: Hashable) -> None:
+        """One :meth:`pin` of ``key`` is over."""
+        if self.policy is not None and key in self._slot_of:
+            self.policy.unpin(key)
+
     def clear(self) -> None:
         """Forget every block (vLLM's prefix cache was reset: host copies are stale too)."""
         if self.policy is not None:

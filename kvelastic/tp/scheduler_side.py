@@ -174,7 +174,11 @@ class RemoteCopier(Copier):
         self.mapper.request_store(block_ids, slots, block_compute)
         return DoneFence() if block_compute else RankCopyFence()
 
-    def load(self, block_ids: Sequence[int], slots: Sequence[int]) -> DoneFence:
+    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> DoneFence:
+        """Before the step's compute on every rank. Asynchronous loads need a completion the ranks
+        report on their boards (docs/offload-async-loads.md): not built, so refused here."""
+        if not block_compute:
+            raise KvelasticError("asynchronous host loads are not built under tensor parallelism yet")
         if block_ids:
             self.mapper.request_load(block_ids, slots)
         return DoneFence()

@@ -1,0 +1,127 @@
+"""kvelastic's scheduler-side KV connector: host-tier hits loaded while their request waits.
+
+vLLM runs an asynchronous load only for a connector: the request is admitted
+with ``get_num_new_matched_tokens`` returning ``(tokens, True)``, waits in
+``WAITING_FOR_REMOTE_KVS``, and is scheduled once its id comes back in
+``KVConnectorOutput.finished_recving`` (docs/offload-async-loads.md). Setting a
+``kv_transfer_config`` would change vLLM's configuration well beyond that and
+take the user's connector slot, so kvelastic instead puts this object on
+``Scheduler.connector`` where vLLM made none. The loads ride kvelastic's own
+copier (:mod:`kvelastic.offload.async_loads`); :meth:`HostLoads.feed` hands
+vLLM their completions as the model runner's connector output would.
+
+The class derives from the installed release's ``KVConnectorBase_V1`` (made on
+first use: this module imports no vLLM at import time), so every scheduler-side
+method a release adds keeps its default. Only the scheduler role exists; the
+worker methods refuse, since no worker ever gets this connector.
+
+Prototype: wired by the tests, not yet by ``attach_scheduler`` through the
+Patcher (the contacts are listed in the design record); one KV cache group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from kvelastic.offload.async_loads import AsyncLoads
+
+
+@functools.lru_cache(maxsize=None)
+def connector_class() -> type:
+    """The connector class over the installed vLLM's ``KVConnectorBase_V1``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                     KVConnectorRole)
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    class HostLoads(KVConnectorBase_V1):
+        """Serves host-tier runs of a request's prefix, beside the GPU prefix cache."""
+
+        def __init__(self, loads: AsyncLoads, block_size: int, vllm_config: Any, kv_cache_config: Any):
+            # KVConnectorBase_V1.__init__ is not called: it requires a kv_transfer_config, which kvelastic
+            # does not set. These are the attributes its default methods read.
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = None
+            self._kv_cache_config = kv_cache_config
+            self._role = KVConnectorRole.SCHEDULER
+            self.loads = loads
+            self.block_size = block_size
+            self._pending: dict[str, tuple[int, tuple, bool]] = {}  # request -> (first block, keys, async)
+
+        @property
+        def requires_kv_delivery(self) -> bool:
+            return False  # a lost load is a recompute, never a lost hand-off
+
+        # ------------------------------------------------------------ scheduler side
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+            """The host tier's run after the GPU hit; side-effect free (vLLM may ask again)."""
+            first = num_computed_tokens // self.block_size
+            last = (request.num_tokens - 1) // self.block_size  # the last token is always computed
+            keys = tuple(make_block_hash_with_group_id(h, 0) for h in request.block_hashes[first:last])
+            run = self.loads.host_run(keys, request.request_id)
+            if run is None:
+                self._pending.pop(request.request_id, None)
+                return None, False
+            if run == 0:
+                self._pending.pop(request.request_id, None)
+                return 0, False
+            asynchronous = self.loads.is_async(run)
+            self._pending[request.request_id] = (first, keys[:run], asynchronous)
+            return run * self.block_size, asynchronous
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            """vLLM allocated the request's blocks: plan the load of the run into them."""
+            pending = self._pending.pop(request.request_id, None)
+            if num_external_tokens == 0 or pending is None:
+                return
+            first, keys, asynchronous = pending
+            assert num_external_tokens == len(keys) * self.block_size, "internal: vLLM took another run"
+            (group,) = blocks.blocks
+            self.loads.plan(request.request_id, keys, group[first:first + len(keys)], asynchronous=asynchronous)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()  # nothing for workers: the loads ride kvelastic's copier
+
+        def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+            self._pending.pop(request.request_id, None)
+            self.loads.forget(request.request_id)
+            return False, None  # kvelastic holds a loading request's blocks itself
+
+        def has_pending_push_work(self) -> bool:
+            return self.loads.in_flight  # 0.24+: keep stepping until every load is retired
+
+        # -------------------------------------------------------- kvelastic's side
+        def after_schedule(self) -> None:
+            """End of ``schedule()``: issue the loads it planned."""
+            self.loads.issue()
+
+        def feed(self, scheduler: Any, model_runner_output: Any) -> Any:
+            """``model_runner_output`` with the loads retired since the last step added to its connector
+            output (a copy: vLLM shares one empty output object). Ids vLLM no longer tracks (a request
+            aborted while loading, 0.12-0.15) are left out; their blocks were held and are now freed."""
+            from vllm.v1.outputs import KVConnectorOutput
+
+            retired = self.loads.retire()
+            finished = {rid for rid in retired.finished if rid in scheduler.requests}
+            if not finished and not retired.invalid_block_ids:
+                return model_runner_output
+            base = model_runner_output.kv_connector_output
+            output = KVConnectorOutput() if base is None else dataclasses.replace(base)
+            output.finished_recving = set(output.finished_recving or ()) | finished
+            output.invalid_block_ids = set(output.invalid_block_ids or ()) | retired.invalid_block_ids
+            return dataclasses.replace(model_runner_output, kv_connector_output=output)
+
+        # ------------------------------------------------------ no worker side
+        def _no_worker(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("kvelastic's host-load connector has no worker side")
+
+        start_load_kv = wait_for_layer_load = save_kv_layer = wait_for_save = _no_worker
+
+    return HostLoads
+
+
+def make_host_loads(loads: AsyncLoads, scheduler: Any) -> Any:
+    """The connector for ``scheduler`` (vLLM's ``Scheduler``), over ``loads``; not yet installed."""
+    return connector_class()(loads, scheduler.block_size, scheduler.vllm_config, scheduler.kv_cache_config)

@@ -1,0 +1,194 @@
+"""Host-tier loads that run beside compute: the ledger of what is in flight, per request.
+
+The synchronous path (``manager.OffloadManager.load_on_miss``) makes a host hit
+look like a GPU hit, and the step's forward pass waits for the load. Here a
+request's run of host-held blocks is loaded while the request waits (vLLM's
+``WAITING_FOR_REMOTE_KVS``, reached through kvelastic's scheduler-side connector,
+``kvelastic/hooks/host_loads.py``) and other requests compute; the request is
+scheduled once the load's fence passed (docs/offload-async-loads.md).
+
+What this ledger guarantees, with no vLLM in sight:
+
+* a host slot being read is pinned from the moment the load is planned until
+  its fence passed, so the policy never evicts it and no spill overwrites it;
+* the destination blocks carry one extra reference (``hold``) for as long, so
+  they are never handed to another request, nor their page group released,
+  even where vLLM frees an aborted request's blocks at once (0.12-0.15);
+* the policy sees one request (a hit) per loaded block, in prefix order, when
+  the load is planned, as the synchronous path makes at lookup; looking at a
+  request's run (:meth:`host_run`) changes nothing;
+* a key already being loaded for one request is never loaded again for
+  another: :meth:`host_run` says "ask again later" (None) instead;
+* a load that could not be issued is reported as failed blocks, which vLLM
+  recomputes; its pins and references are given back, and that request is
+  offered no host run again (else it would fail and retry forever).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from kvelastic.offload.host_tier import HostTier
+from kvelastic.pool.backend import Fence
+from kvelastic.roles import Copier
+
+
+@dataclass
+class PlannedLoad:
+    """One request's run of host blocks, from planning until its fence passed."""
+
+    request_id: str
+    keys: tuple[Hashable, ...]
+    blocks: tuple[Any, ...]  # vLLM's block objects (each has ``block_id``)
+    slots: tuple[int, ...]
+    asynchronous: bool
+    fence: Fence | None = None  # None until issued
+    failed: bool = False
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+@dataclass
+class Retired:
+    """What the scheduler learns in one step: async loads done (request ids) and blocks that failed."""
+
+    finished: list[str] = field(default_factory=list)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class LoadCounters:
+    async_loads: int = 0
+    sync_loads: int = 0
+    async_blocks: int = 0
+    sync_blocks: int = 0
+    failed_loads: int = 0
+    deferred_lookups: int = 0  # "ask again": the run reached a key another request was loading
+
+
+class AsyncLoads:
+    """Plans, issues and retires host-tier loads for one GPU block pool."""
+
+    def __init__(self, tier: HostTier, copier: Copier, hold: Callable[[Sequence[Any]], None],
+                 release: Callable[[Sequence[Any]], None], *, async_min_bytes: int = 0):
+        """``hold(blocks)`` / ``release(blocks)``: one more / one less reference on vLLM's blocks
+        (``BlockPool.touch`` / ``free_blocks``). ``async_min_bytes``: a run smaller than this loads
+        synchronously, in front of the step's forward pass (no step lost)."""
+        self.tier = tier
+        self.copier = copier
+        self._hold = hold
+        self._release = release
+        self.async_min_bytes = async_min_bytes
+        self.counters = LoadCounters()
+        self._queued: list[PlannedLoad] = []  # planned this step, issued at its end
+        self._issued: deque[PlannedLoad] = deque()  # in issue order: one stream completes them in order
+        self._loading: dict[Hashable, int] = {}  # key -> loads in flight that read it
+        self._refused: set[str] = set()  # requests whose load failed: recomputed, never offered the host again
+
+    # ----------------------------------------------------------- look (no side effect)
+    def host_run(self, keys: Sequence[Hashable], request_id: str | None = None) -> int | None:
+        """How many of ``keys``, from the first, the host tier holds; None when that run reaches a key
+        already being loaded (the caller asks again later, and then finds it on the GPU); 0 for a
+        request whose load failed before."""
+        if request_id in self._refused:
+            return 0
+        run = 0
+        for key in keys:
+            if key in self._loading:
+                self.counters.deferred_lookups += 1
+                return None
+            if key not in self.tier:
+                break
+            run += 1
+        return run
+
+    def is_async(self, blocks: int) -> bool:
+        """Whether a run of ``blocks`` loads beside compute (else in front of the step's forward pass)."""
+        return blocks * self.copier.bytes_per_block >= self.async_min_bytes
+
+    # ------------------------------------------------------------------- plan
+    def plan(self, request_id: str, keys: Sequence[Hashable], blocks: Sequence[Any], *, asynchronous: bool) -> None:
+        """Load ``keys`` into ``blocks`` (vLLM just allocated them to ``request_id``): each key is
+        requested from the policy (a hit) and pinned, each block held, and the load queued for
+        :meth:`issue`. Every key must be in the tier (``host_run`` said so, in the same step)."""
+        assert len(keys) == len(blocks) and keys, "internal: a load needs one block per key"
+        slots = []
+        for key in keys:
+            slot = self.tier.lookup(key)
+            assert slot is not None, f"internal: {key!r} left the host tier between lookup and allocation"
+            self.tier.pin(key)
+            self._loading[key] = self._loading.get(key, 0) + 1
+            slots.append(slot)
+        self._hold(blocks)
+        self._queued.append(PlannedLoad(request_id, tuple(keys), tuple(blocks), tuple(slots), asynchronous))
+
+    # ------------------------------------------------------------------ issue
+    def issue(self) -> None:
+        """End of ``schedule()``: issue the loads planned in it, synchronous ones first (compute waits
+        for them), then the asynchronous ones beside compute. A load that cannot be queued is failed."""
+        queued, self._queued = self._queued, []
+        queued.sort(key=lambda load: load.asynchronous)  # stable: sync first, each kind in plan order
+        for load in queued:
+            try:
+                load.fence = self.copier.load(load.block_ids, list(load.slots), block_compute=not load.asynchronous)
+            except Exception:
+                load.failed = True
+                self.counters.failed_loads += 1
+            counted = "async" if load.asynchronous else "sync"
+            setattr(self.counters, f"{counted}_loads", getattr(self.counters, f"{counted}_loads") + 1)
+            setattr(self.counters, f"{counted}_blocks", getattr(self.counters, f"{counted}_blocks") + len(load.keys))
+            self._issued.append(load)
+
+    # ----------------------------------------------------------------- retire
+    def retire(self) -> Retired:
+        """The loads whose fences passed (or that failed), in issue order, stopping at the first still
+        running: pins and held blocks given back. Async ones are reported by request id (vLLM then
+        schedules the request); a failed load also names its blocks (vLLM recomputes them)."""
+        out = Retired()
+        while self._issued:
+            load = self._issued[0]
+            if not load.failed and load.fence is not None and not load.fence.is_done():
+                break
+            self._issued.popleft()
+            self._finish(load)
+            if load.asynchronous:
+                out.finished.append(load.request_id)
+            if load.failed:
+                out.invalid_block_ids.update(load.block_ids)
+                self._refused.add(load.request_id)
+        return out
+
+    def wait_all(self) -> Retired:
+        """Wait for every load issued (a prefix-cache reset frees host slots): then :meth:`retire`."""
+        for load in self._issued:
+            if load.fence is not None and not load.failed:
+                load.fence.wait()
+        return self.retire()
+
+    @property
+    def in_flight(self) -> bool:
+        """A load is planned or issued and not yet retired (the engine must keep stepping)."""
+        return bool(self._queued or self._issued)
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` finished: nothing more is kept about it (its loads, if any, still retire)."""
+        self._refused.discard(request_id)
+
+    def waiting_for(self, request_id: str) -> bool:
+        """``request_id`` has an asynchronous load not yet retired."""
+        return any(load.request_id == request_id and load.asynchronous
+                   for load in (*self._queued, *self._issued))
+
+    def _finish(self, load: PlannedLoad) -> None:
+        for key in load.keys:
+            left = self._loading[key] - 1
+            if left:
+                self._loading[key] = left
+            else:
+                del self._loading[key]
+            self.tier.unpin(key)
+        self._release(load.blocks)

@@ -1,0 +1,279 @@
+"""Asynchronous host-tier loads: the ledger alone, then vLLM's real Scheduler with kvelastic's connector.
+
+The scheduler is vLLM's own (``tests/scheduler_harness.py``); the host tier is
+kvelastic's index (ARC); the copier is a stand-in whose fences the test passes
+by hand and which moves a tag per block, so every loaded block's data is
+checked. The connector is wired as ``attach_scheduler`` will wire it: set on
+``Scheduler.connector``, loads issued after ``schedule()``, completions fed to
+``update_from_output`` (docs/offload-async-loads.md).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+
+from kvelastic.offload.async_loads import AsyncLoads
+from kvelastic.offload.host_tier import HostTier
+from kvelastic.pool.backend import Fence
+
+BLOCK_BYTES = 1024
+
+
+class HandFence(Fence):
+    def __init__(self, copy):
+        self.copy, self.passed = copy, False
+
+    def is_done(self) -> bool:
+        return self.passed
+
+    def wait(self) -> None:
+        self.pass_()
+
+    def pass_(self) -> None:
+        if not self.passed:
+            self.copy()
+            self.passed = True
+
+
+class HandCopier:
+    """Host slots hold tags; a load writes them into ``gpu`` only when its fence is passed."""
+
+    bytes_per_block = BLOCK_BYTES
+
+    def __init__(self):
+        self.host: dict[int, object] = {}
+        self.gpu: dict[int, object] = {}
+        self.loads: list[tuple[list[int], list[int], bool, HandFence]] = []
+        self.fail = False
+
+    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> HandFence:
+        if self.fail:
+            raise RuntimeError("copy refused")
+        ids, slots = list(block_ids), list(slots)
+
+        def copy() -> None:
+            for b, s in zip(ids, slots):
+                self.gpu[b] = self.host[s]
+
+        fence = HandFence(copy)
+        self.loads.append((ids, slots, block_compute, fence))
+        return fence
+
+    def pass_all(self) -> None:
+        for *_, fence in self.loads:
+            fence.pass_()
+
+
+def tier_with(keys, copier: HandCopier) -> HostTier:
+    tier = HostTier(64 * BLOCK_BYTES, BLOCK_BYTES, pin=False, allocate=False)
+    for key in keys:
+        copier.host[tier.admit(key)] = ("data", key)
+    return tier
+
+
+# ------------------------------------------------------------------ the ledger alone
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id, self.refs = block_id, 1
+
+
+def ledger(keys, **kw):
+    copier = HandCopier()
+    tier = tier_with(keys, copier)
+
+    def hold(blocks):
+        for b in blocks:
+            b.refs += 1
+
+    def release(blocks):
+        for b in blocks:
+            b.refs -= 1
+
+    return AsyncLoads(tier, copier, hold, release, **kw), tier, copier
+
+
+def test_looking_at_a_run_changes_nothing_and_stops_at_the_first_key_the_host_lacks():
+    loads, tier, _ = ledger(["a", "b", "c"])
+    assert loads.host_run(["a", "b", "x", "c"]) == 2
+    assert loads.host_run(["x", "a"]) == 0
+    assert tier.hits == 0 and not loads.in_flight
+
+
+def test_a_planned_load_pins_its_keys_and_holds_its_blocks_until_its_fence_passed():
+    loads, tier, copier = ledger(["a", "b"])
+    blocks = [Block(5), Block(6)]
+    loads.plan("r", ["a", "b"], blocks, asynchronous=True)
+    assert tier.hits == 2 and all(tier.policy.is_pinned(k) for k in "ab") and [b.refs for b in blocks] == [2, 2]
+    assert loads.host_run(["a"]) is None  # another request asks again later
+    loads.issue()
+    assert copier.loads[0][:3] == ([5, 6], [0, 1], False)
+    assert loads.retire().finished == [] and loads.waiting_for("r")
+    copier.pass_all()
+    retired = loads.retire()
+    assert retired.finished == ["r"] and not retired.invalid_block_ids
+    assert not any(tier.policy.is_pinned(k) for k in "ab") and [b.refs for b in blocks] == [1, 1]
+    assert copier.gpu == {5: ("data", "a"), 6: ("data", "b")} and not loads.in_flight
+
+
+def test_loads_retire_in_issue_order_and_a_refused_copy_is_reported_as_failed_blocks():
+    loads, tier, copier = ledger(["a", "b"])
+    loads.plan("r1", ["a"], [Block(1)], asynchronous=True)
+    loads.issue()
+    copier.fail = True
+    loads.plan("r2", ["b"], [Block(2)], asynchronous=True)
+    loads.issue()
+    assert loads.retire().finished == []  # r2 failed, but r1 (issued first) still runs
+    copier.pass_all()
+    retired = loads.retire()
+    assert retired.finished == ["r1", "r2"] and retired.invalid_block_ids == {2}
+    assert loads.counters.failed_loads == 1 and not tier.policy.is_pinned("b")
+    assert loads.host_run(["b"], "r2") == 0 and loads.host_run(["b"], "r3") == 1  # r2 is recomputed
+    loads.forget("r2")
+    assert loads.host_run(["b"], "r2") == 1
+
+
+def test_a_small_run_loads_in_front_of_the_step_and_sync_loads_go_out_first():
+    loads, _, copier = ledger(["a", "b", "c"], async_min_bytes=2 * BLOCK_BYTES)
+    assert not loads.is_async(1) and loads.is_async(2)
+    loads.plan("big", ["a", "b"], [Block(1), Block(2)], asynchronous=True)
+    loads.plan("small", ["c"], [Block(3)], asynchronous=False)
+    loads.issue()
+    assert [(ids, compute) for ids, _, compute, _ in copier.loads] == [([3], True), ([1, 2], False)]
+    copier.pass_all()
+    assert loads.retire().finished == ["big"]  # a sync load is not reported: its request already runs
+
+
+# ------------------------------------------------------------ vLLM's real Scheduler
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
+
+
+def keys_of(request):
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return [make_block_hash_with_group_id(h, 0) for h in request.block_hashes]
+
+
+def engine(host_keys, **kw):
+    """vLLM's Scheduler with kvelastic's connector on it, over a host tier holding ``host_keys``."""
+    from kvelastic.hooks.host_loads import make_host_loads
+    from tests.scheduler_harness import make_scheduler
+
+    scheduler = make_scheduler()
+    pool = scheduler.kv_cache_manager.block_pool
+    copier = HandCopier()
+    tier = tier_with(host_keys, copier)
+    loads = AsyncLoads(tier, copier, pool.touch, pool.free_blocks, **kw)
+    assert scheduler.connector is None
+    scheduler.connector = make_host_loads(loads, scheduler)
+    return scheduler, scheduler.connector, copier, tier
+
+
+def step(scheduler, connector) -> dict[str, int]:
+    """One engine step: schedule, issue the step's loads, the model's output with the loads retired."""
+    from tests.scheduler_harness import model_output
+
+    out = scheduler.schedule()
+    connector.after_schedule()
+    samplers = {r for r in out.num_scheduled_tokens
+                if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+    scheduler.update_from_output(out, connector.feed(scheduler, model_output(scheduler, out, samplers)))
+    return dict(out.num_scheduled_tokens)
+
+
+def requests():
+    from tests.scheduler_harness import make_requests
+
+    (b,) = make_requests("b", 1, 320, 320, seed=0)  # 20 blocks, all on the host
+    (c,) = make_requests("c", 1, 64, 0, seed=1)      # nothing anywhere
+    return b, c
+
+
+def test_a_host_hit_waits_for_its_load_while_another_request_runs():
+    from vllm.v1.request import RequestStatus
+
+    b, c = requests()
+    scheduler, connector, copier, tier = engine(keys_of(b))
+    scheduler.add_request(b)
+    scheduler.add_request(c)
+    first = step(scheduler, connector)
+    assert "b" + "-0" not in first and first["c-0"] == 64  # c computes; b does not hold it up
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ((ids, slots, block_compute, _),) = copier.loads
+    assert len(ids) == 19 and not block_compute  # the last token is always computed: 19 of 20 blocks
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(pool.get_cached_block(h, [0]) is None for h in b.block_hashes[:19])  # not servable yet
+    assert "b-0" not in step(scheduler, connector)  # still loading
+    copier.pass_all()
+    assert "b-0" not in step(scheduler, connector)  # its completion reaches vLLM with this step's output
+    resumed = step(scheduler, connector)
+    assert resumed["b-0"] == 320 - 19 * 16  # only the suffix is computed
+    assert [copier.gpu[i] for i in ids] == [("data", k) for k in keys_of(b)[:19]]
+    assert [pool.get_cached_block(h, [0])[0].block_id for h in b.block_hashes[:19]] == ids
+    assert tier.hits == 19 and not any(tier.policy.is_pinned(k) for k in keys_of(b))
+    assert all(pool.blocks[i].ref_cnt == 1 for i in ids)
+    while scheduler.has_requests():
+        step(scheduler, connector)
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_a_second_request_for_keys_being_loaded_waits_and_then_hits_the_gpu():
+    from tests.scheduler_harness import make_requests
+
+    b, _ = requests()
+    (twin,) = make_requests("t", 1, 336, 320, seed=0)
+    scheduler, connector, copier, tier = engine(keys_of(b))
+    scheduler.add_request(b)
+    step(scheduler, connector)
+    scheduler.add_request(twin)
+    assert "t-0" not in step(scheduler, connector)  # asked again later, not loaded twice
+    copier.pass_all()
+    while scheduler.has_requests():
+        step(scheduler, connector)
+    assert len(copier.loads) == 1 and tier.hits == 19
+    assert connector.loads.counters.deferred_lookups >= 1
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_copy_is_done():
+    from vllm.v1.request import RequestStatus
+
+    b, _ = requests()
+    scheduler, connector, copier, _ = engine(keys_of(b))
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.add_request(b)
+    step(scheduler, connector)
+    ((ids, *_),) = copier.loads
+    scheduler.finish_requests("b-0", RequestStatus.FINISHED_ABORTED)
+    step(scheduler, connector)
+    assert all(pool.blocks[i].ref_cnt >= 1 for i in ids)  # the copy may still write them
+    copier.pass_all()
+    step(scheduler, connector)
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and not connector.loads.in_flight
+    assert "b-0" not in scheduler.requests
+
+
+def test_a_load_that_cannot_be_issued_is_recomputed():
+    b, _ = requests()
+    scheduler, connector, copier, tier = engine(keys_of(b))
+    copier.fail = True
+    scheduler.add_request(b)
+    step(scheduler, connector)  # planned, then refused at issue
+    steps = []
+    while scheduler.has_requests():
+        assert len(steps) < 100, "the failed load was retried instead of recomputed"
+        steps.append(step(scheduler, connector).get("b-0", 0))
+    assert sum(n for n in steps if n > 1) == 320  # the whole prompt computed again
+    assert len(copier.loads) == 0 and connector.loads.counters.failed_loads == 1
+    assert not any(tier.policy.is_pinned(k) for k in keys_of(b))
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_a_run_below_the_async_minimum_loads_in_front_of_the_step_and_runs_at_once():
+    b, _ = requests()
+    scheduler, connector, copier, _ = engine(keys_of(b), async_min_bytes=64 * BLOCK_BYTES)
+    scheduler.add_request(b)
+    assert step(scheduler, connector)["b-0"] == 320 - 19 * 16
+    ((ids, _, block_compute, _),) = copier.loads
+    assert block_compute and len(ids) == 19
