@@ -129,6 +129,11 @@ class Settings:
     cpu_store: str = "eviction"
     cpu_ahead_bytes: int | None = None  # write-through's share of the tier; None: a quarter of it
     cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
+    #: How host-tier hits load: ``sync`` in front of the step's forward pass (every request of the step
+    #: waits), or ``async`` while their request waits and the others compute (docs/offload-async-loads.md).
+    #: ``sync`` until a GPU run shows ``async`` wins.
+    cpu_load: str = "sync"
+    cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -230,6 +235,8 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
+    "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
+    "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

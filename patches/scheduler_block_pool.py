@@ -12,6 +12,7 @@ the modules named below, and checked by the gate before anything changes:
 - ``host_tier_lookup``: the prefix-cache map the host tier answers from;
 - ``engine_config``: the configuration read;
 - ``offload_connectors``: vLLM's offload connector the scheduler made, if any;
+- ``host_loads``: kvelastic's own connector for host loads beside compute, its outputs;
 - here: the scheduler itself, its entry points, and the requests it queues.
 
 Version differences handled here: ``Scheduler.__init__`` takes ``hash_block_size``
@@ -26,7 +27,8 @@ import functools
 from typing import Any
 
 from kvelastic.patching.spec import Attributes, Patch, Signature, Target
-from kvelastic.patches import admission_check, block_pool_queue, engine_config, host_tier_lookup, offload_connectors
+from kvelastic.patches import (admission_check, block_pool_queue, engine_config, host_loads, host_tier_lookup,
+                               offload_connectors)
 from kvelastic.patches._common import ALL, before, since
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
@@ -39,11 +41,11 @@ SCHEDULER_INIT = Target(
             Signature(since("0.20"), (*_INIT, "hash_block_size", "mm_registry", "include_finished_set",
                                       "log_stats"))),
 )
-SCHEDULER = Target(  # read: what the attachment and the tensor-parallel step hook use
-    module=_SCHEDULER,
+SCHEDULER = Target(  # what the attachment and the tensor-parallel step hook read; ``connector`` is set to
+    module=_SCHEDULER,  # kvelastic's own where vLLM made none and host loads run beside compute (host_loads)
     qualname="Scheduler",
     kind="class",
-    use="read",
+    use="instance",
     shapes=(Attributes(ALL, ("kv_cache_manager", "vllm_config", "cache_config", "running", "waiting", "connector",
                              "finished_req_ids")),),
 )
@@ -76,18 +78,18 @@ RESET_PREFIX_CACHE = Target(
     shapes=(Signature(before("0.13"), ("self", "reset_running_requests")),
             Signature(since("0.13"), ("self", "reset_running_requests", "reset_connector"))),
 )
-REQUEST = Target(  # read: under tensor parallelism, what the queued requests still need to compute
-    module="vllm.v1.request",
+REQUEST = Target(  # read: under tensor parallelism, what the queued requests still need to compute; the
+    module="vllm.v1.request",  # host loads' runs of block hashes
     qualname="Request",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("num_tokens", "num_computed_tokens")),),
+    shapes=(Attributes(ALL, ("num_tokens", "num_computed_tokens", "request_id", "block_hashes")),),
 )
 
 #: The scheduler's methods that read or change the GPU block pool, called by the engine thread.
 LOCKED = (SCHEDULE, UPDATE_FROM_OUTPUT, FINISH_REQUESTS, RESET_PREFIX_CACHE)
 TARGETS = (SCHEDULER_INIT, SCHEDULER, *LOCKED, REQUEST, *block_pool_queue.TARGETS, admission_check.ESTIMATE,
-           *host_tier_lookup.TARGETS, *engine_config.TARGETS, *offload_connectors.TARGETS)
+           *host_tier_lookup.TARGETS, *engine_config.TARGETS, *offload_connectors.TARGETS, *host_loads.TARGETS)
 
 
 def _init(runtime: Any, patcher: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:

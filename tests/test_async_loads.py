@@ -175,7 +175,7 @@ def step(scheduler, connector) -> dict[str, int]:
     from tests.scheduler_harness import model_output
 
     out = scheduler.schedule()
-    connector.after_schedule()
+    connector.issue()
     samplers = {r for r in out.num_scheduled_tokens
                 if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
     scheduler.update_from_output(out, connector.feed(scheduler, model_output(scheduler, out, samplers)))
@@ -277,3 +277,18 @@ def test_a_run_below_the_async_minimum_loads_in_front_of_the_step_and_runs_at_on
     assert step(scheduler, connector)["b-0"] == 320 - 19 * 16
     ((ids, _, block_compute, _),) = copier.loads
     assert block_compute and len(ids) == 19
+
+
+def test_asynchronous_loads_are_refused_under_tensor_parallelism_and_off_by_default():
+    from kvelastic.errors import ConfigError
+    from kvelastic.hooks.host_loads import attach_host_loads
+    from kvelastic.settings import Settings
+
+    assert Settings().cpu_load == "sync"
+    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20), local=True) is None  # nothing touched
+    with pytest.raises(ConfigError, match="not built yet where the KV cache lives in worker"):
+        attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="async"), local=False)
+    env = Settings.from_env({"KVELASTIC_CPU_LOAD": "async", "KVELASTIC_CPU_LOAD_ASYNC_MIN": "16MiB"})
+    assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)
+    with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD"):
+        Settings.from_env({"KVELASTIC_CPU_LOAD": "later"})

@@ -69,18 +69,24 @@ def test_under_a_tight_limit_every_request_finishes_within_it(patched):
     assert max(mapped) <= 2 * GROUP_BYTES < N // BLOCKS_PER_GROUP * GROUP_BYTES
 
 
-@pytest.mark.parametrize("cpu", [False, True], ids=["no-host-tier", "host-tier"])
+@pytest.mark.parametrize("cpu", [False, True, "async"], ids=["no-host-tier", "host-tier", "host-tier-async-loads"])
 def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, cpu):
-    """a, then unrelated work that evicts a's blocks, then a's prompts again."""
+    """a, then unrelated work that evicts a's blocks, then a's prompts again (loaded in front of the step,
+    or while b's requests wait, through kvelastic's connector: KVELASTIC_CPU_LOAD=async)."""
     settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}  # room for every block the test caches
+    if cpu == "async":
+        settings["cpu_load"] = "async"
     scheduler, pool, _ = patched(limit_groups=3, **settings)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     trace = drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler, make_requests("b", 4, 320, 320, seed=0)],
                    after_step=check_every_step(pool))
     offload = getattr(scheduler, "kvelastic_offload", None)
     if cpu:
-        assert offload.tier.hits >= 19 and offload.counters.reloaded_blocks >= 19
+        stats = offload.stats()
+        assert offload.tier.hits >= 19 and stats["reloaded_bytes"] >= 19 * offload.copier.bytes_per_block
         assert prefill(trace, "b") < prefill(trace, "a") / 4
+        assert (stats.get("host_loads_async", 0) >= 1) == (cpu == "async")
+        assert (type(scheduler.connector).__name__ == "HostLoads") == (cpu == "async")
     else:
         assert offload is None
         assert prefill(trace, "b") >= prefill(trace, "a") * 0.9  # recomputed

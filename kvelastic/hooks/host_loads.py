@@ -15,17 +15,27 @@ first use: this module imports no vLLM at import time), so every scheduler-side
 method a release adds keeps its default. Only the scheduler role exists; the
 worker methods refuse, since no worker ever gets this connector.
 
-Prototype: wired by the tests, not yet by ``attach_scheduler`` through the
-Patcher (the contacts are listed in the design record); one KV cache group.
+:func:`attach_host_loads` installs it (``KVELASTIC_CPU_LOAD=async``) through
+the Patcher, on contacts ``patches/host_loads.py`` declares; one KV cache
+group, one process (not under tensor parallelism yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
-from kvelastic.offload.async_loads import AsyncLoads
+from kvelastic.errors import ConfigError
+from kvelastic.offload.async_loads import AsyncLoads, Retired
+
+if TYPE_CHECKING:
+    from kvelastic.offload.manager import OffloadManager
+    from kvelastic.patching.apply import Patcher
+    from kvelastic.settings import Settings
+
+log = logging.getLogger("vllm.kvelastic")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +59,7 @@ def connector_class() -> type:
             self.loads = loads
             self.block_size = block_size
             self._pending: dict[str, tuple[int, tuple, bool]] = {}  # request -> (first block, keys, async)
+            self._settled = Retired()  # retired by a reset's wait, reported with the next output
 
         @property
         def requires_kv_delivery(self) -> bool:
@@ -92,10 +103,22 @@ def connector_class() -> type:
         def has_pending_push_work(self) -> bool:
             return self.loads.in_flight  # 0.24+: keep stepping until every load is retired
 
-        # -------------------------------------------------------- kvelastic's side
-        def after_schedule(self) -> None:
-            """End of ``schedule()``: issue the loads it planned."""
+        # ----------------------------------------- kvelastic's side (OffloadManager.join)
+        def issue(self) -> None:
+            """End of ``schedule()``, after its spills: issue the loads it planned."""
             self.loads.issue()
+
+        def settle(self) -> None:
+            """Before the host tier is cleared: every load done; their requests are reported next step."""
+            retired = self.loads.wait_all()
+            self._settled.finished.extend(retired.finished)
+            self._settled.invalid_block_ids |= retired.invalid_block_ids
+
+        def stats(self) -> dict[str, Any]:
+            c = self.loads.counters
+            return {"reloaded_blocks": c.async_blocks + c.sync_blocks, "host_loads_async": c.async_loads,
+                    "host_loads_sync": c.sync_loads, "host_loads_failed": c.failed_loads,
+                    "host_loads_deferred": c.deferred_lookups}
 
         def feed(self, scheduler: Any, model_runner_output: Any) -> Any:
             """``model_runner_output`` with the loads retired since the last step added to its connector
@@ -103,7 +126,9 @@ def connector_class() -> type:
             aborted while loading, 0.12-0.15) are left out; their blocks were held and are now freed."""
             from vllm.v1.outputs import KVConnectorOutput
 
-            retired = self.loads.retire()
+            retired, self._settled = self.loads.retire(), Retired()
+            retired.finished += self._settled.finished
+            retired.invalid_block_ids |= self._settled.invalid_block_ids
             finished = {rid for rid in retired.finished if rid in scheduler.requests}
             if not finished and not retired.invalid_block_ids:
                 return model_runner_output
@@ -125,3 +150,44 @@ def connector_class() -> type:
 def make_host_loads(loads: AsyncLoads, scheduler: Any) -> Any:
     """The connector for ``scheduler`` (vLLM's ``Scheduler``), over ``loads``; not yet installed."""
     return connector_class()(loads, scheduler.block_size, scheduler.vllm_config, scheduler.kv_cache_config)
+
+
+def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patcher", settings: "Settings",
+                      *, local: bool) -> Any | None:
+    """With ``KVELASTIC_CPU_LOAD=async``: kvelastic's connector on ``scheduler`` over ``offload``'s tier and
+    copier, joined to ``offload``'s step; None where host hits stay synchronous (the default, or a connector
+    vLLM made). ``local``: the KV cache is in this process (not sharded over ranks)."""
+    if settings.cpu_load != "async":
+        return None
+    if not local:
+        raise ConfigError("KVELASTIC_CPU_LOAD=async is not built yet where the KV cache lives in worker "
+                          "processes (tensor parallelism, or the multiprocess executor); unset it (host hits "
+                          "then load in front of the step, as by default)")
+    from kvelastic.patches.host_loads import hold_blocks
+    from kvelastic.patches.scheduler_block_pool import SCHEDULER
+
+    block_pool = scheduler.kv_cache_manager.block_pool
+    loads = AsyncLoads(offload.tier, offload.copier, hold_blocks(patcher, block_pool), block_pool.free_blocks,
+                       async_min_bytes=settings.cpu_load_async_min_bytes)
+    connector = make_host_loads(loads, scheduler)
+    patcher.replace_attribute(scheduler, SCHEDULER, "connector", connector)
+    offload.join(connector)
+    log.info("kvelastic: host-tier hits load while their request waits (KVELASTIC_CPU_LOAD=async, runs "
+             "under %d bytes in front of the step)", settings.cpu_load_async_min_bytes)
+    return connector
+
+
+def feeding_wrapper(connector: Any, scheduler: Any) -> Any:
+    """A wrapper (wrapt's form) for ``update_from_output`` that hands vLLM the finished loads."""
+    return functools.partial(_fed, connector, scheduler)
+
+
+def _fed(connector: Any, scheduler: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    if len(args) == 2 and not kwargs:  # how vLLM's engine calls it, every step
+        scheduled, output = args
+    else:
+        from kvelastic.patches._common import argument
+
+        scheduled = argument(wrapped, args, kwargs, "scheduler_output")
+        output = argument(wrapped, args, kwargs, "model_runner_output")
+    return wrapped(scheduled, connector.feed(scheduler, output))

@@ -72,8 +72,9 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,
-                 patcher: Patcher, settings: Settings | None = None) -> OffloadManager:
-    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload.
+                 patcher: Patcher, settings: Settings | None = None, *, serve_misses: bool = True) -> OffloadManager:
+    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload
+    (``serve_misses``; else asynchronous loads, ``kvelastic/hooks/host_loads.py``, serve them).
 
     With ``KVELASTIC_CPU_STORE=write-through`` the blocks ``cache_full_blocks``
     names are stored as they are computed, and the blocks whose hash vLLM
@@ -84,7 +85,8 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
         write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block)
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through)
     queue.spill_hook = manager.spill
-    hook_lookup(block_pool, manager, patcher)
+    if serve_misses:
+        hook_lookup(block_pool, manager, patcher)
     if write_through is not None:
         queue.drop_hook = manager.dropped
         patcher.wrap_instance(block_pool, CACHE_FULL_BLOCKS, functools.partial(_named_full, manager))

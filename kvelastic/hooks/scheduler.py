@@ -28,7 +28,7 @@ from kvelastic.hooks.connector_fence import check_offload_owner, may_walk_free_q
 from kvelastic.hooks.local_connection import LocalConnection
 from kvelastic.startup.runtime import Runtime
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
-from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE
+from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE, UPDATE_FROM_OUTPUT
 from kvelastic.patching.apply import Patcher
 from kvelastic.roles import CacheConnection
 from kvelastic.settings import Settings
@@ -71,7 +71,11 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                             keep_free_order=may_walk_free_queue(scheduler.connector))
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
-    offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher)
+    async_loads = _loads_beside_compute(scheduler, settings)
+    offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
+                              serve_misses=not async_loads)
+    if offload is not None and async_loads:
+        _attach_host_loads(scheduler, offload, runtime, patcher)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
@@ -118,15 +122,39 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
 
 
 def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, connection: CacheConnection,
-                    settings: Settings, patcher: Patcher) -> OffloadManager | None:
-    """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise."""
+                    settings: Settings, patcher: Patcher, *, serve_misses: bool = True) -> OffloadManager | None:
+    """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise. ``serve_misses``: GPU
+    prefix misses the host holds become hits loaded in front of the step (False: asynchronous loads serve
+    them instead)."""
     if not settings.cpu_bytes:
         return None
     from kvelastic.hooks.offload_setup import wire_offload
 
-    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher, settings)
+    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher, settings,
+                           serve_misses=serve_misses)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
+
+
+def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:
+    """Whether host-tier hits load while their request waits: ``KVELASTIC_CPU_LOAD=async`` with a host
+    tier, where vLLM made no KV connector (the seam it uses is the connector's)."""
+    if not settings.cpu_bytes or settings.cpu_load != "async":
+        return False
+    if scheduler.connector is not None:
+        log.info("kvelastic: vLLM has a KV connector (%s): host-tier hits load in front of the step "
+                 "(KVELASTIC_CPU_LOAD=async applies only without one)", type(scheduler.connector).__name__)
+        return False
+    return True
+
+
+def _attach_host_loads(scheduler: Any, offload: OffloadManager, runtime: Runtime, patcher: Patcher) -> None:
+    """Host hits load while their request waits. The finished loads reach vLLM in ``update_from_output``'s
+    input, fed inside the lock taken around it (wrapped here, before the lock's wrapper goes around it)."""
+    from kvelastic.hooks.host_loads import attach_host_loads, feeding_wrapper
+
+    connector = attach_host_loads(scheduler, offload, patcher, runtime.settings, local=runtime.cache is not None)
+    patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, feeding_wrapper(connector, scheduler))
 
 
 def _publisher(link: Any, scheduler: Any) -> Any:

@@ -23,13 +23,27 @@ an eviction then finds the copy made ahead and costs no copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from kvelastic.offload.fences import AllFences
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
+
+
+class TrafficPart(Protocol):
+    """More of the host tier's traffic beside the manager's own: the asynchronous loads
+    (``kvelastic/hooks/host_loads.py``)."""
+
+    def issue(self) -> None:
+        """End of ``schedule()``, after the step's spills and synchronous loads: issue what it planned."""
+
+    def settle(self) -> None:
+        """Before the host tier is cleared: wait for every copy that reads or writes its slots."""
+
+    def stats(self) -> dict[str, Any]:
+        """Its numbers; ``reloaded_blocks`` adds to the manager's own."""
 
 
 @dataclass
@@ -62,6 +76,7 @@ class OffloadManager:
         self.enter_block = enter_block
         self.counters = OffloadCounters()
         self._after_reset: list[Callable[[], None]] = []
+        self._parts: list[TrafficPart] = []
         self._pending_loads: list[tuple[int, int]] = []
         self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
@@ -159,13 +174,22 @@ class OffloadManager:
                 self.counters.store_fences += 1
             wt.fenced()
 
+    def join(self, part: TrafficPart) -> None:
+        """``part`` issues its copies at each step's end right after :meth:`flush`, is settled before a
+        reset, and reports its numbers with the manager's."""
+        self._parts.append(part)
+
     def end_step(self) -> None:
-        """End of ``schedule()``: :meth:`flush`, then issue the write-through stores now due, beside compute.
+        """End of ``schedule()``: :meth:`flush`, the joined parts' copies, then the write-through stores
+        now due, beside compute.
 
         They go after the step's loads, so the loads (which compute waits for)
-        do not queue behind them on the copy stream.
+        do not queue behind them on the copy stream; a part's copies follow the
+        spills, since a block being spilled may be a load's destination.
         """
         self.flush()
+        for part in self._parts:
+            part.issue()
         wt = self.write_through
         if wt is None:
             return
@@ -198,6 +222,8 @@ class OffloadManager:
 
     def reset(self) -> None:
         """vLLM reset its prefix cache (new weights, say): drop the host copies too."""
+        for part in self._parts:
+            part.settle()
         if self.write_through is not None:
             self.write_through.reset()
         self.flush()
@@ -210,13 +236,17 @@ class OffloadManager:
     def stats(self) -> dict[str, Any]:
         """The tier's numbers and what moved; ``spilled_bytes`` counts every copy to the host, stored ahead too."""
         t, c, size = self.tier.stats(), self.counters, self.copier.bytes_per_block
+        parts = [part.stats() for part in self._parts]
+        reloaded = c.reloaded_blocks + sum(int(p.pop("reloaded_blocks", 0)) for p in parts)
         values = {"host_slots": t.slots, "host_pinned_bytes": t.slots * t.slot_bytes,
                   "host_bytes_used": t.bytes_used, "host_hits": t.hits,
                   "host_misses": t.misses, "arc_p": t.arc_p,
                   "spilled_bytes": (c.spilled_blocks + c.stored_ahead_blocks) * size,
-                  "reloaded_bytes": c.reloaded_blocks * size, "spill_batches": c.spill_batches,
+                  "reloaded_bytes": reloaded * size, "spill_batches": c.spill_batches,
                   "load_batches": c.load_batches}
         values.update(self.copier.copy_times() or {})
+        for part in parts:
+            values.update(part)
         if self.write_through is not None:
             values.update(stored_ahead_bytes=c.stored_ahead_blocks * size, evicted_free=c.evicted_free,
                           store_fences=c.store_fences, ahead_held=len(self.write_through.ahead),
