@@ -328,3 +328,20 @@ def test_a_reclaimer_ticking_constantly_beside_the_scheduler_breaks_nothing(patc
     trace = (drive_async if asynchronous else drive)(scheduler, waves, after_step=step)
     assert {rid for s in trace for rid, _ in s} == {r.request_id for wave in waves for r in wave}
     assert len(ticks) >= 3, "the reclaimer thread never ran beside the steps"
+
+
+def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(patched):
+    """The same trace through both load paths: the host tier's policy sees the same requests in the same
+    order (one hit per loaded block, in prefix order, when the load is planned), so ARC's lists and p match.
+    Memory stays enough to admit every request at once, where the two paths make the same lookups."""
+    snapshots, traces = [], []
+    for load in ("sync", "async"):
+        scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES, cpu_load=load)
+        filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+        traces.append(drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler,
+                                        make_requests("b", 4, 320, 320, seed=0)]))
+        offload = scheduler.kvelastic_offload
+        assert offload.tier.hits >= 19
+        snapshots.append(offload.tier.policy.snapshot())
+    assert snapshots[0] == snapshots[1]
+    assert prefill(traces[1], "b") == prefill(traces[0], "b")  # the same prompt tokens computed
