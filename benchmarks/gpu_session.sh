@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
 #   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes
+#   bash benchmarks/gpu_session.sh spill-async   # the same with KVELASTIC_CPU_LOAD=async: identical outputs
+#   bash benchmarks/gpu_session.sh offload-async # multi-turn: connector LRU and ARC, kvelastic sync and async
 #   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
@@ -43,10 +45,11 @@ matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GP
     r=$?
     grep -h "kvelastic .* (band \|kvelastic: .*KV tensors" "$W/matrix-$ver"/*-kve-*.log  # band, patches, groups
     (exit $r) ;;
-spill)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
+spill|spill-async)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
-    e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-vllm$ver" \
-        --kve-env KVELASTIC_LIMIT=384MiB KVELASTIC_CPU_BYTES=4GiB KVELASTIC_CACHE_TTL=1 \
+    load=sync; [ "$stage" = spill-async ] && load=async
+    e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-$load-vllm$ver" \
+        --kve-env KVELASTIC_LIMIT=384MiB KVELASTIC_CPU_BYTES=4GiB KVELASTIC_CACHE_TTL=1 KVELASTIC_CPU_LOAD=$load \
         --summary "$W/spill-$ver/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/spill-$ver.log"
     r=$?
     grep -h "kvelastic: .*host tier" "$W/spill-$ver"/*-kve-*.log | tail -5  # the host tier's hits and misses
@@ -63,6 +66,10 @@ copy)
     python3 scripts/bench_copy.py --host torch tier --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
+        ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
+        --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 connectors-simple|connectors-offload)  # issue 17: each about 4-6 min on an H100 (4 engines, enforce-eager)
     # 256 MiB of GPU KV (8k tokens; vanilla: --kv-cache-memory-bytes, kvelastic: KVELASTIC_LIMIT) under
