@@ -334,7 +334,7 @@ def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(
     """The same trace through both load paths: the host tier's policy sees the same requests in the same
     order (one hit per loaded block, in prefix order, when the load is planned), so ARC's lists and p match.
     Memory stays enough to admit every request at once, where the two paths make the same lookups."""
-    snapshots, traces = [], []
+    snapshots, traces, counts = [], [], []
     for load in ("sync", "async"):
         scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES, cpu_load=load)
         filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
@@ -343,5 +343,9 @@ def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(
         offload = scheduler.kvelastic_offload
         assert offload.tier.hits >= 19
         snapshots.append(offload.tier.policy.snapshot())
+        counts.append((offload.tier.hits, offload.tier.misses))
     assert snapshots[0] == snapshots[1]
+    # the same hits; misses counted per lookup on the sync path (a request's retries count again), per
+    # admitted request whose run stopped at a key the host lacked on the async path
+    assert counts[0][0] == counts[1][0] and 0 < counts[1][1] <= counts[0][1]
     assert prefill(traces[1], "b") == prefill(traces[0], "b")  # the same prompt tokens computed

@@ -58,7 +58,8 @@ def connector_class() -> type:
             self._role = KVConnectorRole.SCHEDULER
             self.loads = loads
             self.block_size = block_size
-            self._pending: dict[str, tuple[int, tuple, bool]] = {}  # request -> (first block, keys, async)
+            # request -> (first block, keys of the run, async, whether the run stopped at a key the host lacks)
+            self._pending: dict[str, tuple[int, tuple, bool, bool]] = {}
             self._settled = Retired()  # retired by a reset's wait, reported with the next output
 
         @property
@@ -75,19 +76,21 @@ def connector_class() -> type:
             if run is None:
                 self._pending.pop(request.request_id, None)
                 return None, False
-            if run == 0:
-                self._pending.pop(request.request_id, None)
-                return 0, False
-            asynchronous = self.loads.is_async(run)
-            self._pending[request.request_id] = (first, keys[:run], asynchronous)
+            missed = run < len(keys)
+            asynchronous = run > 0 and self.loads.is_async(run)
+            self._pending[request.request_id] = (first, keys[:run], asynchronous, missed)
             return run * self.block_size, asynchronous
 
         def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-            """vLLM allocated the request's blocks: plan the load of the run into them."""
+            """vLLM allocated the request's blocks: plan the load of the run into them. A run that stopped
+            at a key the host lacks counts one host-tier miss, as the lookup in front of the step does."""
             pending = self._pending.pop(request.request_id, None)
-            if num_external_tokens == 0 or pending is None:
+            if pending is None:
                 return
-            first, keys, asynchronous = pending
+            first, keys, asynchronous, missed = pending
+            self.loads.tier.misses += missed
+            if num_external_tokens == 0:
+                return
             assert num_external_tokens == len(keys) * self.block_size, "internal: vLLM took another run"
             (group,) = blocks.blocks
             self.loads.plan(request.request_id, keys, group[first:first + len(keys)], asynchronous=asynchronous)
