@@ -188,8 +188,11 @@ def test_async_scheduling_makes_vanillas_decisions_and_keeps_the_invariants(patc
     assert prefill(vanilla, "b") < prefill(vanilla, "a") / 10
 
 
-def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched):
-    scheduler, pool, _ = patched(limit_groups=3, asynchronous=True, cpu_bytes=16 * GROUP_BYTES)
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched, load):
+    """Step N+1 scheduled before step N's output arrives (vLLM's default from 0.14), with host hits loaded
+    in front of the step or while their request waits (KVELASTIC_CPU_LOAD)."""
+    scheduler, pool, _ = patched(limit_groups=3, asynchronous=True, cpu_bytes=16 * GROUP_BYTES, cpu_load=load)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     trace = drive_async(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler,
                                      make_requests("b", 4, 320, 320, seed=0)], after_step=check_every_step(pool))
