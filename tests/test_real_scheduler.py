@@ -86,6 +86,7 @@ def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched
         assert offload.tier.hits >= 19 and stats["reloaded_bytes"] >= 19 * offload.copier.bytes_per_block
         assert prefill(trace, "b") < prefill(trace, "a") / 4
         assert (stats.get("host_loads_async", 0) >= 1) == (cpu == "async")
+        assert (stats.get("host_async_loaded_blocks", 0) >= 19) == (cpu == "async")
         assert (type(scheduler.connector).__name__ == "HostLoads") == (cpu == "async")
     else:
         assert offload is None

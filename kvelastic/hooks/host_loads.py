@@ -121,7 +121,7 @@ def connector_class() -> type:
             c = self.loads.counters
             return {"reloaded_blocks": c.async_blocks + c.sync_blocks, "host_loads_async": c.async_loads,
                     "host_loads_sync": c.sync_loads, "host_loads_failed": c.failed_loads,
-                    "host_loads_deferred": c.deferred_lookups}
+                    "host_loads_deferred": c.deferred_lookups, "host_async_loaded_blocks": c.async_blocks}
 
         def feed(self, scheduler: Any, model_runner_output: Any) -> Any:
             """``model_runner_output`` with the loads retired since the last step added to its connector
