@@ -12,7 +12,8 @@
 # Environment knobs: MM_KV_GIB (6), MM_CPU_BYTES (8GiB), MM_EAGER=1 (no CUDA graphs: faster start),
 # MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then;
 # MM_STOP_S, 60, of it kept for that),
-# MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached), MM_VLLM_ARGS (more
+# MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached), MM_KVELASTIC_ENV (the same
+# for the kvelastic configurations, e.g. "KVELASTIC_RELEASE=preempt"), MM_VLLM_ARGS (more
 # arguments for every server of every configuration: give all the same), MM_API_SERVERS (2) and
 # MM_STREAM_INTERVAL (8): vLLM's --api-server-count and --stream-interval for every server. With one
 # API server streaming every token, that process was the bottleneck of this workload (H100,
@@ -53,12 +54,13 @@ start_plain() {  # vanilla `vllm serve` x3 in parallel, each its own process gro
 }
 
 start_kvelastic() {  # kvelastic launch, servers started together; every server may grow to the budget
-    local i args=(--parallel --budget "$((3 * KV_GIB))GiB" --log-dir "$W/servers" --startup-timeout 600
+    local i setting args=(--parallel --budget "$((3 * KV_GIB))GiB" --log-dir "$W/servers" --startup-timeout 600
                   --stop-timeout 30)
     for i in 0 1 2; do
         [ "$i" -gt 0 ] && args+=(--and)
         args+=(--model "$MODEL" --port "${PORTS[i]}" --name "${NAMES[i]}" --limit "$((3 * KV_GIB))GiB")
         [ "$config" = kvelastic-host ] && args+=(--env "KVELASTIC_CPU_BYTES=${MM_CPU_BYTES:-8GiB}")
+        for setting in ${MM_KVELASTIC_ENV:-}; do args+=(--env "$setting"); done
         args+=(-- --served-model-name "${NAMES[i]}" "${VLLM_ARGS[@]}")
     done
     python3 -m kvelastic launch "${args[@]}" >"$W/launch.log" 2>&1 </dev/null &

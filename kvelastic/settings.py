@@ -134,6 +134,10 @@ class Settings:
     #: ``sync`` until a GPU run shows ``async`` wins.
     cpu_load: str = "sync"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
+    #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
+    #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
+    #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
+    release: str = "drain"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -237,6 +241,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
+    "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

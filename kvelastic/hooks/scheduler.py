@@ -76,6 +76,8 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
         _attach_host_loads(scheduler, offload, runtime, patcher)
+    if settings.release == "preempt":
+        _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=not async_loads)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
@@ -146,6 +148,16 @@ def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:
                  "(KVELASTIC_CPU_LOAD=async applies only without one)", type(scheduler.connector).__name__)
         return False
     return True
+
+
+def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, runtime: Runtime,
+                             patcher: Patcher, *, vllm_connector: bool) -> None:
+    """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once."""
+    from kvelastic.hooks.targeted_release import install_targeted_release
+
+    release = install_targeted_release(scheduler, queue, cache, patcher, local=runtime.cache is not None,
+                                       vllm_connector=vllm_connector and scheduler.connector is not None)
+    patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
 def _attach_host_loads(scheduler: Any, offload: OffloadManager, runtime: Runtime, patcher: Patcher) -> None:
