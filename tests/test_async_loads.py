@@ -292,3 +292,20 @@ def test_asynchronous_loads_are_refused_under_tensor_parallelism_and_off_by_defa
     assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)
     with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD"):
         Settings.from_env({"KVELASTIC_CPU_LOAD": "later"})
+
+
+def test_loads_a_reset_waited_for_still_promote_their_requests():
+    """A prefix-cache reset waits for every load before the tier is cleared (``settle``); the requests those
+    loads served are reported with the next output, so they are scheduled, not left waiting forever."""
+    b, _ = requests()
+    scheduler, connector, copier, _ = engine(keys_of(b))
+    scheduler.add_request(b)
+    step(scheduler, connector)  # planned and issued; its fence not passed
+    connector.settle()  # as OffloadManager.reset does first: waits (here: passes the fence) and retires
+    assert not connector.loads.in_flight
+    steps = 0
+    while scheduler.has_requests():
+        assert steps < 50, "the request whose load a reset waited for was never scheduled"
+        step(scheduler, connector)
+        steps += 1
+    assert b.num_computed_tokens >= 320

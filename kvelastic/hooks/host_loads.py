@@ -129,9 +129,10 @@ def connector_class() -> type:
             aborted while loading, 0.12-0.15) are left out; their blocks were held and are now freed."""
             from vllm.v1.outputs import KVConnectorOutput
 
-            retired, self._settled = self.loads.retire(), Retired()
-            retired.finished += self._settled.finished
-            retired.invalid_block_ids |= self._settled.invalid_block_ids
+            settled, self._settled = self._settled, Retired()
+            retired = self.loads.retire()
+            retired.finished += settled.finished
+            retired.invalid_block_ids |= settled.invalid_block_ids
             finished = {rid for rid in retired.finished if rid in scheduler.requests}
             if not finished and not retired.invalid_block_ids:
                 return model_runner_output
