@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvelastic")
 #: At most this share of the running requests is preempted by one reading (at least one request).
 MAX_VICTIM_SHARE = 0.5
+#: Seconds between two log lines about targeted releases (each says how many so far).
+LOG_EVERY_S = 10.0
 
 
 class TargetedRelease:
@@ -49,6 +51,7 @@ class TargetedRelease:
         self.preempted = 0  # requests preempted so far
         self.released_groups = 0  # groups given back right after
         self._seen = queue.shrink_ticks
+        self._logged = -LOG_EVERY_S
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         victims = self._preempt()
@@ -82,6 +85,11 @@ class TargetedRelease:
         self.preempted += len(victims)
         if victims:  # give the emptied groups back now, before this call hands their blocks to others
             self.released_groups += self.queue.reclaim_cached(groups_wanted=groups)
+            if now - self._logged >= LOG_EVERY_S:
+                self._logged = now
+                log.info("kvelastic: over the limit by %d group(s): preempted %d running request(s) holding them "
+                         "(%d so far, %d groups given back so far)", groups, len(victims), self.preempted,
+                         self.released_groups)
         return victims
 
     def _choose(self, groups: int) -> list[Any]:
