@@ -71,13 +71,14 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                             keep_free_order=may_walk_free_queue(scheduler.connector))
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
+    vllm_connector = scheduler.connector is not None  # read before kvelastic may put its own there
     async_loads = _loads_beside_compute(scheduler, settings)
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
         _attach_host_loads(scheduler, offload, runtime, patcher)
     if settings.release == "preempt":
-        _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=not async_loads)
+        _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
@@ -152,11 +153,12 @@ def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:
 
 def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, runtime: Runtime,
                              patcher: Patcher, *, vllm_connector: bool) -> None:
-    """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once."""
+    """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once.
+    ``vllm_connector``: vLLM made a KV connector (kvelastic's own host-load connector is not one)."""
     from kvelastic.hooks.targeted_release import install_targeted_release
 
     release = install_targeted_release(scheduler, queue, cache, patcher, local=runtime.cache is not None,
-                                       vllm_connector=vllm_connector and scheduler.connector is not None)
+                                       vllm_connector=vllm_connector)
     patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
