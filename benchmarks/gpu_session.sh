@@ -24,6 +24,11 @@ W=$OUT/w-$stage  # everything goes here, then into one tarball: only a few files
 mkdir -p "$W"
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$W/gpus-$stage.txt"
 date -u >>"$W/gpus-$stage.txt"
+# kvelastic must be installed (its .pth hook and vLLM plugin entry point), not only importable from
+# here: `python3 -c 'import kvelastic'` in the repo root passes without it and the engines run vanilla
+python3 -c 'import importlib.metadata as m; m.distribution("kvelastic")' 2>/dev/null \
+    || python3 -m pip install -q --no-deps --no-build-isolation -e . >"$W/install.log" 2>&1 \
+    || { echo "kvelastic could not be installed: $W/install.log"; exit 1; }
 e2e() { python3 scripts/e2e_check.py "$@"; }
 tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falling together
     e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \

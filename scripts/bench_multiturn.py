@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvelastic_dev.run_proof import inactive_reason  # noqa: E402  (the repo's dev tools, not in the wheel)
+
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
 
@@ -178,6 +181,9 @@ def main() -> int:
             code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         if code:
             print(f"{config}: FAILED (exit {code}), see {args.outdir}/{config}.log")
+            continue
+        if env["KVELASTIC"] == "1" and (reason := inactive_reason(Path(args.outdir, f"{config}.log"))):
+            print(f"{config}: FAILED: {reason}")
             continue
         results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
         rows.append(summarize(results[config], args.out_len))

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from kvelastic_dev.run_proof import inactive_reason  # noqa: E402  (the repo's dev tools, not in the wheel)
 CONFIGS = {
     "v2": [],
     "v1": ["--v1"],
@@ -46,6 +48,8 @@ def run(name: str, kvelastic: bool, model: str, outdir: Path, extra: list[str], 
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
         return {"error": f"exit {proc.returncode}", "log_tail": tail}
+    if kvelastic and (reason := inactive_reason(log)):
+        return {"error": reason, "log_tail": ""}
     return json.loads(out.read_text())
 
 

@@ -181,9 +181,11 @@ def engine_host_tier() -> dict | None:
     try:
         from kvelastic.cli import CliError, open_accounts
         from kvelastic.status_view import snapshot
-
+    except ImportError:
+        return None
+    try:
         accounts = snapshot(open_accounts(None))
-    except (ImportError, CliError, OSError):
+    except (CliError, OSError):
         return None
     me = os.getpid()
     for account in accounts:
