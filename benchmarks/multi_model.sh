@@ -14,10 +14,12 @@
 # MM_STOP_S, 60, of it kept for that),
 # MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached), MM_KVELASTIC_ENV (the same
 # for the kvelastic configurations, e.g. "KVELASTIC_RELEASE=preempt"), MM_VLLM_ARGS (more
-# arguments for every server of every configuration: give all the same), MM_API_SERVERS (2) and
+# arguments for every server of every configuration: give all the same), MM_API_SERVERS (4) and
 # MM_STREAM_INTERVAL (8): vLLM's --api-server-count and --stream-interval for every server. With one
 # API server streaming every token, that process was the bottleneck of this workload (H100,
-# 2026-11-27, static: TTFT p50 1.8 s with one, 0.11 s with two and tokens streamed 8 at a time).
+# 2026-11-27, static: TTFT p50 1.8 s with one, 0.11 s with two and tokens streamed 8 at a time);
+# with two, 50 of kvelastic's 57 requests over the TTFT objective still waited while their model's
+# two API servers ran at >= 85 % of a core each (session 10), so four.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 config=${1:?usage: bash benchmarks/multi_model.sh static|kvelastic|kvelastic-host|kvcached [client args...]}
@@ -32,7 +34,7 @@ BUDGET_S=${MM_BUDGET_S:-540}
 NAMES=(model-a model-b model-c)
 PORTS=(8101 8102 8103)
 VLLM_ARGS=(--load-format dummy --tokenizer "$TOKENIZER" --max-model-len 8192 --seed 0
-           --enable-prompt-tokens-details --api-server-count "${MM_API_SERVERS:-2}"
+           --enable-prompt-tokens-details --api-server-count "${MM_API_SERVERS:-4}"
            --stream-interval "${MM_STREAM_INTERVAL:-8}")
 [ "${MM_EAGER:-0}" = 1 ] && VLLM_ARGS+=(--enforce-eager)
 # shellcheck disable=SC2206 # MM_VLLM_ARGS is a list of words

@@ -27,7 +27,8 @@ prometheus_client = pytest.importorskip("prometheus_client", reason="needs prome
 from benchmarks import multi_model  # noqa: E402
 from benchmarks.mmbench.client import SseBuffer, finish_timing  # noqa: E402
 from benchmarks.mmbench.compare import compare_runs, probes_identical  # noqa: E402
-from benchmarks.mmbench.cpu import CpuReader, children_of, cpu_rates, descendants, process_table  # noqa: E402
+from benchmarks.mmbench.cpu import (CpuReader, children_of, cpu_rates, descendants, front_end_bound,  # noqa: E402
+                                   process_table)
 from benchmarks.mmbench.reclaim import (bucket_quantile, engine_histograms, log_summary,  # noqa: E402
                                         read_logs)
 from benchmarks.mmbench.sampling import AccountReader, Sampler, metric_values, owner_port  # noqa: E402
@@ -444,7 +445,8 @@ def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
     spin = "import time\nend = time.time() + 10\nwhile time.time() < end: pass\n"
     server_code = ("import os, subprocess, sys, time\n"
                    f"child = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
-                   f"api = subprocess.Popen([sys.executable, '-c', {spin!r}, 'VLLM::APIServer_0'])\n"
+                   # the title spelt in two pieces: this code is the command line of the forked child below
+                   f"api = subprocess.Popen([sys.executable, '-c', {spin!r}, 'VLLM:' + ':APIServer_0'])\n"
                    "if os.fork() == 0:\n"  # a forked child keeps the 'serve --port' command line
                    "    time.sleep(10)\n"
                    "    os._exit(0)\n"
@@ -470,3 +472,25 @@ def test_cpu_is_put_to_the_api_server_and_the_engine_below_it():
     assert 0.0 < rates["host_busy"] <= 1.0
     assert rates["client"] is not None and rates["client"] < 0.5  # this test process sleeps
     assert cpu_rates([first], 0.0, 2.0, ["model-x"]) is None  # one sample gives no rate
+    assert last["servers"]["model-x"]["api_n"] == 1  # one titled API server process
+
+
+def _cpu_sample(t: float, api_s: float, api_n: int = 2) -> dict:
+    return {"t": t, "servers": {"model-a": {"api_s": api_s, "engine_s": 0.0, "api_n": api_n}}}
+
+
+def test_slow_requests_are_put_to_a_saturated_front_end_only_while_it_was_saturated():
+    # two API servers: 0-1 s at 0.5 core in all, 1-2 s at 1.9 cores (saturated), 2-3 s at 1.0
+    samples = [_cpu_sample(0.0, 0.0), _cpu_sample(1.0, 0.5), _cpu_sample(2.0, 2.4), _cpu_sample(3.0, 3.4)]
+    request = lambda sent, ttft: {"model": "model-a", "sent_s": sent, "ttft_s": ttft}  # noqa: E731
+    requests = [request(0.1, 0.2),   # fast: not slow at all
+                request(0.2, 1.5),   # slow, its wait (0.2-1.7 s) overlaps the saturated second
+                request(2.1, 1.2),   # slow, waited 2.1-3.3 s: the front end had spare cores
+                request(0.0, None)]  # no first token: not counted here
+    assert front_end_bound(samples, requests, ttft_slo_s=1.0) == {"slow": 2, "front_end_saturated": 1,
+                                                                   "share": 0.85}
+    one_server = [_cpu_sample(t, a, api_n=1) for t, a in ((0.0, 0.0), (1.0, 0.5), (2.0, 2.4), (3.0, 3.4))]
+    assert front_end_bound(one_server, requests, 1.0)["front_end_saturated"] == 2  # 1 core is all one has
+    old = [{"t": x["t"], "servers": {"model-a": {"api_s": x["servers"]["model-a"]["api_s"], "engine_s": 0.0}}}
+           for x in samples]
+    assert front_end_bound(old, requests, 1.0) is None  # samples without the process count say nothing

@@ -84,13 +84,15 @@ class CpuReader:
         for root, model in self.roots.items():
             if root not in table:
                 continue
-            api, engine = table[root][1], 0.0
+            api, engine, titled = table[root][1], 0.0, 0
             for pid in descendants(children, root):
                 if self._is_api_server(pid):
                     api += table[pid][1]
+                    titled += 1
                 else:
                     engine += table[pid][1]
-            servers[model] = {"api_s": round(api, 3), "engine_s": round(engine, 3)}
+            # api_n: the API server processes (the root alone when none is titled)
+            servers[model] = {"api_s": round(api, 3), "engine_s": round(engine, 3), "api_n": max(1, titled)}
         busy, total = host_ticks(self.proc)
         client = table.get(self.me, (0, 0.0))[1]
         return {"servers": servers, "client_s": round(client, 3), "host_busy": busy, "host_total": total}
@@ -148,3 +150,31 @@ def cpu_rates(samples: list[dict[str, Any]], begin: float, end: float,
     total = last["host_total"] - first["host_total"]
     host = round((last["host_busy"] - first["host_busy"]) / total, 3) if total > 0 else None
     return {"servers": servers, "client": rate(lambda s: s["client_s"]), "host_busy": host}
+
+
+def front_end_bound(samples: list[dict[str, Any]], requests: list[dict[str, Any]], ttft_slo_s: float,
+                    share: float = 0.85) -> dict[str, Any] | None:
+    """Of the requests over the TTFT objective, how many waited while their model's API servers were saturated.
+
+    A request counts when, in some sampling interval overlapping its wait for
+    the first token, its model's API server processes used at least ``share`` of
+    one core each: the front end, not the engine or its KV memory, was then the
+    likely holder (2026-11-27: 50 of 57 slow requests of a kvelastic run). None
+    for runs whose samples predate the process count (``api_n``).
+    """
+    if not samples or "api_n" not in next(iter(samples[-1]["servers"].values()), {}):
+        return None
+    intervals = []
+    for first, last in zip(samples, samples[1:]):
+        seconds = last["t"] - first["t"]
+        if seconds <= 0:
+            continue
+        saturated = {model: (now["api_s"] - before["api_s"]) / seconds >= share * now["api_n"]
+                     for model, now in last["servers"].items()
+                     if (before := first["servers"].get(model)) is not None}
+        intervals.append((first["t"], last["t"], saturated))
+    slow = [r for r in requests if r.get("ttft_s") is not None and r["ttft_s"] > ttft_slo_s
+            and r.get("sent_s") is not None]
+    held = sum(any(saturated.get(r["model"]) and begin < r["sent_s"] + r["ttft_s"] and end > r["sent_s"]
+                   for begin, end, saturated in intervals) for r in slow)
+    return {"slow": len(slow), "front_end_saturated": held, "share": share}

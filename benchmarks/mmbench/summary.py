@@ -20,7 +20,7 @@ from scripts.bench_multiturn import percentile
 
 from benchmarks.mmbench import reclaim
 from benchmarks.mmbench.client import FAILED, UNFINISHED
-from benchmarks.mmbench.cpu import cpu_rates
+from benchmarks.mmbench.cpu import cpu_rates, front_end_bound
 from benchmarks.mmbench.workload import Workload
 
 COUNTERS = {"preemptions": "vllm:num_preemptions_total", "prefix_queries": "vllm:prefix_cache_queries_total",
@@ -219,6 +219,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "probes": {"requests": len(probes), "ok": sum(r["status"] == "ok" for r in probes)},
             "failures": _failures(timed + probes),
             "send_lateness_s": {"p99": percentile(late, 99) if late else None, "max": max(late, default=None)},
+            "front_end": front_end_bound(result.get("cpu", {}).get("samples", []), timed, slo["ttft_s"]),
             "reclaim": reclaim_episodes(result.get("account", {}).get("samples", [])),
             "reclaim_engines": reclaim.engine_histograms(result["metrics"]["samples"], list(w["models"])),
             "reclaim_logs": reclaim.log_summary(result.get("reclaim_log")),
@@ -273,6 +274,10 @@ def render(summary: dict[str, Any], label: str) -> str:
         lines.append("CPU per busy period (cores: the model's API server / its engine; the client; host busy):")
         lines += [f"  {r['model']}/{r['window']}: {_ratio(r['cpu']['api_s'])} / {_ratio(r['cpu']['engine_s'])}; "
                   f"{_ratio(r['cpu']['client'])}; {_percent(r['cpu']['host_busy'])}" for r in cpu]
+    if front := summary.get("front_end"):
+        lines.append(f"requests over the TTFT objective: {front['slow']}; {front['front_end_saturated']} of them "
+                     f"waited while their model's API servers ran at >= {front['share']:.0%} of a core each "
+                     "(the front end, not KV memory, held those)")
     lines += reclaim.render(summary.get("reclaim_engines"), summary.get("reclaim_logs"),
                             summary.get("reclaim_wait_sources"))
     rec = summary["reclaim"]
