@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvelastic_dev.run_proof import inactive_reason  # noqa: E402  (the repo's dev tools, not in the wheel)
+from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request

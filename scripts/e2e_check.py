@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from kvelastic_dev.run_proof import inactive_reason  # noqa: E402  (the repo's dev tools, not in the wheel)
 CONFIGS = {
     "v2": [],
     "v1": ["--v1"],

@@ -7,11 +7,14 @@ kvelastic run; if the proof matched too loosely, a vanilla engine would pass.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from kvelastic.settings import Settings
 from kvelastic.startup.runtime import Runtime
-from kvelastic_dev.run_proof import inactive_reason, kvelastic_took_effect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from run_proof import inactive_reason, kvelastic_took_effect  # noqa: E402
 
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Proof, from an engine's own log, that a run meant to use kvelastic really did.
+"""Proof, from an engine's own log, that a run meant to use kvelastic really did (for the benchmark drivers).
 
 A kvelastic run differs from a vanilla one only by ``KVELASTIC=1``; if the
 package is importable but not installed (no ``.pth`` hook, no vLLM plugin entry
