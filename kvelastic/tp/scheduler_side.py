@@ -23,7 +23,7 @@ from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
-from kvelastic.tp.remote_mapper import RemoteMapper
+from kvelastic.tp.remote_mapper import BOARD, RemoteMapper
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
 if TYPE_CHECKING:
@@ -67,7 +67,9 @@ class RankConnection(CacheConnection):
     """
 
     def __init__(self, folder: Path, infos: Sequence[shm.RankInfo], limit_bytes: int | None = None,
-                 lock: ContextManager | None = None):
+                 lock: ContextManager | None = None, confirm: str = BOARD):
+        """``confirm``: where the ranks' confirmations come from (:data:`~kvelastic.tp.remote_mapper.BOARD`
+        or :data:`~kvelastic.tp.remote_mapper.STEP`)."""
         first = infos[0]
         if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
                != first.layout.blocks_per_group for i in infos):
@@ -75,7 +77,8 @@ class RankConnection(CacheConnection):
                              "every rank must hold the same blocks")
         groups = range(first.layout.num_groups)
         boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
-        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)])
+        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)],
+                              confirm=confirm, world=len(infos))
         mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
                               and any(int(b.groups[g]) > 0 for b in boards)])
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
