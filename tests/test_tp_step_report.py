@@ -13,7 +13,8 @@ import pickle
 
 import pytest
 
-from kvelastic.tp.report_merger import RANK_ATTR, ReportMerger, attach_rank_report, step_report_of
+from kvelastic.tp.report_merger import (RANK_ATTR, ReportMerger, attach_rank_report, reply_with_report,
+                                        step_report_of)
 from kvelastic.tp.step_report import MapTally, RankReport, StepReport, split_map
 
 WORLD = 2
@@ -72,7 +73,7 @@ def test_reports_ride_vllm_outputs_through_pickle_and_its_own_aggregator():
 
 # ----------------------------------------------------- two rank processes, no board
 def rank_main(conn, folder: str, rank: int, limit_groups) -> None:
-    """A worker rank: apply each plan; on a report step, reply with a ModelRunnerOutput carrying its report."""
+    """A worker rank: apply each plan; on a report step, answer execute_model with its report."""
     from pathlib import Path
 
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -94,8 +95,10 @@ def rank_main(conn, folder: str, rank: int, limit_groups) -> None:
             for view in views:
                 view[:, block_id].fill_(rank + 1)
         worker.after_step(plan)
-        reply = attach_rank_report(EMPTY_MODEL_RUNNER_OUTPUT, worker.take_report()) if plan.report else None
-        conn.send(reply)
+        # as patches/worker_execute_model.py replies: the report in place of execute_model's None,
+        # then sample_tokens' output (here vLLM's empty one)
+        launched = reply_with_report(None, worker.take_report()) if plan.report else None
+        conn.send((launched, EMPTY_MODEL_RUNNER_OUTPUT))
     worker.close()
     pool.close()
 
@@ -151,10 +154,13 @@ class StepCluster:
         for rank, conn in enumerate(self.conns):
             assert conn.poll(30), f"rank {rank} did not answer"
             replies.append(conn.recv() if rank in deliver else None)
-        if plan.report:
+        if plan.report:  # the executor's two calls of the step, one merger (patches/executor_step_report.py)
             kept = [r for r in replies if r is not None]
-            merged = ReportMerger().aggregate(kept, output_rank=0) if kept else None
-            report = step_report_of(merged) if merged is not None else None
+            merger = ReportMerger()
+            if kept:
+                assert merger.aggregate([launched for launched, _ in kept], output_rank=0) is None
+                sampled = merger.aggregate([pickle.loads(pickle.dumps(out)) for _, out in kept], output_rank=0)
+            report = step_report_of(sampled) if kept else None
             self.mapper.adopt(report or StepReport())
 
     def allocate(self, n: int):
