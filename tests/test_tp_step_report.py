@@ -190,12 +190,9 @@ def step_cluster(tmp_path):
 
 
 def _allocate_within(c: StepCluster, n: int, steps: int = 5):
-    for _ in range(steps):
-        blocks = c.allocate(n)
-        if blocks is not None:
-            return blocks
-        c.step()
-    raise AssertionError(f"{n} blocks never became available")
+    from tests.test_tp_protocol import allocate_within
+
+    return allocate_within(c, n, steps)
 
 
 def test_blocks_are_handed_out_only_once_both_ranks_reported_them(step_cluster):
