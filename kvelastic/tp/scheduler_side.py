@@ -51,7 +51,7 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     if int(parallel.pipeline_parallel_size) > 1:
         raise PatchError("kvelastic: pipeline parallelism is not supported (each stage holds different "
                          "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
-    confirm = _confirmations(runtime.settings.tp_confirm, parallel.distributed_executor_backend)
+    confirm = _confirmations(runtime.settings.tp_confirm, parallel)
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
     connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
@@ -61,11 +61,12 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     return connection
 
 
-def _confirmations(setting: str, backend: Any) -> str:
+def _confirmations(setting: str, parallel: Any) -> str:
     """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs vLLM's multiprocess executor, whose
     replies :mod:`kvelastic.patches.executor_step_report` gathers; PatchError for any other."""
     if setting != STEP:
         return BOARD
+    backend = parallel.distributed_executor_backend
     if backend != "mp":
         raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
                          f"(distributed_executor_backend='mp'), not {backend!r}; unset it to confirm "
