@@ -3,6 +3,7 @@
 # since only a few files come back). Run from the repo root after staging the vLLM bundle:
 #   bash benchmarks/gpu_session.sh tp       # TP=2 8B: identical outputs, both GPUs' KV memory rises and falls
 #   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
+#   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
@@ -37,6 +38,10 @@ tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falli
 case $stage in
 tp)
     tp2 ;;
+tp-step)  # the ranks confirm mapped groups on their step replies, not on boards: same outputs and memory curve
+    e2e --model scripts/models/llama-8b --outdir "$W/tp-step" --matrix tp2 --label=-step \
+        --kve-env KVELASTIC_CACHE_TTL=2 KVELASTIC_TP_CONFIRM=step --summary "$W/tp-step/summary.json" \
+        --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp-step.log" ;;
 tp-spill)
     tp2
     e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \

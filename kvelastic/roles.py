@@ -184,5 +184,9 @@ class CacheConnection(Protocol):
         """What must happen to each ``schedule()`` output before it leaves the scheduler; None: nothing."""
 
     @abstractmethod
+    def reply_hook(self) -> Callable[[Any], None] | None:
+        """What each ``update_from_output``'s model output gives up before vLLM reads it; None: nothing."""
+
+    @abstractmethod
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
         """This engine's membership in its GPU's shared account; None where it joins none."""

@@ -138,6 +138,10 @@ class Settings:
     #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
     #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
     release: str = "drain"
+    #: Under tensor parallelism, where the scheduler learns which page groups every rank mapped: ``board``
+    #: (each rank's board in shared memory: one host) or ``step`` (each rank's report on its reply to the
+    #: step, gathered by vLLM's multiprocess executor: docs/tp-step-protocol.md). ``board`` until a GPU run.
+    tp_confirm: str = "board"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -242,6 +246,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
+    "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

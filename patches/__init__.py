@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
     admission_check,
+    executor_step_report,
     hisparse_refusal,
     kv_layout_preference,
     release_kv_cache_refusal,
@@ -46,6 +47,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     v2_initialize_kv_cache.PATCH,
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
+    executor_step_report.PATCH,
     scheduler_block_pool.PATCH,
     admission_check.PATCH,
     v1_single_backing.PATCH,

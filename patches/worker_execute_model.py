@@ -1,7 +1,9 @@
 """Worker: apply the scheduler's page-group and copy commands before each step's forward pass.
 
 Only on worker ranks whose scheduler is another process (tensor parallelism,
-multiprocess executor); elsewhere the wrapper passes straight through.
+multiprocess executor); elsewhere the wrapper passes straight through. On a step
+whose plan asks for a report, the rank's reply carries what it mapped
+(``patches/executor_step_report.py`` makes the executor gather every rank's reply).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dic
     worker.before_step(plan)
     result = wrapped(*args, **kwargs)
     worker.after_step(plan)
+    if plan.report:  # the executor gathers every rank's reply to this step (KVELASTIC_TP_CONFIRM=step)
+        from kvelastic.tp.report_merger import reply_with_report
+
+        return reply_with_report(result, worker.take_report())
     return result
 
 

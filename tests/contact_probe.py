@@ -2,7 +2,8 @@
 
 Run by ``tests/test_contact_refusal.py`` in a fresh interpreter (``python -m
 tests.contact_probe``), so the real installed vLLM is changed only there. For
-every contact the scheduler side declares, each case removes or reshapes it
+every contact the scheduler side (and the executor, for tensor parallelism's
+replies) declares, each case removes or reshapes it
 (or, where it is declared absent, adds it), then:
 
 1. activates kvelastic strictly, which must refuse, naming the contact;
@@ -25,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvelastic.patches import admission_check, scheduler_block_pool
+from kvelastic.patches import admission_check, executor_step_report, scheduler_block_pool
 from kvelastic.patching.spec import Absent, Attributes, Target
 from kvelastic.patching.versions import Version
 
@@ -48,7 +49,8 @@ class Case:
 
 
 def scheduler_side_targets(version: Version) -> list[Target]:
-    patches = [p for p in (scheduler_block_pool.PATCH, admission_check.PATCH) if p.claims(version)]
+    patches = [p for p in (scheduler_block_pool.PATCH, admission_check.PATCH, executor_step_report.PATCH)
+               if p.claims(version)]
     return list(dict.fromkeys(target for patch in patches for target in patch.targets))
 
 

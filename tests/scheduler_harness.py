@@ -88,7 +88,8 @@ def step_of(out) -> tuple:
 def drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None, forward=None) -> list:
     """Run every wave to completion, one after another; returns each step's scheduled tokens per request.
 
-    ``forward(scheduler, output)`` runs between a step's scheduling and its output, as the model would.
+    ``forward(scheduler, output)`` runs between a step's scheduling and its output, as the model would;
+    what it returns (a dict, or None) is set on the step's model output, as the workers' replies carry it.
     """
     trace = []
     for wave in waves:
@@ -97,11 +98,13 @@ def drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None, 
         while scheduler.has_requests():
             assert len(trace) < max_steps, "the scheduler stopped making progress"
             out = scheduler.schedule()
-            if forward is not None:
-                forward(scheduler, out)
+            carried = forward(scheduler, out) if forward is not None else None
             samplers = {r for r in out.num_scheduled_tokens
                         if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
-            scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+            result = model_output(scheduler, out, samplers)
+            for name, value in (carried or {}).items():
+                setattr(result, name, value)
+            scheduler.update_from_output(out, result)
             trace.append(step_of(out))
             if after_step is not None:
                 after_step(scheduler)

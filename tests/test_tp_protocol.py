@@ -37,6 +37,7 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
     """A worker rank: apply each step's plan, then do its writes and checks on its own shard."""
     from pathlib import Path
 
+    from kvelastic.tp.report_merger import reply_with_report
     from kvelastic.tp.worker_side import start_rank
     from tests.kv_fixtures import build_cache
 
@@ -59,9 +60,11 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
                 for view in views:
                     assert bool((view[:, block_id] == value + rank).all()), f"block {block_id} lost its data"
             worker.after_step(plan)
-            conn.send(("ok", pool.stats().mapped_bytes))
+            # a report step's execute_model reply (patches/worker_execute_model.py); None otherwise
+            launched = reply_with_report(None, worker.take_report()) if plan.report else None
+            conn.send(("ok", pool.stats().mapped_bytes, launched))
         except AssertionError as exc:
-            conn.send(("error", str(exc)))
+            conn.send(("error", str(exc), None))
     worker.close()
     pool.close()
     conn.send("closed")
@@ -86,19 +89,21 @@ class RankProcesses:
         for conn in self.conns:  # a spawned rank imports torch and vLLM: minutes on a loaded 2-core machine
             assert conn.poll(RANK_START_S) and conn.recv() == "ready"
         self.mapped_bytes = [0] * WORLD
+        self.launched: list = []  # the last step's execute_model replies (reports on a report step)
 
     def send(self, plan, writes=(), checks=(), live=None) -> list:
         """One step: the plan and the forward pass's writes and checks; returns each rank's mapped bytes."""
         ranks = range(WORLD) if live is None else live
         for r in ranks:
             self.conns[r].send((plan, list(writes), list(checks)))
-        replies = []
+        replies, self.launched = [], []
         for r in ranks:
             assert self.conns[r].poll(30), f"rank {r} did not answer"
-            status, value = self.conns[r].recv()
+            status, value, launched = self.conns[r].recv()
             assert status == "ok", f"rank {r}: {value}"
             self.mapped_bytes[r] = value
             replies.append(value)
+            self.launched.append(launched)
         return replies
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import types
 
 import pytest
 
@@ -49,8 +50,10 @@ def _forward(scheduler, out) -> tuple[list, list]:
 
 def drive_ranks(scheduler, ranks: RankProcesses, waves: list[list]) -> list:
     """The single-process driver, with each step's plan and blocks sent to the ranks as its forward pass."""
-    return drive(scheduler, waves, max_steps=3000,
-                 forward=lambda s, out: ranks.send(out.kvelastic_plan, *_forward(s, out)))
+    def forward(s, out) -> None:
+        ranks.send(out.kvelastic_plan, *_forward(s, out))
+
+    return drive(scheduler, waves, max_steps=3000, forward=forward)
 
 
 @pytest.fixture
@@ -58,11 +61,12 @@ def tp_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     made: list = []
 
-    def make(limit_groups: int | None = None, cpu_bytes: int | None = None):
+    def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board"):
         ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
-        runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit))  # no cache: ranks hold it
+        runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
+                                   tp_confirm=confirm))
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD))
         made.append((scheduler, patcher))
         return scheduler, ranks
@@ -77,14 +81,37 @@ def tp_engine(tmp_path, monkeypatch):
             patcher.revert()
 
 
-def _scheduler_with_world(world: int):
+def _scheduler_with_world(world: int, backend: str = "mp"):
     config = vllm_config(N)
-    previous = config.parallel_config.world_size
-    config.parallel_config.world_size = world
+    parallel = config.parallel_config
+    previous = parallel.world_size, parallel.distributed_executor_backend
+    parallel.world_size, parallel.distributed_executor_backend = world, backend
     try:
         return make_scheduler()
     finally:
-        config.parallel_config.world_size = previous
+        parallel.world_size, parallel.distributed_executor_backend = previous
+
+
+def drive_ranks_step(scheduler, ranks: RankProcesses, waves: list[list], reports: list, seen: set) -> list:
+    """As :func:`drive_ranks`, with the ranks' confirmations on the step's model output only: merged as
+    vLLM's executor merges a report step's two calls (``execute_model``, then ``sample_tokens``).
+    ``reports`` gets each report step's merged report, ``seen`` every group the scheduler held as mapped."""
+    from kvelastic.tp.report_merger import STEP_ATTR, ReportMerger
+
+    def forward(s, out):
+        seen.update(s.kv_cache_manager.block_pool.free_block_queue.mapper.mapped_groups)
+        ranks.send(out.kvelastic_plan, *_forward(s, out))
+        if not out.kvelastic_plan.report:
+            assert ranks.launched == [None] * WORLD
+            return None
+        reports.append(None)
+        merger = ReportMerger()
+        assert merger.aggregate(ranks.launched, output_rank=0) is None  # "forward launched", as vLLM expects
+        sampled = merger.aggregate([types.SimpleNamespace() for _ in range(WORLD)], output_rank=0)
+        reports[-1] = getattr(sampled, STEP_ATTR)
+        return {STEP_ATTR: reports[-1]}
+
+    return drive(scheduler, waves, max_steps=3000, forward=forward)
 
 
 def test_every_block_holds_its_tokens_data_on_both_ranks(tp_engine):
@@ -118,3 +145,30 @@ def test_random_workloads_keep_every_block_right_on_both_ranks(tp_engine, seed):
                                max_tokens=rng.randint(1, 30)))
     trace = drive_ranks(scheduler, ranks, waves)
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
+
+
+def test_confirmations_on_the_steps_replies_keep_every_block_right_without_boards(tp_engine, caplog):
+    """KVELASTIC_TP_CONFIRM=step: the scheduler adopts groups only from the reports on the steps' outputs."""
+    with caplog.at_level("INFO", logger="vllm.kvelastic"):
+        scheduler, ranks = tp_engine(limit_groups=6, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm="step")
+    assert "mapped groups confirmed on the steps' replies" in caplog.text
+    filler = [make_requests(f"f{k}", 2 + 2 * k, 400, 0, seed=10 + k) for k in range(3)]  # growing demand
+    waves = [make_requests("a", 2, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
+    at_start = set(scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.mapped_groups)
+    reports: list = []
+    seen: set = set()
+    trace = drive_ranks_step(scheduler, ranks, waves, reports, seen)
+    maps = [m for report in reports for rank in report.ranks for m in rank.maps]
+    assert len(reports) >= 3 and len(maps) >= 3 * WORLD, "the workload never needed a group mapped"
+    assert len(seen - at_start) >= 3, "groups the ranks mapped were never adopted from their reports"
+    assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
+    assert max(ranks.mapped_bytes) <= 7 * GROUP_BYTES  # within the limit (and one group in flight)
+
+
+def test_step_confirmations_are_refused_for_an_executor_that_does_not_gather_replies(tmp_path, monkeypatch):
+    from kvelastic.errors import PatchError
+
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    runtime = Runtime(Settings(enabled=True, tp_confirm="step"))
+    with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor"):
+        build_patched(runtime, lambda: _scheduler_with_world(WORLD, backend="ray"))

@@ -53,6 +53,10 @@ class LocalConnection(CacheConnection):
         """None: the pool is in this process; a step's output carries nothing for it."""
         return None
 
+    def reply_hook(self) -> Callable[[Any], None] | None:
+        """None: nothing of the pool rides a step's output."""
+        return None
+
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
         """Join the GPU's shared account; None where the pool has no shared-budget gate."""
         source = runtime.budget

@@ -29,6 +29,7 @@ from kvelastic.hooks.local_connection import LocalConnection
 from kvelastic.startup.runtime import Runtime
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE, UPDATE_FROM_OUTPUT
+from kvelastic.patches._common import argument
 from kvelastic.patching.apply import Patcher
 from kvelastic.roles import CacheConnection
 from kvelastic.settings import Settings
@@ -80,6 +81,9 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     if settings.release == "preempt":
         _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
+    reply_hook = connection.reply_hook()
+    if reply_hook is not None:  # under tensor parallelism, confirmations on the steps' replies
+        patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, reading_wrapper(lock, reply_hook))
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                               reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
@@ -202,6 +206,20 @@ def _locked(lock: ContextManager, then: Callable[[], None] | None, on_result: Ca
         if on_result is not None:
             on_result(result)
         return result
+
+
+def reading_wrapper(lock: ContextManager, read: Callable[[Any], None]) -> Callable[..., Any]:
+    """A wrapper (wrapt's form) for ``update_from_output`` that gives ``read`` the step's model output
+    under ``lock``, before vLLM sees it."""
+    return functools.partial(_read_first, lock, read)
+
+
+def _read_first(lock: ContextManager, read: Callable[[Any], None], wrapped: Any, instance: Any, args: tuple,
+                kwargs: dict) -> Any:
+    output = args[1] if len(args) == 2 else argument(wrapped, args, kwargs, "model_runner_output")
+    with lock:
+        read(output)
+        return wrapped(*args, **kwargs)
 
 
 def _chain(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:

@@ -55,9 +55,12 @@ class StepPlan:
     ``step`` numbers the step (ranks report the last one they ran, so the
     scheduler knows when none is in flight); ``idle_upto`` is the last command
     sent outside a step while the engine was idle, which a rank must have
-    applied before this plan's own ``commands``.
+    applied before this plan's own ``commands``. ``report``: every rank must
+    attach its :class:`~kvelastic.tp.step_report.RankReport` to this step's
+    reply, and the executor must gather every rank's reply (a MAP awaits them).
     """
 
     step: int
     commands: tuple[Command, ...] = field(default_factory=tuple)
     idle_upto: int = 0
+    report: bool = False

@@ -24,6 +24,7 @@ from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan
+from kvelastic.tp.step_report import RankReport
 
 if TYPE_CHECKING:
     from kvelastic.offload.copier import BlockCopier
@@ -55,6 +56,7 @@ class RankWorker:
         self._last_free = 0.0
         self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
         self._unreadable: set[Path] = set()  # idle command files reported as unreadable (once each)
+        self._unreported: list[tuple[int, int]] = []  # (seq, groups mapped) of MAPs not yet in a report
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -69,6 +71,16 @@ class RankWorker:
     def after_step(self, plan: StepPlan) -> None:
         """The step's forward pass is queued: any later unmap is fenced behind it."""
         self.board.set(shm.STEPS_DONE, plan.step)
+
+    def take_report(self) -> RankReport:
+        """What this rank did since its last report, for the step's reply (each MAP reported once)."""
+        with self._lock:
+            maps, self._unreported = tuple(self._unreported), []
+            free = self.cache.pool.backend.device_free_bytes()
+            stats = self.cache.pool.stats()
+            return RankReport(rank=self.info.rank, applied=self.applied, step=self.board.get(shm.STEPS_DONE),
+                              maps=maps, device_free=-1 if free is None else free,
+                              held_bytes=stats.held_bytes, mapped_bytes=stats.mapped_bytes)
 
     @property
     def applied(self) -> int:
@@ -148,6 +160,7 @@ class RankWorker:
     def _map(self, seq: int, groups: Sequence[int]) -> None:
         """Map what this rank can; the board shows ``seq`` for each group mapped, ``-seq`` for each refused."""
         done = self.cache.map_as_many(groups)
+        self._unreported.append((seq, done))
         for g in groups[:done]:
             self.board.groups[g] = seq
         for g in groups[done:]:

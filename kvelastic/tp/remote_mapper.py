@@ -8,6 +8,12 @@ board shows that command's number for it; if any rank refused it, it is
 reported ``refused`` and unmapped everywhere. Nothing here ever waits for a
 rank: an unconfirmed group is simply not handed out yet (a scheduling miss).
 
+Confirmations come from one of two sources, chosen at construction: the
+ranks' boards in shared memory (``BOARD``, one host), or the reports every rank
+attaches to a step's reply (``STEP``, any host; :meth:`adopt`, fed by the
+scheduler's ``update_from_output``). Either way a group is adopted only on every
+rank's word.
+
 While the engine is idle no step runs, so :meth:`deliver_idle` (called by the
 reclaimer) writes the outbox to the engine's folder for the ranks' idle
 threads, but only when every step sent has been run by every rank: an unmap
@@ -26,13 +32,18 @@ from kvelastic.cluster.liveness import is_alive
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import (START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
+from kvelastic.tp.protocol import (MAP, START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command, wait_command)
+from kvelastic.tp.step_report import MapTally, StepReport, held_by_rank, split_map
 
 log = logging.getLogger("vllm.kvelastic")
 
 LIVENESS_PERIOD_S = 1.0
 REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long
+MAX_REPORTS_WAITED = 8  # a MAP not decided by every rank after this many step reports is refused
+
+BOARD = "board"  # confirmations read off the ranks' shared-memory boards (one host)
+STEP = "step"    # confirmations carried on the steps' replies (any host, any multiprocess executor)
 
 
 class RemoteMapper(Mapper):
@@ -40,9 +51,20 @@ class RemoteMapper(Mapper):
 
     synchronous = False  # the queue must never wait for a map: it cannot be confirmed in the call
 
-    def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start_mapped: Iterable[int] = ()):
+    def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start_mapped: Iterable[int] = (),
+                 confirm: str = BOARD, world: int | None = None):
+        """``confirm``: ``BOARD`` or ``STEP``; ``world``: ranks that must confirm (default: one per board)."""
+        if confirm not in (BOARD, STEP):
+            raise ValueError(f"confirmations come from {BOARD!r} or {STEP!r}, not {confirm!r}")
         self.folder = folder
         self.boards = list(boards)
+        self.confirm = confirm
+        self.world = len(self.boards) if world is None else world
+        self._tally = MapTally(self.world)
+        self._sent: dict[int, tuple[tuple[int, ...], int]] = {}  # MAP seq -> (groups, reports seen when sent)
+        self._reports_seen = 0
+        self._rank_free: dict[int, int] = {}
+        self._rank_held: dict[int, int] = {}
         self._mapped: deque[int] = deque()
         self._refused: deque[int] = deque()
         self._outbox: list[Command] = []
@@ -82,6 +104,8 @@ class RemoteMapper(Mapper):
         seq = self._next()
         for g in groups:
             self._pending[g] = seq
+        if self.confirm == STEP:
+            self._sent[seq] = (tuple(groups), self._reports_seen)
         self._outbox.append(map_command(seq, groups))
 
     def request_unmap(self, groups: Iterable[int], after: Fence | None = None) -> None:
@@ -114,8 +138,9 @@ class RemoteMapper(Mapper):
     def take_plan(self) -> StepPlan:
         """The commands queued since the last step, for the step being sent now."""
         self._steps += 1
+        report = self.wants_report
         commands, self._outbox = tuple(self._outbox), []
-        return StepPlan(step=self._steps, commands=commands, idle_upto=self._idle_upto)
+        return StepPlan(step=self._steps, commands=commands, idle_upto=self._idle_upto, report=report)
 
     def deliver_idle(self) -> bool:
         """Hand queued commands to idle ranks through files, if no step is in flight; True if sent."""
@@ -147,6 +172,8 @@ class RemoteMapper(Mapper):
         group's state before it advances its applied mark, so while no mark
         moved there is nothing new to read.
         """
+        if self.confirm == STEP:
+            return  # nothing to read: reports arrive with the steps' replies (adopt)
         self._check_liveness()
         marks = tuple(b.get(shm.APPLIED) for b in self.boards)
         if marks == self._seen_marks and not self.dead_ranks:
@@ -163,11 +190,49 @@ class RemoteMapper(Mapper):
             elif (applied >= seq and -seq in states) or self.dead_ranks:
                 del self._pending[g]
                 failed.append(g)
+        self._refuse(failed)
+
+    def _refuse(self, failed: list[int]) -> None:
         if failed:
             self.backoff_until = time.monotonic() + REFUSAL_BACKOFF_S
             self._outbox.append(unmap_command(self._next(), failed))  # ranks that did map give it back
             self._refused.extend(failed)
             log.debug("kvelastic: %d groups refused by a rank; they stay unmapped", len(failed))
+
+    def adopt(self, report: StepReport) -> None:
+        """Take one step's reports (``STEP`` mode): each MAP every rank has now reported is split at the
+        least count any rank mapped; a MAP left undecided for too many reports is refused."""
+        self._reports_seen += 1
+        for r in report.ranks:
+            if r.device_free >= 0:
+                self._rank_free[r.rank] = r.device_free
+        self._rank_held = dict(enumerate(held_by_rank(report.ranks, self.world, self._rank_held)))
+        failed: list[int] = []
+        for seq, done in self._tally.add(report).items():
+            groups, _ = self._sent.pop(seq, ((), 0))
+            mapped, refused = split_map(groups, done)
+            for g in mapped:
+                if self._pending.get(g) == seq:
+                    del self._pending[g]
+                    self.mapped_groups.add(g)
+                    self._mapped.append(g)
+            failed += [g for g in refused if self._pending.pop(g, None) == seq]
+        stale = [seq for seq, (_, seen) in self._sent.items() if self._reports_seen - seen > MAX_REPORTS_WAITED]
+        if stale:
+            log.error("kvelastic: map commands %s were not reported by every rank; their groups are refused", stale)
+            self._tally.drop(stale)
+            for seq in stale:
+                groups, _ = self._sent.pop(seq)
+                for g in groups:
+                    if self._pending.get(g) == seq:
+                        del self._pending[g]
+                        failed.append(g)
+        self._refuse(failed)
+
+    @property
+    def wants_report(self) -> bool:
+        """True while a MAP awaits some rank's word: the next step must bring every rank's reply."""
+        return self.confirm == STEP and bool(self._sent or any(c[1] == MAP for c in self._outbox))
 
     def backing_off(self) -> bool:
         """True shortly after a refusal, or for good once a rank died: asking again would only fail."""
@@ -175,12 +240,16 @@ class RemoteMapper(Mapper):
 
     def device_free_bytes(self) -> int | None:
         """The smallest free device memory any rank reported, or None if none reports it."""
+        if self.confirm == STEP:
+            return min(self._rank_free.values()) if self._rank_free else None
         values = [b.get(shm.DEVICE_FREE) for b in self.boards]
         known = [v for v in values if v >= 0]
         return min(known) if known else None
 
     def rank_held_bytes(self) -> list[int]:
         """Physical bytes each rank's pool holds (mapped, waiting to be unmapped, warm), as last reported."""
+        if self.confirm == STEP:
+            return [self._rank_held.get(rank, 0) for rank in range(self.world)]
         return [b.get(shm.HELD_BYTES) for b in self.boards]
 
     # ------------------------------------------------------------- helpers

@@ -23,7 +23,8 @@ from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
-from kvelastic.tp.remote_mapper import RemoteMapper
+from kvelastic.tp.remote_mapper import BOARD, STEP, RemoteMapper
+from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
 if TYPE_CHECKING:
@@ -50,12 +51,27 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     if int(parallel.pipeline_parallel_size) > 1:
         raise PatchError("kvelastic: pipeline parallelism is not supported (each stage holds different "
                          "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
+    confirm = _confirmations(runtime.settings.tp_confirm, parallel)
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
-    connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock)
+    connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
     atexit.register(_remove_idle_files, folder)
-    log.info("kvelastic: scheduler drives %d worker ranks through %s", world, folder)
+    log.info("kvelastic: scheduler drives %d worker ranks through %s (mapped groups confirmed %s)", world,
+             folder, "on the steps' replies" if confirm == STEP else "on the ranks' boards")
     return connection
+
+
+def _confirmations(setting: str, parallel: Any) -> str:
+    """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs vLLM's multiprocess executor, whose
+    replies :mod:`kvelastic.patches.executor_step_report` gathers; PatchError for any other."""
+    if setting != STEP:
+        return BOARD
+    backend = parallel.distributed_executor_backend
+    if backend != "mp":
+        raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
+                         f"(distributed_executor_backend='mp'), not {backend!r}; unset it to confirm "
+                         "through shared memory on this host")
+    return STEP
 
 
 class RankConnection(CacheConnection):
@@ -67,7 +83,9 @@ class RankConnection(CacheConnection):
     """
 
     def __init__(self, folder: Path, infos: Sequence[shm.RankInfo], limit_bytes: int | None = None,
-                 lock: ContextManager | None = None):
+                 lock: ContextManager | None = None, confirm: str = BOARD):
+        """``confirm``: where the ranks' confirmations come from (:data:`~kvelastic.tp.remote_mapper.BOARD`
+        or :data:`~kvelastic.tp.remote_mapper.STEP`)."""
         first = infos[0]
         if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
                != first.layout.blocks_per_group for i in infos):
@@ -75,7 +93,8 @@ class RankConnection(CacheConnection):
                              "every rank must hold the same blocks")
         groups = range(first.layout.num_groups)
         boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
-        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)])
+        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)],
+                              confirm=confirm, world=len(infos))
         mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
                               and any(int(b.groups[g]) > 0 for b in boards)])
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
@@ -102,6 +121,10 @@ class RankConnection(CacheConnection):
 
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None]:
         return functools.partial(end_step, scheduler, queue, self.mapper)
+
+    def reply_hook(self) -> Callable[[Any], None] | None:
+        """With confirmations on the steps' replies: adopt the ranks' reports each output brings."""
+        return functools.partial(adopt_reply, self.mapper) if self.mapper.confirm == STEP else None
 
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
         """None: each rank would have to join its own GPU's account (not done under TP)."""
@@ -157,6 +180,13 @@ def end_step(scheduler: Any, queue: "PageAwareFreeQueue", mapper: RemoteMapper, 
     command queued so far, as ``kvelastic_plan`` (vLLM broadcasts it to every rank)."""
     queue.want_blocks(demand_of(scheduler))
     output.kvelastic_plan = mapper.take_plan()
+
+
+def adopt_reply(mapper: RemoteMapper, model_runner_output: Any) -> None:
+    """Before ``update_from_output``: the ranks' reports on this step's output, if it carries any."""
+    report = step_report_of(model_runner_output)
+    if report is not None:
+        mapper.adopt(report)
 
 
 class RemoteCopier(Copier):

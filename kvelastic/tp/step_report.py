@@ -1,0 +1,100 @@
+"""What a rank tells its scheduler on a step's reply, and how the ranks' words are combined.
+
+The board (:mod:`kvelastic.tp.board`) only works where the scheduler can map the
+ranks' files, which means one host. A report instead rides the reply vLLM already
+sends back for a step (:mod:`kvelastic.tp.report_merger`), so the same
+confirmations cross hosts and executors. Every rank runs the same commands, so a
+MAP's outcome on a rank is a single count: how many of the command's groups it
+mapped (a rank maps a prefix and refuses the rest). The ranks' words combine as
+the minimum. A command is decided only once every rank has spoken. Everything
+is plain ints and tuples, so pickling a report with the step costs next to nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's news since its last report.
+
+    ``maps``: ``(seq, done)`` for each MAP command run, where ``done`` of its
+    groups were mapped (the rest refused). ``device_free`` is -1 when unknown.
+    """
+
+    rank: int
+    applied: int
+    step: int
+    maps: tuple[tuple[int, int], ...] = ()
+    device_free: int = -1
+    held_bytes: int = 0
+    mapped_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Every rank's report from one step's replies (what the scheduler adopts)."""
+
+    ranks: tuple[RankReport, ...] = field(default_factory=tuple)
+
+    def merged_with(self, other: "StepReport") -> "StepReport":
+        """Both reports' rank entries (a report can arrive split over two replies of one step)."""
+        return StepReport(self.ranks + other.ranks)
+
+
+class MapTally:
+    """Per MAP command, the least count any rank mapped, once every rank has reported it.
+
+    The scheduler side's record of outcomes still missing a rank. A rank's
+    report is consumed once: a later report never repeats a seq.
+    """
+
+    def __init__(self, world: int):
+        self.world = world
+        self._seen: dict[int, dict[int, int]] = {}  # seq -> rank -> done
+
+    def add(self, report: StepReport) -> dict[int, int]:
+        """Take ``report``'s entries; return ``{seq: least done}`` for each seq now decided by all ranks."""
+        decided: dict[int, int] = {}
+        for rank_report in report.ranks:
+            if not 0 <= rank_report.rank < self.world:
+                raise ValueError(f"a report from rank {rank_report.rank} of a world of {self.world}")
+            for seq, done in rank_report.maps:
+                counts = self._seen.setdefault(seq, {})
+                counts[rank_report.rank] = done
+                if len(counts) == self.world:
+                    decided[seq] = min(counts.values())
+                    del self._seen[seq]
+        return decided
+
+    def undecided(self) -> list[int]:
+        """MAP seqs some rank has reported and another has not."""
+        return sorted(self._seen)
+
+    def drop(self, seqs: Iterable[int]) -> None:
+        """Forget seqs the scheduler gave up on (refused after waiting too long)."""
+        for seq in seqs:
+            self._seen.pop(seq, None)
+
+
+def least_device_free(reports: Sequence[RankReport]) -> int | None:
+    """The smallest free device memory any rank reported, or None if none knows it."""
+    known = [r.device_free for r in reports if r.device_free >= 0]
+    return min(known) if known else None
+
+
+def split_map(groups: Sequence[int], done: int) -> tuple[list[int], list[int]]:
+    """A MAP's groups as (mapped on every rank, refused by some rank), from the least count."""
+    done = max(0, min(done, len(groups)))
+    return list(groups[:done]), list(groups[done:])
+
+
+def held_by_rank(reports: Sequence[RankReport], world: int,
+                 previous: Mapping[int, int] | None = None) -> list[int]:
+    """Each rank's held bytes, latest report first, else the previous value, else 0."""
+    held = dict(previous or {})
+    for r in reports:
+        held[r.rank] = r.held_bytes
+    return [held.get(rank, 0) for rank in range(world)]

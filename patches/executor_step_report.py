@@ -1,0 +1,52 @@
+"""Executor: on a step whose plan asks for a report, gather every rank's reply (``KVELASTIC_TP_CONFIRM=step``).
+
+vLLM's multiprocess executor (and Ray's V2 executor, its subclass) asks every rank to
+answer a step only when it has an output aggregator; otherwise only the output rank
+replies. For the ``execute_model`` of a report step and the ``sample_tokens`` after it,
+the executor's aggregator is a :class:`~kvelastic.tp.report_merger.ReportMerger` over
+vLLM's own (None without a KV connector), so the ranks' reports reach the scheduler
+with the step's output. Every other step is left exactly as vLLM makes it. Plans ask
+for reports only in ``step`` mode, so in ``board`` mode the wrappers pass through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvelastic.patching.spec import Attributes, Patch, Signature, Target
+from kvelastic.patches._common import ALL
+
+_MP = "vllm.v1.executor.multiproc_executor"
+
+EXECUTOR = Target(  # set on one call's executor for that call only, vLLM's own put back after it
+    module="vllm.v1.executor.abstract",
+    qualname="Executor",
+    kind="class",
+    use="instance",
+    shapes=(Attributes(ALL, ("kv_output_aggregator",)),),
+)
+EXECUTE = Target(
+    module=_MP,
+    qualname="MultiprocExecutor.execute_model",
+    kind="method",
+    shapes=(Signature(ALL, ("self", "scheduler_output", "non_block")),),
+)
+SAMPLE = Target(
+    module=_MP,
+    qualname="MultiprocExecutor.sample_tokens",
+    kind="method",
+    shapes=(Signature(ALL, ("self", "grammar_output", "non_block")),),
+)
+TARGETS = (EXECUTOR, EXECUTE, SAMPLE)
+
+
+def apply(patcher: Any, runtime: Any) -> None:
+    from kvelastic.tp.report_merger import ReportRouting
+
+    routing = ReportRouting()
+    patcher.wrap(EXECUTE, routing.execute)
+    patcher.wrap(SAMPLE, routing.sample)
+
+
+PATCH = Patch("executor_step_report", "Executor: every rank's reply on the steps that carry rank reports",
+              ALL, TARGETS, apply)
