@@ -174,6 +174,9 @@ class CacheConnection(Protocol):
     mapper: Mapper
     #: What each GPU's pool really holds, for the log line; None with a single pool in this process.
     rank_held_bytes: Callable[[], list[int]] | None
+    #: Whether a host load can run beside compute: its copier's fence says when it is done without this
+    #: process waiting on another (``KVELASTIC_CPU_LOAD=async`` needs it).
+    async_loads: bool
 
     @abstractmethod
     def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:

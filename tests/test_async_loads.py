@@ -279,15 +279,15 @@ def test_a_run_below_the_async_minimum_loads_in_front_of_the_step_and_runs_at_on
     assert block_compute and len(ids) == 19
 
 
-def test_asynchronous_loads_are_refused_under_tensor_parallelism_and_off_by_default():
+def test_asynchronous_loads_are_refused_where_ranks_cannot_report_them_and_off_by_default():
     from kvelastic.errors import ConfigError
     from kvelastic.hooks.host_loads import attach_host_loads
     from kvelastic.settings import Settings
 
     assert Settings().cpu_load == "sync"
-    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20), local=True) is None  # nothing touched
-    with pytest.raises(ConfigError, match="not built yet where the KV cache lives in worker"):
-        attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="async"), local=False)
+    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20), beside_compute=True) is None
+    with pytest.raises(ConfigError, match="set KVELASTIC_TP_CONFIRM=step"):  # ranks that confirm on boards
+        attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="async"), beside_compute=False)
     env = Settings.from_env({"KVELASTIC_CPU_LOAD": "async", "KVELASTIC_CPU_LOAD_ASYNC_MIN": "16MiB"})
     assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)
     with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD"):

@@ -95,7 +95,13 @@ def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched
 
 def test_a_prefix_cache_reset_forgets_gpu_and_host_copies(patched):
     scheduler, _, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES)
-    trace = drive(scheduler, [make_requests("a", 4, 320, 320, seed=0)])
+    filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]  # pushes a's blocks to the host
+    trace = drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler])
+    held = scheduler.kv_cache_manager.block_pool.get_new_blocks(1)  # a block in use: vLLM declines to reset
+    cached = len(scheduler.kvelastic_offload.tier._slot_of)
+    assert cached and not scheduler.reset_prefix_cache()
+    assert len(scheduler.kvelastic_offload.tier._slot_of) == cached, "host copies dropped by a reset vLLM declined"
+    scheduler.kv_cache_manager.block_pool.free_blocks(held)
     assert scheduler.reset_prefix_cache()
     assert len(scheduler.kvelastic_offload.tier._slot_of) == 0
     trace += drive(scheduler, [make_requests("b", 4, 320, 320, seed=0)])

@@ -43,10 +43,10 @@ def test_a_rank_description_round_trips_with_its_layout(folder):
 
 def test_commands_round_trip_exactly_as_the_protocol_builds_them(folder):
     commands = (map_command(2, [1, 2]), unmap_command(3, [4]), store_command(4, [5, 6], [0, 1], True),
-                load_command(5, [7], [2]), reserve_command(6, 9))
+                load_command(5, [7], [2]), load_command(6, [8], [3], block_compute=False), reserve_command(7, 9))
     shm.open_folder(folder, create=True).close()
     path = shm.write_idle_commands(folder, commands)
-    assert shm.idle_files(folder) == [(2, 6, path)]
+    assert shm.idle_files(folder) == [(2, 7, path)]
     assert shm.read_idle_commands(path) == commands
     assert decode_commands(encode_commands(commands), "x") == commands
 
@@ -54,6 +54,7 @@ def test_commands_round_trip_exactly_as_the_protocol_builds_them(folder):
 @pytest.mark.parametrize("text, complaint", [
     (b'[[1, "map", [-1]]]', "groups"), (b'[[0, "map", [1]]]', "sequence"), (b'[[1, "exec", "rm -rf"]]', "exec"),
     (b'[[1, "store", [1, 2], [3], true]]', "2 block ids but 1"), (b'[[1, "reserve", true]]', "reserve"),
+    (b'[[1, "load", [1], [3]]]', "load"), (b'[[1, "load", [1], [3], 1]]', "load"),
     (b'{"a": 1}', "not a list"), (b'[[[[[1]]]]]', "deeper")])
 def test_malformed_commands_are_refused(text, complaint):
     with pytest.raises(BadSharedData, match=complaint):

@@ -61,12 +61,13 @@ def tp_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     made: list = []
 
-    def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board"):
+    def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
+             cpu_load: str = "sync"):
         ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
-                                   tp_confirm=confirm))
+                                   tp_confirm=confirm, cpu_load=cpu_load))
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD))
         made.append((scheduler, patcher))
         return scheduler, ranks
@@ -172,3 +173,18 @@ def test_step_confirmations_are_refused_for_an_executor_that_does_not_gather_rep
     runtime = Runtime(Settings(enabled=True, tp_confirm="step"))
     with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor"):
         build_patched(runtime, lambda: _scheduler_with_world(WORLD, backend="ray"))
+
+
+def test_host_hits_load_beside_compute_on_both_ranks_and_come_back_right(tp_engine):
+    """KVELASTIC_CPU_LOAD=async under TP: a pushed-out prefix loads while its request waits; the request runs
+    only once both ranks reported the load done, and every block it reads holds its tokens' data."""
+    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm="step",
+                                 cpu_load="async")
+    filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    waves = [make_requests("a", 4, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
+    reports: list = []
+    trace = drive_ranks_step(scheduler, ranks, waves, reports, set())
+    assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
+    stats = scheduler.kvelastic_offload.stats()
+    assert stats["host_async_loaded_blocks"] >= 40, stats  # the second pass of a's prompts came from the host
+    assert any(rank.loads for report in reports for rank in report.ranks), "no rank ever reported a load"

@@ -17,7 +17,8 @@ worker methods refuse, since no worker ever gets this connector.
 
 :func:`attach_host_loads` installs it (``KVELASTIC_CPU_LOAD=async``) through
 the Patcher, on contacts ``patches/host_loads.py`` declares; one KV cache
-group, one process (not under tensor parallelism yet).
+group. Under tensor parallelism only where the ranks report their loads on the
+steps' replies (``KVELASTIC_TP_CONFIRM=step``): a load is done once every rank said so.
 """
 
 from __future__ import annotations
@@ -157,16 +158,18 @@ def make_host_loads(loads: AsyncLoads, scheduler: Any) -> Any:
 
 
 def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patcher", settings: "Settings",
-                      *, local: bool) -> Any | None:
+                      *, beside_compute: bool) -> Any | None:
     """With ``KVELASTIC_CPU_LOAD=async``: kvelastic's connector on ``scheduler`` over ``offload``'s tier and
     copier, joined to ``offload``'s step; None where host hits stay synchronous (the default, or a connector
-    vLLM made). ``local``: the KV cache is in this process (not sharded over ranks)."""
+    vLLM made). ``beside_compute``: the connection's loads can finish beside compute (the cache is in this
+    process, or its worker ranks report their loads on the steps' replies)."""
     if settings.cpu_load != "async":
         return None
-    if not local:
-        raise ConfigError("KVELASTIC_CPU_LOAD=async is not built yet where the KV cache lives in worker "
-                          "processes (tensor parallelism, or the multiprocess executor); unset it (host hits "
-                          "then load in front of the step, as by default)")
+    if not beside_compute:
+        raise ConfigError("KVELASTIC_CPU_LOAD=async needs, where the KV cache lives in worker processes "
+                          "(tensor parallelism, or the multiprocess executor), the ranks' reports on the steps' "
+                          "replies: set KVELASTIC_TP_CONFIRM=step, or unset KVELASTIC_CPU_LOAD (host hits then "
+                          "load in front of the step, as by default)")
     from kvelastic.patches.host_loads import hold_blocks
     from kvelastic.patches.scheduler_block_pool import SCHEDULER
 

@@ -77,7 +77,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
-        _attach_host_loads(scheduler, offload, runtime, patcher)
+        _attach_host_loads(scheduler, offload, runtime, patcher, connection)
     if settings.release == "preempt":
         _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
@@ -113,19 +113,27 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
 
     No host copy outlives a call (``offload.flush``; after ``schedule()``,
     ``offload.end_step`` also issues the write-through stores due); what was secured for a
-    step's allocations is not held past it (``guard.end_step``); a reset hooks
-    the host tier into the new prefix-cache map; ``step_hook`` gets each
-    ``schedule()`` output last (under tensor parallelism: the ranks' commands).
+    step's allocations is not held past it (``guard.end_step``); a reset that vLLM
+    carried out drops the host copies too and hooks the host tier into the new
+    prefix-cache map (one vLLM declined leaves both as they were: it declines while
+    host loads hold blocks, so a reset never waits for a load); ``step_hook`` gets
+    each ``schedule()`` output last (under tensor parallelism: the ranks' commands).
     """
     flush = offload.flush if offload is not None else None
     for target in LOCKED:
         then = flush
+        on_result = step_hook if target is SCHEDULE else None
         if target is SCHEDULE:  # the step's write-through stores go out after its spills and loads
             then = _chain(guard.end_step, offload.end_step if offload is not None else None)
         if target is RESET_PREFIX_CACHE and offload is not None:
-            then = offload.reset  # the host copies go too; the lookup hook follows the new map
-        on_result = step_hook if target is SCHEDULE else None
+            on_result = functools.partial(_reset_host_copies, offload)
         patcher.wrap_instance(scheduler, target, locked_wrapper(lock, then, on_result))
+
+
+def _reset_host_copies(offload: OffloadManager, reset: Any) -> None:
+    """After ``reset_prefix_cache``: where vLLM reset its prefix cache, the host tier's copies go too."""
+    if reset:
+        offload.reset()
 
 
 def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, connection: CacheConnection,
@@ -166,12 +174,13 @@ def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: A
     patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
-def _attach_host_loads(scheduler: Any, offload: OffloadManager, runtime: Runtime, patcher: Patcher) -> None:
+def _attach_host_loads(scheduler: Any, offload: OffloadManager, runtime: Runtime, patcher: Patcher,
+                       connection: CacheConnection) -> None:
     """Host hits load while their request waits. The finished loads reach vLLM in ``update_from_output``'s
     input, fed inside the lock taken around it (wrapped here, before the lock's wrapper goes around it)."""
     from kvelastic.hooks.host_loads import attach_host_loads, feeding_wrapper
 
-    connector = attach_host_loads(scheduler, offload, patcher, runtime.settings, local=runtime.cache is not None)
+    connector = attach_host_loads(scheduler, offload, patcher, runtime.settings, beside_compute=connection.async_loads)
     patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, feeding_wrapper(connector, scheduler))
 
 

@@ -36,8 +36,9 @@ def store_command(seq: int, block_ids: Sequence[int], slots: Sequence[int], bloc
     return (seq, STORE, tuple(block_ids), tuple(slots), bool(block_compute))
 
 
-def load_command(seq: int, block_ids: Sequence[int], slots: Sequence[int]) -> Command:
-    return (seq, LOAD, tuple(block_ids), tuple(slots))
+def load_command(seq: int, block_ids: Sequence[int], slots: Sequence[int], block_compute: bool = True) -> Command:
+    """``block_compute``: the step's forward pass waits for the copy (False: the rank reports it done)."""
+    return (seq, LOAD, tuple(block_ids), tuple(slots), bool(block_compute))
 
 
 def wait_command(seq: int) -> Command:

@@ -57,6 +57,7 @@ class RankWorker:
         self.reserve_pages = 0  # unmapped pages kept warm; the scheduler's reclaimer sets it
         self._unreadable: set[Path] = set()  # idle command files reported as unreadable (once each)
         self._unreported: list[tuple[int, int]] = []  # (seq, groups mapped) of MAPs not yet in a report
+        self._loads: list[tuple[int, Fence]] = []  # asynchronous LOADs (seq, copy) not yet reported done
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -76,10 +77,12 @@ class RankWorker:
         """What this rank did since its last report, for the step's reply (each MAP reported once)."""
         with self._lock:
             maps, self._unreported = tuple(self._unreported), []
+            loads = tuple(seq for seq, copy in self._loads if copy.is_done())
+            self._loads = [(seq, copy) for seq, copy in self._loads if seq not in loads]
             free = self.cache.pool.backend.device_free_bytes()
             stats = self.cache.pool.stats()
             return RankReport(rank=self.info.rank, applied=self.applied, step=self.board.get(shm.STEPS_DONE),
-                              maps=maps, device_free=-1 if free is None else free,
+                              maps=maps, loads=loads, device_free=-1 if free is None else free,
                               held_bytes=stats.held_bytes, mapped_bytes=stats.mapped_bytes)
 
     @property
@@ -142,7 +145,9 @@ class RankWorker:
             elif kind == STORE:
                 self._copies.append(self._copier().store(command[2], command[3], block_compute=command[4]))
             elif kind == LOAD:
-                self._copier().load(command[2], command[3])
+                copy = self._copier().load(command[2], command[3], block_compute=command[4])
+                if not command[4]:
+                    self._loads.append((seq, copy))
             elif kind == WAIT:
                 self._copier().fence_compute()
             elif kind == RESERVE:

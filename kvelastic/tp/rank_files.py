@@ -128,8 +128,9 @@ def _command(item: Any, what: str) -> Command:
     if kind == STORE and len(args) == 3 and isinstance(args[2], bool):
         blocks, slots = _pairs(args[0], args[1], what)
         return store_command(seq, blocks, slots, args[2])
-    if kind == LOAD and len(args) == 2:
-        return load_command(seq, *_pairs(args[0], args[1], what))
+    if kind == LOAD and len(args) == 3 and isinstance(args[2], bool):
+        blocks, slots = _pairs(args[0], args[1], what)
+        return load_command(seq, blocks, slots, args[2])
     if kind == RESERVE and len(args) == 1 and isinstance(args[0], int) and not isinstance(args[0], bool):
         _in_range(args[0], 0, MAX_VALUE, f"{what}: reserve pages")
         return reserve_command(seq, args[0])

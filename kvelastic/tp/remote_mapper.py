@@ -28,6 +28,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from kvelastic.errors import KvelasticError
 from kvelastic.cluster.liveness import is_alive
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
@@ -63,6 +64,8 @@ class RemoteMapper(Mapper):
         self._tally = MapTally(self.world)
         self._sent: dict[int, tuple[tuple[int, ...], int]] = {}  # MAP seq -> (groups, reports seen when sent)
         self._reports_seen = 0
+        self._loads_out: dict[int, set[int]] = {}  # asynchronous LOAD seq -> ranks that reported it done
+        self._loads_done: set[int] = set()  # reported by every rank, not yet seen by their fence
         self._rank_free: dict[int, int] = {}
         self._rank_held: dict[int, int] = {}
         self._mapped: deque[int] = deque()
@@ -123,8 +126,24 @@ class RemoteMapper(Mapper):
     def request_store(self, block_ids: Sequence[int], slots: Sequence[int], block_compute: bool) -> None:
         self._outbox.append(store_command(self._next(), block_ids, slots, block_compute))
 
-    def request_load(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        self._outbox.append(load_command(self._next(), block_ids, slots))
+    def request_load(self, block_ids: Sequence[int], slots: Sequence[int], block_compute: bool = True) -> int:
+        """The load's command number. ``block_compute=False``: the step's forward pass does not wait for it;
+        every rank reports it done on a step's reply (``STEP`` mode only: see :meth:`load_done`)."""
+        if not block_compute and self.confirm != STEP:
+            raise KvelasticError("asynchronous host loads under tensor parallelism need the ranks' reports "
+                                 "(KVELASTIC_TP_CONFIRM=step)")
+        seq = self._next()
+        if not block_compute:
+            self._loads_out[seq] = set()
+        self._outbox.append(load_command(seq, block_ids, slots, block_compute))
+        return seq
+
+    def load_done(self, seq: int) -> bool:
+        """Whether every rank reported asynchronous load ``seq`` done (answered once per load: then forgotten)."""
+        if seq in self._loads_done:
+            self._loads_done.discard(seq)
+            return True
+        return False
 
     def request_wait(self) -> None:
         """Every rank makes its next forward pass wait for the copies queued before this command."""
@@ -207,6 +226,7 @@ class RemoteMapper(Mapper):
             if r.device_free >= 0:
                 self._rank_free[r.rank] = r.device_free
         self._rank_held = dict(enumerate(held_by_rank(report.ranks, self.world, self._rank_held)))
+        self._count_loads(report)
         failed: list[int] = []
         for seq, done in self._tally.add(report).items():
             groups, _ = self._sent.pop(seq, ((), 0))
@@ -229,10 +249,22 @@ class RemoteMapper(Mapper):
                         failed.append(g)
         self._refuse(failed)
 
+    def _count_loads(self, report: StepReport) -> None:
+        for r in report.ranks:
+            for seq in r.loads:
+                ranks = self._loads_out.get(seq)
+                if ranks is None:
+                    continue
+                ranks.add(r.rank)
+                if len(ranks) == self.world:
+                    del self._loads_out[seq]
+                    self._loads_done.add(seq)
+
     @property
     def wants_report(self) -> bool:
-        """True while a MAP awaits some rank's word: the next step must bring every rank's reply."""
-        return self.confirm == STEP and bool(self._sent or any(c[1] == MAP for c in self._outbox))
+        """True while a MAP or an asynchronous load awaits some rank's word: the next step must bring every
+        rank's reply."""
+        return self.confirm == STEP and bool(self._sent or self._loads_out or any(c[1] == MAP for c in self._outbox))
 
     def backing_off(self) -> bool:
         """True shortly after a refusal, or for good once a rank died: asking again would only fail."""

@@ -101,6 +101,7 @@ class RankConnection(CacheConnection):
         self.mapper = mapper
         self.cache = ShardedKVCache(mapper, first, limit_bytes or (min(limits) if limits else None), lock)
         self.rank_held_bytes = mapper.rank_held_bytes
+        self.async_loads = confirm == STEP  # an asynchronous load's completion comes with the ranks' reports
         self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
         self.slot_bytes = first.slot_bytes * first.world  # one slot of the index: every rank's share of a block
 
@@ -204,14 +205,13 @@ class RemoteCopier(Copier):
         self.mapper.request_store(block_ids, slots, block_compute)
         return DoneFence() if block_compute else RankCopyFence()
 
-    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> DoneFence:
-        """Before the step's compute on every rank. Asynchronous loads need a completion the ranks
-        report on their boards (docs/offload-async-loads.md): not built, so refused here."""
-        if not block_compute:
-            raise KvelasticError("asynchronous host loads are not built under tensor parallelism yet")
-        if block_ids:
-            self.mapper.request_load(block_ids, slots)
-        return DoneFence()
+    def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> Fence:
+        """Before the step's compute on every rank; or (``block_compute=False``, with the ranks' reports)
+        beside it, done once every rank reported it on a step's reply."""
+        if not block_ids:
+            return DoneFence()
+        seq = self.mapper.request_load(block_ids, slots, block_compute)
+        return DoneFence() if block_compute else RankLoadFence(self.mapper, seq)
 
     def fence_compute(self) -> None:
         self.mapper.request_wait()
@@ -219,6 +219,30 @@ class RemoteCopier(Copier):
     def copy_times(self) -> None:
         """The copies run on the ranks; their GPU time is not brought back."""
         return None
+
+
+class RankLoadFence(Fence):
+    """An asynchronous load on every rank: done once each rank's report said so (``STEP`` mode).
+
+    Waiting for it here cannot work: the reports come with later steps, which
+    the engine runs only after this thread moves on. Nothing needs to: its blocks
+    stay held until it is done, and a rank runs any later copy into its host
+    slots after it on the same copy stream.
+    """
+
+    def __init__(self, mapper: RemoteMapper, seq: int):
+        self.mapper = mapper
+        self.seq = seq
+        self._done = False
+
+    def is_done(self) -> bool:
+        self._done = self._done or self.mapper.load_done(self.seq)
+        return self._done
+
+    def wait(self) -> None:
+        if not self.is_done():
+            raise KvelasticError("internal: an asynchronous load on the worker ranks is learnt done only from a "
+                                 "later step's replies; the scheduler cannot wait for it")
 
 
 class RankCopyFence(Fence):

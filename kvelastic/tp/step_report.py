@@ -21,13 +21,15 @@ class RankReport:
     """One rank's news since its last report.
 
     ``maps``: ``(seq, done)`` for each MAP command run, where ``done`` of its
-    groups were mapped (the rest refused). ``device_free`` is -1 when unknown.
+    groups were mapped (the rest refused). ``loads``: the asynchronous LOAD
+    commands whose copies finished. ``device_free`` is -1 when unknown.
     """
 
     rank: int
     applied: int
     step: int
     maps: tuple[tuple[int, int], ...] = ()
+    loads: tuple[int, ...] = ()
     device_free: int = -1
     held_bytes: int = 0
     mapped_bytes: int = 0
