@@ -319,3 +319,14 @@ def test_every_variable_the_test_scripts_read_is_known():
     used = set(re.findall(r"KVELASTIC_[A-Z_]+", text))
     assert used, "the test scripts name no KVELASTIC_ variable: this test reads the wrong files"
     assert used <= set(known_variables())
+
+
+def test_every_setting_has_a_row_in_the_readme_table():
+    """Users learn the settings from README's table: a variable added without a row is invisible to them."""
+    from pathlib import Path
+
+    from kvelastic.settings import _VARIABLES
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name, _ in _VARIABLES.values() if f"| `{name}` |" not in readme]
+    assert missing == []
