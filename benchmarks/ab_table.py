@@ -6,7 +6,11 @@ Each run is one ``<outdir>/<tag>-<n>.json`` of ``bench_multiturn.py --config``
 of one tree are pooled by the median of their rounds' throughput, so a drift
 across the call (the machine warming, page cache) lands on both trees alike
 when the order is symmetric (old new new old). Outputs: every run's against
-the first run's, token by token (all greedy on the same conversations).
+the first run's, token by token (all greedy on the same conversations). Where the
+run's engine log (``<tag>-<n>.log``) has kvelastic's copy clock, the last such line
+gives the engine's own GPU time and rate for its spills and reloads (cumulative,
+so the run's last seconds are left out): the same copies timed inside the engine,
+whatever the host buffer behind them.
 
     python3 benchmarks/ab_table.py OUTDIR --json ab.json
 """
@@ -24,6 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_multiturn import identical, summarize  # noqa: E402
 
 RUN = re.compile(r"^((?:old|new|vanilla)(?:\.\w+)?)-(\d+)\.json$")
+COPY_CLOCK = re.compile(r"copies on the GPU: spill ([\d.]+) s \(([^)]*)\), reload ([\d.]+) s \(([^)]*)\)")
+
+
+def engine_copies(log: str) -> dict | None:
+    """The last copy-clock figures in an engine log: spill and reload GPU seconds and rates; None without."""
+    found = COPY_CLOCK.findall(log)
+    if not found:
+        return None
+    spill_s, spill_rate, reload_s, reload_rate = found[-1]
+    return {"spill_s": float(spill_s), "spill_rate": spill_rate, "reload_s": float(reload_s),
+            "reload_rate": reload_rate}
 
 
 def load_runs(outdir: Path) -> list[tuple[str, int, dict]]:
@@ -31,7 +46,11 @@ def load_runs(outdir: Path) -> list[tuple[str, int, dict]]:
     found = []
     for path in outdir.iterdir():
         if (match := RUN.match(path.name)) is not None:
-            found.append((match.group(1), int(match.group(2)), json.loads(path.read_text())))
+            result = json.loads(path.read_text())
+            log = path.with_suffix(".log")
+            if log.exists():
+                result["engine_copies"] = engine_copies(log.read_text(errors="replace"))
+            found.append((match.group(1), int(match.group(2)), result))
     return sorted(found, key=lambda run: run[1])
 
 
@@ -41,7 +60,8 @@ def table(runs: list[tuple[str, int, dict]], out_len: int) -> dict:
     rows, rounds = [], {}
     for tree, place, result in runs:
         row = summarize(result, out_len)
-        row.update(tree=tree, place=place, identical_to_first=list(identical(first, result)))
+        row.update(tree=tree, place=place, identical_to_first=list(identical(first, result)),
+                   engine_copies=result.get("engine_copies"))
         rows.append(row)
         rounds.setdefault(tree, []).extend(x["tok_s"] for x in row["rounds"])
     trees = {tree: {"rounds": len(values), "tok_s_median": statistics.median(values),
@@ -57,12 +77,16 @@ def table(runs: list[tuple[str, int, dict]], out_len: int) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = [f"{'run':<16} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'same as first':>14}"]
+    lines = [f"{'run':<16} {'tok/s':>9} {'(min-max)':>17} {'TTFT p50':>9} {'TTFT p99':>9} {'same as first':>14}"
+             f"  engine's GPU copies: spill, reload"]
     for row in result["runs"]:
         same, total = row["identical_to_first"]
+        copies = row.get("engine_copies")
+        clock = (f"{copies['spill_s']:.2f} s ({copies['spill_rate']}), {copies['reload_s']:.2f} s "
+                 f"({copies['reload_rate']})") if copies else "-"
         lines.append(f"{row['tree'] + '-' + str(row['place']):<16} {row['tok_s']:>9.0f} "
                      f"{row['tok_s_min']:>8.0f}-{row['tok_s_max']:<8.0f} {row['ttft_p50']:>9.3f} "
-                     f"{row['ttft_p99']:>9.3f} {same:>7}/{total:<6}")
+                     f"{row['ttft_p99']:>9.3f} {same:>7}/{total:<6}  {clock}")
     for tree, t in result["trees"].items():
         over_old = f", {t['over_old']:.3f}x old" if "over_old" in t else ""
         lines.append(f"{tree}: median of {t['rounds']} rounds {t['tok_s_median']:.0f} tok/s "

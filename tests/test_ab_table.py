@@ -59,3 +59,18 @@ def test_a_variant_run_is_a_tree_of_its_own_set_against_old(tmp_path):
     assert result["trees"]["new"]["over_old"] == pytest.approx(0.5)
     assert "over_old" not in result["trees"]["old"]
     assert "new.atstart: median of 3 rounds" in render(result) and "0.250x old" in render(result)
+
+
+def test_the_engine_s_own_copy_times_come_from_the_last_copy_clock_line_of_its_log(tmp_path):
+    same = [[1, 2, 3], [4, 5, 6]]
+    (tmp_path / "old-1.json").write_text(json.dumps(_run("kvelastic", [9.0, 1.0, 1.0, 1.0], same)))
+    (tmp_path / "old-1.log").write_text("INFO kvelastic: mapped 1 GiB; host tier 2 GiB, hits 3\n")  # before the clock
+    (tmp_path / "new-2.json").write_text(json.dumps(_run("kvelastic", [9.0, 1.0, 1.0, 1.0], same)))
+    (tmp_path / "new-2.log").write_text(
+        "INFO kvelastic: ...; copies on the GPU: spill 0.10 s (40.0 GB/s), reload 0.20 s (45.5 GB/s)\n"
+        "INFO kvelastic: ...; copies on the GPU: spill 1.25 s (47.9 GB/s), reload 2.50 s (48.3 GB/s); write-through\n")
+    result = table(load_runs(tmp_path), out_len=3)
+    assert [row["engine_copies"] for row in result["runs"]] == [
+        None, {"spill_s": 1.25, "spill_rate": "47.9 GB/s", "reload_s": 2.5, "reload_rate": "48.3 GB/s"}]
+    text = render(result)
+    assert "1.25 s (47.9 GB/s), 2.50 s (48.3 GB/s)" in text and text.splitlines()[1].endswith("  -")
