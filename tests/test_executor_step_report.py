@@ -28,7 +28,7 @@ from kvelastic.patching.gate import check_target  # noqa: E402
 from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 from kvelastic.tp.protocol import StepPlan  # noqa: E402
 from kvelastic.tp.report_merger import reply_with_report, step_report_of  # noqa: E402
-from kvelastic.tp.step_report import MapTally, RankReport  # noqa: E402
+from kvelastic.tp.step_report import CommandTally, RankReport  # noqa: E402
 
 WORLD = 2
 
@@ -99,7 +99,7 @@ def test_a_report_step_hears_every_rank_and_its_reports_reach_the_sample_tokens_
     assert [sent[3] for sent in executor.rpc_broadcast_mq.sent] == [None, None], "every rank must answer"
     assert [q.reads for q in executor.response_mqs] == [2, 2]
     report = step_report_of(sampled)
-    assert report is not None and MapTally(WORLD).add(report) == {7: 2}
+    assert report is not None and CommandTally(WORLD).add(report) == {7: 2}
     assert sampled.kv_connector_output.finished_sending == {"req"}
     assert executor.kv_output_aggregator is None, "vLLM's aggregator (none here) must be back after the call"
 
@@ -119,7 +119,7 @@ def test_a_step_that_returns_its_output_from_execute_model_carries_the_reports_t
         queue.replies.append(reply_with_report(EMPTY_MODEL_RUNNER_OUTPUT, _rank_report(rank, seq=4, done=2)))
         queue.replies.append(None)  # the next step's execute_model, asked of the output rank only
     out = executor.execute_model(_step(report=True))
-    assert MapTally(WORLD).add(step_report_of(out)) == {4: 2}
+    assert CommandTally(WORLD).add(step_report_of(out)) == {4: 2}
     assert step_report_of(EMPTY_MODEL_RUNNER_OUTPUT) is None, "vLLM's shared empty output was changed"
     executor.execute_model(_step(report=False, step=2))  # no sample_tokens came: its merger is dropped
     assert executor.rpc_broadcast_mq.sent[-1][3] == 0
@@ -136,6 +136,6 @@ def test_vllm_s_connector_aggregator_still_merges_its_own_outputs_on_report_step
     assert executor.execute_model(_step(report=True)) is None
     sampled = executor.sample_tokens(None)
     assert executor.kv_output_aggregator is own
-    assert MapTally(WORLD).add(step_report_of(sampled)) == {2: 1}
+    assert CommandTally(WORLD).add(step_report_of(sampled)) == {2: 1}
     # both ranks finished sending "req": vLLM's aggregator reports it once all ranks did
     assert sampled.kv_connector_output.finished_sending == {"req"}

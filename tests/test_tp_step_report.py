@@ -15,7 +15,7 @@ import pytest
 
 from kvelastic.tp.report_merger import (RANK_ATTR, ReportMerger, attach_rank_report, reply_with_report,
                                         step_report_of)
-from kvelastic.tp.step_report import MapTally, RankReport, StepReport, split_map
+from kvelastic.tp.step_report import CommandTally, RankReport, StepReport, split_map
 
 WORLD = 2
 
@@ -26,7 +26,7 @@ def _report(rank: int, *maps: tuple[int, int], free: int = -1) -> RankReport:
 
 # ------------------------------------------------------------------ merging, no vLLM
 def test_a_map_is_decided_by_the_least_count_once_every_rank_reported_it():
-    tally = MapTally(WORLD)
+    tally = CommandTally(WORLD)
     assert tally.add(StepReport((_report(0, (5, 3)),))) == {}
     assert tally.undecided() == [5]
     assert tally.add(StepReport((_report(1, (5, 2), (6, 1)),))) == {5: 2}
@@ -36,7 +36,7 @@ def test_a_map_is_decided_by_the_least_count_once_every_rank_reported_it():
 
 def test_a_report_from_outside_the_world_is_an_error():
     with pytest.raises(ValueError):
-        MapTally(WORLD).add(StepReport((_report(2, (1, 1)),)))
+        CommandTally(WORLD).add(StepReport((_report(2, (1, 1)),)))
 
 
 class _Output:
@@ -66,7 +66,7 @@ def test_reports_ride_vllm_outputs_through_pickle_and_its_own_aggregator():
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_ATTR), "the shared empty output was changed"
     merged = ReportMerger(KVOutputAggregator(WORLD)).aggregate(replies, output_rank=0)
     assert merged.kv_connector_output.finished_sending == {"req"}, "the connector's own merge changed"
-    assert MapTally(WORLD).add(step_report_of(merged)) == {9: 3}
+    assert CommandTally(WORLD).add(step_report_of(merged)) == {9: 3}
     empty = attach_rank_report(EMPTY_MODEL_RUNNER_OUTPUT, _report(0))
     assert empty is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_ATTR)
 

@@ -4,8 +4,9 @@ When the reclaimer finds the pool over its limit in groups running requests
 hold (``PageAwareFreeQueue.shrink_by``), the next ``schedule()`` call first
 preempts the requests :func:`~kvelastic.scheduler.release_plan.choose_victims`
 names, so those groups hold no block in use, and gives them back before the
-call goes on (else it would hand their blocks to the waiting requests). It happens here, at the start of ``schedule()``, on the engine
-thread and under the scheduler lock, where vLLM's own between-steps
+call goes on (else it would hand their blocks to the waiting requests). It
+happens here, at the start of ``schedule()``, on the engine thread and under
+the scheduler lock, where vLLM's own between-steps
 preemption (``reset_prefix_cache``) happens too; never from the reclaimer's
 thread, since vLLM changes a request's state outside the lock as well.
 

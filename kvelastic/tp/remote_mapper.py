@@ -35,7 +35,7 @@ from kvelastic.roles import Mapper
 from kvelastic.tp import board as shm
 from kvelastic.tp.protocol import (MAP, START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command, wait_command)
-from kvelastic.tp.step_report import MapTally, StepReport, held_by_rank, split_map
+from kvelastic.tp.step_report import CommandTally, StepReport, held_by_rank, split_map
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -53,18 +53,19 @@ class RemoteMapper(Mapper):
     synchronous = False  # the queue must never wait for a map: it cannot be confirmed in the call
 
     def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start_mapped: Iterable[int] = (),
-                 confirm: str = BOARD, world: int | None = None):
-        """``confirm``: ``BOARD`` or ``STEP``; ``world``: ranks that must confirm (default: one per board)."""
+                 confirm: str = BOARD):
+        """``confirm``: ``BOARD`` or ``STEP``. Every rank (one per board) must confirm."""
         if confirm not in (BOARD, STEP):
             raise ValueError(f"confirmations come from {BOARD!r} or {STEP!r}, not {confirm!r}")
         self.folder = folder
         self.boards = list(boards)
         self.confirm = confirm
-        self.world = len(self.boards) if world is None else world
-        self._tally = MapTally(self.world)
+        self.world = len(self.boards)
+        self._tally = CommandTally(self.world)
         self._sent: dict[int, tuple[tuple[int, ...], int]] = {}  # MAP seq -> (groups, reports seen when sent)
         self._reports_seen = 0
-        self._loads_out: dict[int, set[int]] = {}  # asynchronous LOAD seq -> ranks that reported it done
+        self._loads_out: set[int] = set()  # asynchronous LOADs not yet reported done by every rank
+        self._load_tally = CommandTally(self.world, entries=lambda report: ((seq, 1) for seq in report.loads))
         self._loads_done: set[int] = set()  # reported by every rank, not yet seen by their fence
         self._rank_free: dict[int, int] = {}
         self._rank_held: dict[int, int] = {}
@@ -134,7 +135,7 @@ class RemoteMapper(Mapper):
                                  "(KVELASTIC_TP_CONFIRM=step)")
         seq = self._next()
         if not block_compute:
-            self._loads_out[seq] = set()
+            self._loads_out.add(seq)
         self._outbox.append(load_command(seq, block_ids, slots, block_compute))
         return seq
 
@@ -250,15 +251,9 @@ class RemoteMapper(Mapper):
         self._refuse(failed)
 
     def _count_loads(self, report: StepReport) -> None:
-        for r in report.ranks:
-            for seq in r.loads:
-                ranks = self._loads_out.get(seq)
-                if ranks is None:
-                    continue
-                ranks.add(r.rank)
-                if len(ranks) == self.world:
-                    del self._loads_out[seq]
-                    self._loads_done.add(seq)
+        done = self._load_tally.add(report).keys() & self._loads_out
+        self._loads_out -= done
+        self._loads_done |= done
 
     @property
     def wants_report(self) -> bool:

@@ -94,14 +94,14 @@ class RankConnection(CacheConnection):
         groups = range(first.layout.num_groups)
         boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
         mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)],
-                              confirm=confirm, world=len(infos))
+                              confirm=confirm)
         mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
                               and any(int(b.groups[g]) > 0 for b in boards)])
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
         self.mapper = mapper
         self.cache = ShardedKVCache(mapper, first, limit_bytes or (min(limits) if limits else None), lock)
         self.rank_held_bytes = mapper.rank_held_bytes
-        self.async_loads = confirm == STEP  # an asynchronous load's completion comes with the ranks' reports
+        self.async_loads = mapper.confirm == STEP  # an asynchronous load's completion comes with the ranks' reports
         self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
         self.slot_bytes = first.slot_bytes * first.world  # one slot of the index: every rank's share of a block
 

@@ -13,7 +13,7 @@ is plain ints and tuples, so pickling a report with the step costs next to nothi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -41,21 +41,21 @@ class StepReport:
 
     ranks: tuple[RankReport, ...] = field(default_factory=tuple)
 
-    def merged_with(self, other: "StepReport") -> "StepReport":
-        """Both reports' rank entries (a report can arrive split over two replies of one step)."""
-        return StepReport(self.ranks + other.ranks)
 
+class CommandTally:
+    """Per command, the least count any rank reported, once every rank has reported it.
 
-class MapTally:
-    """Per MAP command, the least count any rank mapped, once every rank has reported it.
-
-    The scheduler side's record of outcomes still missing a rank. A rank's
-    report is consumed once: a later report never repeats a seq.
+    The scheduler side's record of outcomes still missing a rank. ``entries``
+    picks a rank report's ``(seq, count)`` pairs: by default its MAPs (groups
+    mapped); an asynchronous load's is ``(seq, 1)``. A rank's report is
+    consumed once: a later report never repeats a seq.
     """
 
-    def __init__(self, world: int):
+    def __init__(self, world: int,
+                 entries: Callable[[RankReport], Iterable[tuple[int, int]]] = lambda report: report.maps):
         self.world = world
-        self._seen: dict[int, dict[int, int]] = {}  # seq -> rank -> done
+        self.entries = entries
+        self._seen: dict[int, dict[int, int]] = {}  # seq -> rank -> count
 
     def add(self, report: StepReport) -> dict[int, int]:
         """Take ``report``'s entries; return ``{seq: least done}`` for each seq now decided by all ranks."""
@@ -63,7 +63,7 @@ class MapTally:
         for rank_report in report.ranks:
             if not 0 <= rank_report.rank < self.world:
                 raise ValueError(f"a report from rank {rank_report.rank} of a world of {self.world}")
-            for seq, done in rank_report.maps:
+            for seq, done in self.entries(rank_report):
                 counts = self._seen.setdefault(seq, {})
                 counts[rank_report.rank] = done
                 if len(counts) == self.world:
@@ -72,19 +72,13 @@ class MapTally:
         return decided
 
     def undecided(self) -> list[int]:
-        """MAP seqs some rank has reported and another has not."""
+        """Seqs some rank has reported and another has not."""
         return sorted(self._seen)
 
     def drop(self, seqs: Iterable[int]) -> None:
         """Forget seqs the scheduler gave up on (refused after waiting too long)."""
         for seq in seqs:
             self._seen.pop(seq, None)
-
-
-def least_device_free(reports: Sequence[RankReport]) -> int | None:
-    """The smallest free device memory any rank reported, or None if none knows it."""
-    known = [r.device_free for r in reports if r.device_free >= 0]
-    return min(known) if known else None
 
 
 def split_map(groups: Sequence[int], done: int) -> tuple[list[int], list[int]]:
