@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
+try:
+    from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
+except ModuleNotFoundError:  # imported as scripts.bench_multiturn by the multi-model benchmark
+    from scripts.run_proof import inactive_reason
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
