@@ -71,6 +71,10 @@ class PoolMachine(RuleBasedStateMachine):
     def grow(self, pages: int) -> None:
         self.pool.grow_reserve(pages)
 
+    @rule()
+    def park(self) -> None:
+        self.pool.grow_reserve(0)  # parks warm pages at the lowest unmapped groups
+
     @rule(keep=st.integers(0, 4))
     def trim(self, keep: int) -> None:
         self.pool.trim_reserve(keep)
@@ -82,6 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert s.mapped_bytes == self._pages(self.mapped) * PAGE
         assert s.held_bytes == s.mapped_bytes + s.pending_unmap_bytes + s.reserve_bytes
         assert s.held_bytes == self.pool.backend._created_bytes
+        assert not self.pool.parked_groups() & self.mapped
         if s.limit_bytes is not None and s.held_bytes > s.limit_bytes:
             assert s.reserve_bytes == 0  # only mapped data may sit above a lowered limit
 

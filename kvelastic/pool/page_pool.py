@@ -7,18 +7,21 @@ a fence so pages the GPU may still read are never pulled from under a kernel.
 Physical pages come from a stack of page sources the caller builds
 (:mod:`kvelastic.pool.sources`) whose top is a warm reserve, so the hot path
 maps without creating; a limit in the stack, which can change while the pool
-runs, caps every physical byte the pool holds.
+runs, caps every physical byte the pool holds. Growing the reserve also parks
+it (:mod:`kvelastic.pool.parking`): warm pages are mapped ahead at the groups
+asked for next, so the hot path often makes no driver call at all.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, AbstractSet, Any, Iterable
 
-from kvelastic.errors import PoolClosedError, PoolError
+from kvelastic.errors import PoolClosedError, PoolError, PoolExhausted
 from kvelastic.pool.backend import Fence, PhysicalBackend
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
+from kvelastic.pool.parking import ParkingLot
 from kvelastic.pool.placement import PagePlacer
 from kvelastic.pool.region import Region, RegionLease
 from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
@@ -38,12 +41,15 @@ class PagePool(PoolView):
     The scheduler side sees it through the :class:`~kvelastic.roles.PoolView` role.
     """
 
-    def __init__(self, backend: PhysicalBackend, source: ReserveSource, *, zero_on_map: bool | str = True):
+    def __init__(self, backend: PhysicalBackend, source: ReserveSource, *, zero_on_map: bool | str = True,
+                 park: bool = True):
         """Map pages from ``source``, the top of a stack whose root creates pages on ``backend``.
 
         ``zero_on_map``: True zeroes every page as it is mapped (torch.zeros semantics);
         ``"fresh"`` zeroes only pages never mapped before by this pool (recycled pages
         keep this pool's own old data, as reused vLLM blocks do); False never zeroes.
+        ``park``: map the warm reserve ahead at the groups asked for next
+        (:mod:`kvelastic.pool.parking`); False keeps warm pages unmapped.
         """
         self.backend = backend
         self.page_bytes = source.page_bytes
@@ -61,15 +67,17 @@ class PagePool(PoolView):
         self._handles: dict[PageRef, Any] = {}
         self._pending: dict[PageRef, Fence] = {}
         self._pending_batches: deque[tuple[Fence, list[PageRef]]] = deque()
+        self._parking = ParkingLot()
+        self._park = park
         self._dead_regions: deque[int] = deque()
         self._closed = False
 
     @classmethod
     def standard(cls, backend: PhysicalBackend, *, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 limit_bytes: int | None = None, zero_on_map: bool | str = True) -> "PagePool":
+                 limit_bytes: int | None = None, zero_on_map: bool | str = True, park: bool = True) -> "PagePool":
         """A pool over the usual stack: a reserve over a limit over pages counted as created."""
         device = StatisticsSource(DeviceSource(backend, page_bytes))
-        return cls(backend, ReserveSource(LimitedSource(device, limit_bytes)), zero_on_map=zero_on_map)
+        return cls(backend, ReserveSource(LimitedSource(device, limit_bytes)), zero_on_map=zero_on_map, park=park)
 
     # ----------------------------------------------------------------- tensors
     def add_tensor(self, nbytes: int) -> "torch.Tensor":
@@ -134,6 +142,7 @@ class PagePool(PoolView):
         with self._lock:
             if self._mapped_groups:
                 raise PoolError("the layout can change only while no group is mapped")
+            self._unpark_locked()
             self._layout = layout
 
     # ----------------------------------------------------------- map / unmap
@@ -153,13 +162,16 @@ class PagePool(PoolView):
                 return 0
             wanted = self._pages_to_back(layout, new_groups)
             fresh = [ref for ref in wanted if ref not in self._handles]
-            handles = self._reserve.acquire(len(fresh), force=force)
+            handles = self._acquire(len(fresh), force, keep=set(wanted))
             try:
                 self._placer.map(fresh, handles)
             except BaseException:
                 self._reserve.release(handles)
                 raise
             self._handles.update(zip(fresh, handles))
+            strays = self._parking.adopt(wanted)
+            if strays:
+                self._unmap_pages(strays)
             for ref in wanted:
                 self._pending.pop(ref, None)
             for group in new_groups:
@@ -224,19 +236,37 @@ class PagePool(PoolView):
         """Change the physical-byte limit; return the bytes still over it after trimming the reserve."""
         with self._lock:
             self._reserve.set_limit(limit_bytes)
+            excess = self._reserve.excess_bytes()
+            if excess and self._parking.pages:
+                self._unpark_locked(-(-excess // self.page_bytes))
             self._collect_locked(wait=False)
             return self.stats().over_limit_bytes
 
     def grow_reserve(self, pages: int) -> int:
-        """Create up to ``pages`` warm pages ahead of demand, within the limit."""
+        """Create up to ``pages`` warm pages ahead of demand, within the limit; return how many.
+
+        Then park the warm pages (new and recycled) at the lowest unmapped
+        groups they fill whole, so mapping those groups later costs no driver
+        call. Call it off the hot path; ``grow_reserve(0)`` only parks.
+        """
         with self._lock:
             self._check_open()
-            return self._reserve.grow(pages)
+            added = self._reserve.grow(pages) if pages > 0 else 0
+            self._park_locked()
+            return added
 
     def trim_reserve(self, keep_pages: int = 0) -> int:
-        """Give warm pages beyond ``keep_pages`` back to the device."""
+        """Give warm pages (parked ones included) beyond ``keep_pages`` back to the device."""
         with self._lock:
-            return self._reserve.trim(keep_pages)
+            parked = self._parking.pages
+            if parked > keep_pages:
+                self._unpark_locked(parked - keep_pages)
+            return self._reserve.trim(max(0, keep_pages - self._parking.pages))
+
+    def parked_groups(self) -> frozenset[int]:
+        """Unmapped groups whose pages are mapped ahead (counted as warm reserve, not as mapped)."""
+        with self._lock:
+            return self._parking.groups()
 
     def headroom_estimate(self, device_free: int | None) -> int | None:
         """Bytes that could be mapped now; lock-free, for hot paths that tolerate a stale answer.
@@ -244,19 +274,21 @@ class PagePool(PoolView):
         The warm reserve plus what every limit in the stack and ``device_free``
         (a recent reading of the device's free bytes, or None) still allow.
         """
-        return self._reserve.headroom_bytes(device_free)
+        room = self._reserve.headroom_bytes(device_free)
+        return None if room is None else room + self._parking.pages * self.page_bytes
 
     def stats(self) -> PoolStats:
         with self._lock:
             report = self._reserve.report()
-            owned = len(self._handles) * self.page_bytes  # mapped or waiting for a fence
+            owned = len(self._handles) * self.page_bytes  # mapped, parked or waiting for a fence
             pending = len(self._pending) * self.page_bytes
-            warm = report.reserve_pages * self.page_bytes
+            parked = self._parking.pages * self.page_bytes
+            cached = report.reserve_pages * self.page_bytes
             return PoolStats(
                 page_bytes=self.page_bytes,
                 virtual_bytes=sum(r.reserved_bytes for r in self._regions.values()),
-                mapped_bytes=owned - pending, pending_unmap_bytes=pending, reserve_bytes=warm,
-                held_bytes=owned + warm, limit_bytes=report.limit_bytes,
+                mapped_bytes=owned - pending - parked, pending_unmap_bytes=pending,
+                reserve_bytes=cached + parked, held_bytes=owned + cached, limit_bytes=report.limit_bytes,
                 groups_mapped=len(self._mapped_groups), num_groups=self.layout.num_groups,
                 pages_created=report.pages_created,
                 reserve_hits=report.reserve_hits, reserve_misses=report.reserve_misses)
@@ -268,6 +300,7 @@ class PagePool(PoolView):
             if self._closed:
                 return
             self.backend.synchronize()
+            self._parking.evict()
             self._unmap_pages(list(self._handles))
             self._pending.clear()
             self._pending_batches.clear()
@@ -323,6 +356,43 @@ class PagePool(PoolView):
         if handles:
             self._reserve.release(handles)  # which gives back warm pages the limit no longer allows
 
+    def _acquire(self, count: int, force: bool, keep: AbstractSet[PageRef]) -> list[Any]:
+        """Pages for a map call; parked groups holding none of ``keep`` go back if the stack says no."""
+        try:
+            return self._reserve.acquire(count, force=force)
+        except PoolExhausted:
+            if not self._unpark_locked(count - self._reserve.cached_pages, keep=keep):
+                raise
+            return self._reserve.acquire(count, force=force)
+
+    def _park_locked(self) -> int:
+        """Map the reserve's spare pages at the lowest unmapped groups they fill whole."""
+        spare = self._reserve.cached_pages
+        if not spare or not self._park:
+            return 0
+        layout = self.layout
+        chosen = self._parking.choose(layout, spare, lambda g: self._live_pages(layout, g),
+                                      lambda g, ref: g not in self._mapped_groups and ref not in self._handles)
+        refs = [ref for _, group_refs in chosen for ref in group_refs]
+        if not refs:
+            return 0
+        handles = self._reserve.acquire(len(refs))
+        try:
+            self._placer.map(refs, handles)
+        except BaseException:
+            self._reserve.release(handles)
+            raise
+        self._handles.update(zip(refs, handles))
+        for group, group_refs in chosen:
+            self._parking.park(group, group_refs)
+        return len(refs)
+
+    def _unpark_locked(self, count: int | None = None, keep: AbstractSet[PageRef] = frozenset()) -> int:
+        """Unmap parked groups (highest first) until ``count`` pages are back in the reserve (None: all)."""
+        refs = self._parking.evict(count, keep=keep)
+        self._unmap_pages(refs)
+        return len(refs)
+
     def _collect_locked(self, wait: bool) -> int:
         """Unmap pages whose fence has passed; one fence query per batch, not per page."""
         if not self._pending_batches:
@@ -346,6 +416,7 @@ class PagePool(PoolView):
         if region is None:
             return
         self.backend.record_fence().wait()
+        self._unpark_locked()
         refs = [ref for ref in self._handles if ref.region == region_id]
         self._unmap_pages(refs)
         for ref in refs:

@@ -13,7 +13,8 @@ upkeep thread's memory jobs (:mod:`kvelastic.scheduler.upkeep` runs them):
   what is still over the limit after that is held by running requests, and the
   free-block count stops offering it until they have given it back;
 - :class:`WarmReserve` finishes fenced unmaps and keeps a warm reserve of pages
-  while the engine is busy, none while it idles.
+  while the engine is busy, none while it idles; the pool parks those pages at
+  the groups the scheduler maps next, so that mapping costs no driver call.
 """
 
 from __future__ import annotations
@@ -124,5 +125,4 @@ class WarmReserve:
         room = pool.headroom_estimate(self.cache.device_room())  # counts the warm pages too
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
-        if missing > 0:
-            pool.grow_reserve(missing)
+        pool.grow_reserve(max(0, missing))  # which also parks warm pages at the groups mapped next

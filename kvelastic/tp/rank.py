@@ -189,8 +189,8 @@ class RankWorker:
         have = pool.stats().reserve_bytes // pool.page_bytes
         if have > self.reserve_pages:
             pool.trim_reserve(self.reserve_pages)
-        elif grow and have < self.reserve_pages:
-            pool.grow_reserve(self.reserve_pages - have)
+        elif grow:
+            pool.grow_reserve(max(0, self.reserve_pages - have))  # which also parks recycled pages
 
     def _report_memory(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -100,3 +100,27 @@ def test_dropping_a_tensor_frees_device_memory(pool):
     assert _free() - before == 64 * MIB
     keep.fill_(1)
     torch.cuda.synchronize()
+
+
+def test_parked_groups_are_adopted_without_driver_calls_and_read_as_zero(pool, monkeypatch):
+    tensors = [pool.add_tensor(64 * MIB) for _ in range(4)]
+    pool.map_groups([0])
+    tensors[0][:PAGE].fill_(3)
+    pool.grow_reserve(8)  # two whole groups of four pages, parked at groups 1 and 2
+    assert pool.parked_groups() == {1, 2}
+    for t in tensors:
+        assert int(torch.count_nonzero(t[PAGE:3 * PAGE])) == 0  # parked pages are mapped, and zeroed
+    torch.cuda.synchronize()
+    before = _free()
+    calls = []
+    original = pool.backend.map_runs
+    monkeypatch.setattr(pool.backend, "map_runs", lambda *a, **k: (calls.append(a), original(*a, **k)))
+    assert pool.map_groups([1, 2]) == 2
+    assert calls == [] and _free() == before  # no mapping, no new memory: the pages were already there
+    for t in tensors:
+        t[PAGE:3 * PAGE].fill_(5)
+        assert int(t[PAGE:3 * PAGE].sum()) == 5 * 2 * PAGE
+    assert int(tensors[0][:PAGE].sum()) == 3 * PAGE
+    pool.unmap_groups([0, 1, 2])
+    pool.trim_reserve(0)
+    assert pool.stats().held_bytes == 0

@@ -1,0 +1,153 @@
+"""Parked warm pages: mapped ahead at the groups asked for next, adopted without a driver call.
+
+Real host mappings (the host backend maps shared-memory pages with mmap), so the
+process's resident memory shows what is really held.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+from kvelastic.errors import PoolLimitExceeded
+from kvelastic.pool import GroupLayout, HostBackend, PagePool, PageRef
+from tests.conftest import SMALL_PAGE
+from tests.test_pool_host import ManualFence, _rss_shmem_bytes
+
+
+class CountingHostBackend(HostBackend):
+    """The host backend, counting the pages it is asked to map (the driver calls on CUDA)."""
+
+    def __init__(self, max_bytes: int | None = None):
+        super().__init__(max_bytes)
+        self.pages_mapped = 0
+
+    def map_runs(self, runs, page_bytes, *, zero):
+        self.pages_mapped += sum(len(run.handles) for run in runs)
+        super().map_runs(runs, page_bytes, zero=zero)
+
+
+@pytest.fixture
+def pool():
+    pool = PagePool.standard(CountingHostBackend(), page_bytes=SMALL_PAGE)
+    yield pool
+    pool.close()
+    assert pool.leak_report() == []
+
+
+def test_growing_the_reserve_parks_it_at_the_lowest_unmapped_groups(pool):
+    tensors = [pool.add_tensor(8 * SMALL_PAGE) for _ in range(3)]
+    pool.map_groups([0, 2])
+    assert pool.grow_reserve(6) == 6
+    assert pool.parked_groups() == {1, 3}
+    s = pool.stats()
+    assert (s.mapped_bytes, s.reserve_bytes, s.held_bytes) == (6 * SMALL_PAGE, 6 * SMALL_PAGE, 12 * SMALL_PAGE)
+    assert not pool.is_mapped(1) and pool.mapped_groups() == {0, 2}
+    before = pool.backend.pages_mapped
+    assert pool.map_groups([1, 3]) == 2
+    assert pool.backend.pages_mapped == before, "adopting parked groups must not map again"
+    assert pool.parked_groups() == frozenset()
+    for t in tensors:
+        assert torch.count_nonzero(t[SMALL_PAGE:2 * SMALL_PAGE]) == 0
+        t[3 * SMALL_PAGE:4 * SMALL_PAGE] = 7
+        assert torch.all(t[3 * SMALL_PAGE:4 * SMALL_PAGE] == 7)
+    assert pool.stats().mapped_bytes == 12 * SMALL_PAGE
+
+
+def test_recycled_pages_are_parked_by_grow_reserve_zero(pool):
+    _alive = pool.add_tensor(4 * SMALL_PAGE)
+    pool.map_groups([0, 1])
+    pool.unmap_groups([0, 1])
+    assert pool.parked_groups() == frozenset() and pool.stats().reserve_bytes == 2 * SMALL_PAGE
+    assert pool.grow_reserve(0) == 0
+    assert pool.parked_groups() == {0, 1}
+
+
+def test_a_map_elsewhere_takes_parked_pages_back_when_the_limit_is_reached(pool):
+    tensor = pool.add_tensor(8 * SMALL_PAGE)
+    pool.set_limit(3 * SMALL_PAGE)
+    pool.map_groups([0])
+    tensor[:SMALL_PAGE] = 5
+    pool.grow_reserve(2)
+    assert pool.parked_groups() == {1, 2}
+    assert pool.map_groups([6]) == 1  # no room left: the highest parked group goes back
+    assert pool.parked_groups() == {1} and pool.mapped_groups() == {0, 6}
+    assert pool.stats().held_bytes == 3 * SMALL_PAGE
+    assert torch.all(tensor[:SMALL_PAGE] == 5)
+    with pytest.raises(PoolLimitExceeded):
+        pool.map_groups([4, 5])  # two pages wanted, one parked page to give: all or nothing
+    assert pool.mapped_groups() == {0, 6} and pool.stats().held_bytes == 3 * SMALL_PAGE
+
+
+def test_lowering_the_limit_and_trimming_unmap_parked_pages_for_real():
+    pool = PagePool.standard(HostBackend(), page_bytes=1024 * 1024)
+    try:
+        _alive = pool.add_tensor(32 * 1024 * 1024)
+        pool.map_groups([0])
+        base = _rss_shmem_bytes()
+        pool.grow_reserve(8)
+        assert len(pool.parked_groups()) == 8
+        pool.set_limit(5 * 1024 * 1024)
+        assert len(pool.parked_groups()) == 4 and pool.stats().held_bytes == 5 * 1024 * 1024
+        pool.trim_reserve(0)
+        s = pool.stats()
+        assert pool.parked_groups() == frozenset() and s.reserve_bytes == 0 and s.held_bytes == 1024 * 1024
+        assert _rss_shmem_bytes() <= base + 512 * 1024
+    finally:
+        pool.close()
+
+
+def test_headroom_counts_parked_pages(pool):
+    _alive = pool.add_tensor(8 * SMALL_PAGE)
+    pool.set_limit(4 * SMALL_PAGE)
+    pool.grow_reserve(3)
+    assert len(pool.parked_groups()) == 3
+    assert pool.headroom_estimate(None) == 4 * SMALL_PAGE
+
+
+def test_pages_waiting_on_a_fence_are_not_parked_over(pool):
+    tensor = pool.add_tensor(4 * SMALL_PAGE)
+    pool.map_groups([0, 1])
+    tensor[:2 * SMALL_PAGE] = 3
+    fence = ManualFence()
+    pool.unmap_groups([0], fence=fence)
+    pool.grow_reserve(1)
+    assert pool.parked_groups() == {2}
+    assert pool.map_groups([0]) == 1  # revives its own pending page, keeping its data
+    assert torch.all(tensor[:SMALL_PAGE] == 3)
+
+
+class SharedPageLayout(GroupLayout):
+    """Group g needs pages g and g + 1 of region 0, so neighbours share a page."""
+
+    def __init__(self, groups: int):
+        self._groups = groups
+
+    @property
+    def num_groups(self) -> int:
+        return self._groups
+
+    def pages(self, group: int) -> Sequence[PageRef]:
+        return [PageRef(0, group), PageRef(0, group + 1)]
+
+
+def test_adopting_a_shared_page_returns_the_parked_groups_other_page(pool):
+    tensor = pool.add_tensor(6 * SMALL_PAGE)
+    pool.set_layout(SharedPageLayout(5))
+    pool.map_groups([0])  # pages 0, 1
+    pool.grow_reserve(2)
+    assert pool.parked_groups() == {2}  # group 1 would need page 1, which group 0 holds
+    pool.unmap_groups([0])
+    pool.grow_reserve(0)  # pages 0 and 1 back in the reserve: group 0 parks
+    assert pool.parked_groups() == {0, 2}
+    before = pool.backend.pages_mapped
+    pool.map_groups([1])  # pages 1 (parked with group 0) and 2 (parked with group 2)
+    assert pool.backend.pages_mapped == before
+    s = pool.stats()
+    assert pool.parked_groups() == frozenset() and s.mapped_bytes == 2 * SMALL_PAGE
+    assert s.reserve_bytes == 2 * SMALL_PAGE  # pages 0 and 3, unmapped again
+    assert s.held_bytes == 4 * SMALL_PAGE
+    tensor[SMALL_PAGE:3 * SMALL_PAGE] = 9
+    assert torch.all(tensor[SMALL_PAGE:3 * SMALL_PAGE] == 9)
