@@ -164,7 +164,8 @@ class PagePool(PoolView):
             fresh = [ref for ref in wanted if ref not in self._handles]
             handles = self._acquire(len(fresh), force, keep=set(wanted))
             try:
-                self._placer.map(fresh, handles)
+                if fresh:  # none when every page was parked or waiting on a fence
+                    self._placer.map(fresh, handles)
             except BaseException:
                 self._reserve.release(handles)
                 raise
