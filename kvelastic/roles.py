@@ -177,6 +177,9 @@ class CacheConnection(Protocol):
     #: Whether a host load can run beside compute: its copier's fence says when it is done without this
     #: process waiting on another (``KVELASTIC_CPU_LOAD=async`` needs it).
     async_loads: bool
+    #: Whether an unmap takes effect between two steps (the pool is in this process); False where the
+    #: ranks apply it with their next step (``KVELASTIC_RELEASE=preempt`` needs True).
+    unmaps_between_steps: bool
 
     @abstractmethod
     def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:

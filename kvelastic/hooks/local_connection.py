@@ -33,6 +33,7 @@ class LocalConnection(CacheConnection):
 
     rank_held_bytes = None  # one pool, in this process: its own statistics say what it holds
     async_loads = True  # the copier's fences are this process's CUDA events
+    unmaps_between_steps = True  # the pool is in this process
 
     def __init__(self, cache: ElasticKVCache, limit_bytes: int | None):
         cache.pool.set_limit(limit_bytes)  # start-up warm-up ran unlimited; from here the limit holds

@@ -79,7 +79,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     if offload is not None and async_loads:
         _attach_host_loads(scheduler, offload, runtime, patcher, connection)
     if settings.release == "preempt":
-        _attach_targeted_release(scheduler, queue, cache, runtime, patcher, vllm_connector=vllm_connector)
+        _attach_targeted_release(scheduler, queue, cache, connection, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     reply_hook = connection.reply_hook()
     if reply_hook is not None:  # under tensor parallelism, confirmations on the steps' replies
@@ -163,13 +163,13 @@ def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:
     return True
 
 
-def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, runtime: Runtime,
+def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, connection: CacheConnection,
                              patcher: Patcher, *, vllm_connector: bool) -> None:
     """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once.
     ``vllm_connector``: vLLM made a KV connector (kvelastic's own host-load connector is not one)."""
     from kvelastic.hooks.targeted_release import install_targeted_release
 
-    release = install_targeted_release(scheduler, queue, cache, patcher, local=runtime.cache is not None,
+    release = install_targeted_release(scheduler, queue, cache, patcher, local=connection.unmaps_between_steps,
                                        vllm_connector=vllm_connector)
     patcher.add_attribute(scheduler, "kvelastic_release", release)
 

@@ -82,6 +82,8 @@ class RankConnection(CacheConnection):
     user's) overrides the smallest limit the ranks profiled.
     """
 
+    unmaps_between_steps = False  # the ranks unmap with the step that carries the command
+
     def __init__(self, folder: Path, infos: Sequence[shm.RankInfo], limit_bytes: int | None = None,
                  lock: ContextManager | None = None, confirm: str = BOARD):
         """``confirm``: where the ranks' confirmations come from (:data:`~kvelastic.tp.remote_mapper.BOARD`
