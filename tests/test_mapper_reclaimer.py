@@ -341,6 +341,24 @@ def test_the_reserve_grows_while_busy_and_is_trimmed_when_idle(engine):
     engine.bp.free_blocks(live)
 
 
+def test_the_warm_reserve_is_parked_where_vllm_takes_blocks_next(engine, monkeypatch):
+    live = engine.bp.get_new_blocks(10)
+    reclaimer_for(engine, reserve_pages=2 * GROUP_PAGES).tick()
+    before = engine.pool.mapped_groups()
+    parked = engine.pool.parked_groups()
+    assert parked == set(sorted(set(range(engine.cache.num_groups)) - before)[:2])
+    pages_mapped = []
+    original = engine.pool.backend.map_runs
+    monkeypatch.setattr(engine.pool.backend, "map_runs",
+                        lambda runs, *a, **k: (pages_mapped.append(sum(len(r.handles) for r in runs)),
+                                               original(runs, *a, **k)))
+    taken = engine.bp.get_new_blocks(BLOCKS_PER_GROUP * (len(before) + 1))  # into the parked groups
+    newly = engine.pool.mapped_groups() - before
+    assert parked <= newly
+    assert sum(pages_mapped) == (len(newly) - len(parked)) * GROUP_PAGES  # parked groups cost no mapping
+    engine.bp.free_blocks(taken + live)
+
+
 def test_the_reserve_stays_within_the_limit(engine):
     engine.bp.get_new_blocks(10)
     held = engine.pool.stats().held_bytes
