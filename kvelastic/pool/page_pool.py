@@ -162,7 +162,7 @@ class PagePool(PoolView):
                 return 0
             wanted = self._pages_to_back(layout, new_groups)
             fresh = [ref for ref in wanted if ref not in self._handles]
-            handles = self._acquire(len(fresh), force, keep=set(wanted))
+            handles = self._acquire(len(fresh), force, wanted)
             try:
                 if fresh:  # none when every page was parked or waiting on a fence
                     self._placer.map(fresh, handles)
@@ -252,7 +252,7 @@ class PagePool(PoolView):
         """
         with self._lock:
             self._check_open()
-            added = self._reserve.grow(pages) if pages > 0 else 0
+            added = self._reserve.grow(pages)
             self._park_locked()
             return added
 
@@ -357,12 +357,12 @@ class PagePool(PoolView):
         if handles:
             self._reserve.release(handles)  # which gives back warm pages the limit no longer allows
 
-    def _acquire(self, count: int, force: bool, keep: AbstractSet[PageRef]) -> list[Any]:
-        """Pages for a map call; parked groups holding none of ``keep`` go back if the stack says no."""
+    def _acquire(self, count: int, force: bool, wanted: list[PageRef]) -> list[Any]:
+        """Pages for a map call; parked groups holding none of ``wanted`` go back if the stack says no."""
         try:
             return self._reserve.acquire(count, force=force)
         except PoolExhausted:
-            if not self._unpark_locked(count - self._reserve.cached_pages, keep=keep):
+            if not self._unpark_locked(count - self._reserve.cached_pages, keep=set(wanted)):
                 raise
             return self._reserve.acquire(count, force=force)
 

@@ -35,9 +35,6 @@ class ParkingLot:
         """Pages parked now (read without the pool's lock by the headroom estimate: a stale answer is fine)."""
         return len(self._owner)
 
-    def __contains__(self, group: object) -> bool:
-        return group in self._groups
-
     def groups(self) -> frozenset[int]:
         return frozenset(self._groups)
 
@@ -72,14 +69,13 @@ class ParkingLot:
         for ref in refs:
             self._owner[ref] = group
 
-    def holds(self, ref: PageRef) -> bool:
-        return ref in self._owner
-
     def adopt(self, wanted: Iterable[PageRef]) -> list[PageRef]:
         """Hand parked pages in ``wanted`` over to mapped groups; return their groups' other pages.
 
         Those strays belong to no group any more and go back to the reserve.
         """
+        if not self._owner:
+            return []
         wanted = set(wanted)
         groups = {self._owner[ref] for ref in wanted if ref in self._owner}
         strays: list[PageRef] = []
