@@ -7,6 +7,7 @@ stay written once (``kvelastic/patching/versions.py``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -23,8 +24,38 @@ __all__ = ["ALL", "BAND_A", "BAND_B", "BAND_C", "BEFORE_BAND_C", "argument", "be
 
 
 def argument(wrapped: Any, args: tuple, kwargs: dict, name: str) -> Any:
-    """The value the caller passed for parameter ``name``, positionally or by keyword."""
+    """The value the caller passed for parameter ``name``, positionally or by keyword.
+
+    Wrappers call this on every scheduler step, so a positional argument is
+    found by its cached position; anything else binds the whole signature.
+    """
+    index = _position(wrapped, name)
+    if index is not None and index < len(args):
+        return args[index]
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
     if name in bound.arguments:
         return bound.arguments[name]
     raise TypeError(f"{getattr(wrapped, '__qualname__', wrapped)} was called without {name!r}")
+
+
+def _position(wrapped: Any, name: str) -> int | None:
+    """Where ``name`` sits among the positional arguments a call of ``wrapped`` gets (a bound method's
+    ``self`` not counted); None where that is not known for sure."""
+    function = getattr(wrapped, "__func__", None)
+    skip = 1 if function is not None and getattr(wrapped, "__self__", None) is not None else 0
+    try:
+        position = _leading_positions(function if skip else wrapped).get(name)
+    except (TypeError, ValueError):  # unhashable, or no signature to read
+        return None
+    return None if position is None or position < skip else position - skip
+
+
+@functools.lru_cache(maxsize=None)
+def _leading_positions(function: Any) -> dict[str, int]:
+    """Each parameter's position, up to the first that cannot be passed by position."""
+    positions: dict[str, int] = {}
+    for index, parameter in enumerate(inspect.signature(function).parameters.values()):
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            break
+        positions[parameter.name] = index
+    return positions

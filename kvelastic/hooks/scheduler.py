@@ -225,7 +225,7 @@ def reading_wrapper(lock: ContextManager, read: Callable[[Any], None]) -> Callab
 
 def _read_first(lock: ContextManager, read: Callable[[Any], None], wrapped: Any, instance: Any, args: tuple,
                 kwargs: dict) -> Any:
-    output = args[1] if len(args) == 2 else argument(wrapped, args, kwargs, "model_runner_output")
+    output = argument(wrapped, args, kwargs, "model_runner_output")
     with lock:
         read(output)
         return wrapped(*args, **kwargs)
