@@ -66,8 +66,8 @@ class HandCopier:
             fence.pass_()
 
 
-def tier_with(keys, copier: HandCopier) -> HostTier:
-    tier = HostTier(64 * BLOCK_BYTES, BLOCK_BYTES, pin=False, allocate=False)
+def tier_with(keys, copier: HandCopier, capacity: int = 64) -> HostTier:
+    tier = HostTier(capacity * BLOCK_BYTES, BLOCK_BYTES, pin=False, allocate=False)
     for key in keys:
         copier.host[tier.admit(key)] = ("data", key)
     return tier
@@ -79,9 +79,9 @@ class Block:
         self.block_id, self.refs = block_id, 1
 
 
-def ledger(keys, **kw):
+def ledger(keys, capacity: int = 64, **kw):
     copier = HandCopier()
-    tier = tier_with(keys, copier)
+    tier = tier_with(keys, copier, capacity)
 
     def hold(blocks):
         for b in blocks:
@@ -132,6 +132,42 @@ def test_loads_retire_in_issue_order_and_a_refused_copy_is_reported_as_failed_bl
     assert loads.host_run(["b"], "r2") == 0 and loads.host_run(["b"], "r3") == 1  # r2 is recomputed
     loads.forget("r2")
     assert loads.host_run(["b"], "r2") == 1
+
+
+def test_a_run_offered_to_a_request_survives_spills_until_planned_and_is_let_go_at_the_step_end():
+    """vLLM allocates a request's blocks between the lookup and the plan; that allocation may spill GPU
+    blocks into a full tier. The offered run stays; an offer nobody took is released when schedule() ends."""
+    loads, tier, copier = ledger(["a", "b", "c", "d"], capacity=4)
+    assert loads.host_run(["a", "b"], "r") == 2
+    loads.promise("r", ["a", "b"])
+    loads.promise("q", ["c"])
+    for spilled in ["s1", "s2", "s3"]:  # the allocation's spills
+        copier.host[tier.admit(spilled)] = ("data", spilled)
+    assert "a" in tier and "b" in tier and "c" in tier and "d" not in tier
+    loads.promise("p", ["s3"])
+    assert tier.admit("s4") is None and tier.refused_all_pinned == 1  # all resident keys pinned: not kept
+    assert "s4" not in tier and "s3" in tier
+    loads.plan("r", ["a", "b"], [Block(1), Block(2)], asynchronous=True)
+    loads.issue()  # the end of schedule(): q's offer lapses, r's pins are its load's now
+    assert tier.policy.is_pinned("a") and not tier.policy.is_pinned("c") and not tier.policy.is_pinned("s3")
+    copier.pass_all()
+    assert loads.retire().finished == ["r"] and copier.gpu == {1: ("data", "a"), 2: ("data", "b")}
+    assert not any(tier.policy.is_pinned(k) for k in "abc")
+
+
+def test_a_key_gone_before_its_plan_fails_the_load_into_a_recompute_instead_of_stopping():
+    loads, tier, copier = ledger(["a", "b"], capacity=2)
+    blocks = [Block(1), Block(2)]
+    tier.admit("c")  # a spill with no offer holding the run: "a" leaves the tier
+    assert "a" not in tier
+    loads.plan("r", ["a", "b"], blocks, asynchronous=True)
+    assert [b.refs for b in blocks] == [2, 2] and tier.hits == 0
+    loads.issue()
+    assert copier.loads == []  # nothing copied
+    retired = loads.retire()
+    assert retired.finished == ["r"] and retired.invalid_block_ids == {1, 2}
+    assert [b.refs for b in blocks] == [1, 1] and loads.counters.failed_loads == 1
+    assert loads.host_run(["b"], "r") == 0 and not tier.policy.is_pinned("b")
 
 
 def test_a_small_run_loads_in_front_of_the_step_and_sync_loads_go_out_first():
@@ -309,3 +345,37 @@ def test_loads_a_reset_waited_for_still_promote_their_requests():
         step(scheduler, connector)
         steps += 1
     assert b.num_computed_tokens >= 320
+
+
+def test_spills_made_by_the_allocation_of_a_host_hit_do_not_push_its_run_out_of_the_tier():
+    """As on the GPU: vLLM's allocation for a request whose prefix is on the host evicts cached GPU
+    blocks, whose spills fill the host tier. Its run was offered at the lookup and must still be there
+    when the load is planned (the H100 multi-turn run stopped on this before the run was held)."""
+    b, _ = requests()
+    scheduler, connector, copier, tier = engine(keys_of(b))
+    tier.policy = type(tier.policy)(19, on_evict=tier._evicted)  # room for exactly b's run
+    for key in keys_of(b)[:19]:
+        tier.policy.request(key)
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+    spilled = []
+
+    def allocate_and_spill(*args, **kwargs):
+        for i in range(19):  # what evicting 19 cached GPU blocks would put in the tier
+            slot = tier.admit(("spilled", len(spilled)))
+            spilled.append(slot)
+            if slot is not None:
+                copier.host[slot] = ("data", "spilled")
+        return allocate(*args, **kwargs)
+
+    manager.allocate_slots = allocate_and_spill
+    scheduler.add_request(b)
+    step(scheduler, connector)
+    ((ids, *_),) = copier.loads
+    assert len(ids) == 19 and spilled and all(slot is None for slot in spilled)  # none kept: all pinned
+    copier.pass_all()
+    while scheduler.has_requests():
+        step(scheduler, connector)
+    assert [copier.gpu[i] for i in ids] == [("data", k) for k in keys_of(b)[:19]]
+    assert connector.loads.counters.failed_loads == 0
+    assert not any(tier.policy.is_pinned(k) for k in keys_of(b))

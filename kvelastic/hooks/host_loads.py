@@ -69,11 +69,13 @@ def connector_class() -> type:
 
         # ------------------------------------------------------------ scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-            """The host tier's run after the GPU hit; side-effect free (vLLM may ask again)."""
+            """The host tier's run after the GPU hit, held on the host until vLLM allocated its blocks or
+            ``schedule()`` ended (the allocation may spill GPU blocks into the tier); vLLM may ask again."""
             first = num_computed_tokens // self.block_size
             last = (request.num_tokens - 1) // self.block_size  # the last token is always computed
             keys = tuple(make_block_hash_with_group_id(h, 0) for h in request.block_hashes[first:last])
             run = self.loads.host_run(keys, request.request_id)
+            self.loads.promise(request.request_id, keys[:run or 0])
             if run is None:
                 self._pending.pop(request.request_id, None)
                 return None, False

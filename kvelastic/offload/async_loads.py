@@ -19,6 +19,11 @@ What this ledger guarantees, with no vLLM in sight:
   request's run (:meth:`host_run`) changes nothing;
 * a key already being loaded for one request is never loaded again for
   another: :meth:`host_run` says "ask again later" (None) instead;
+* a run offered to vLLM stays on the host until vLLM has allocated its
+  blocks: :meth:`promise` pins it for the rest of ``schedule()``, since the
+  allocation in between may evict GPU blocks whose spills would otherwise
+  push the run out of the tier; should a key be gone all the same, the load
+  fails (its blocks are recomputed) instead of stopping the engine;
 * a load that could not be issued is reported as failed blocks, which vLLM
   recomputes; its pins and references are given back, and that request is
   offered no host run again (else it would fail and retry forever).
@@ -88,6 +93,7 @@ class AsyncLoads:
         self._issued: deque[PlannedLoad] = deque()  # in issue order: one stream completes them in order
         self._loading: dict[Hashable, int] = {}  # key -> loads in flight that read it
         self._refused: set[str] = set()  # requests whose load failed: recomputed, never offered the host again
+        self._promised: dict[str, tuple[Hashable, ...]] = {}  # request -> run offered this step, pinned
 
     # ----------------------------------------------------------- look (no side effect)
     def host_run(self, keys: Sequence[Hashable], request_id: str | None = None) -> int | None:
@@ -110,29 +116,60 @@ class AsyncLoads:
         """Whether a run of ``blocks`` loads beside compute (else in front of the step's forward pass)."""
         return blocks * self.copier.bytes_per_block >= self.async_min_bytes
 
+    # ---------------------------------------------------------------- promise
+    def promise(self, request_id: str, keys: Sequence[Hashable]) -> None:
+        """``keys`` (a run :meth:`host_run` just counted) are offered to ``request_id``: pinned until
+        :meth:`plan` takes them or ``schedule()`` ends (:meth:`issue`), replacing what was offered to
+        that request before. An empty ``keys`` only withdraws the earlier offer."""
+        self._withdraw(request_id)
+        if keys:
+            for key in keys:
+                self.tier.pin(key)
+            self._promised[request_id] = tuple(keys)
+
+    def _withdraw(self, request_id: str) -> None:
+        for key in self._promised.pop(request_id, ()):
+            self.tier.unpin(key)
+
+    def _withdraw_all(self) -> None:
+        for request_id in list(self._promised):
+            self._withdraw(request_id)
+
     # ------------------------------------------------------------------- plan
     def plan(self, request_id: str, keys: Sequence[Hashable], blocks: Sequence[Any], *, asynchronous: bool) -> None:
         """Load ``keys`` into ``blocks`` (vLLM just allocated them to ``request_id``): each key is
         requested from the policy (a hit) and pinned, each block held, and the load queued for
-        :meth:`issue`. Every key must be in the tier (``host_run`` said so, in the same step)."""
+        :meth:`issue`. The keys were promised to the request in this step; one that left the tier all
+        the same fails the load: its blocks are reported to vLLM, which recomputes them."""
         assert len(keys) == len(blocks) and keys, "internal: a load needs one block per key"
+        self._hold(blocks)
+        if not all(key in self.tier for key in keys):
+            self._withdraw(request_id)
+            self.counters.failed_loads += 1
+            self._queued.append(PlannedLoad(request_id, (), tuple(blocks), (), asynchronous, failed=True))
+            return
         slots = []
         for key in keys:
             slot = self.tier.lookup(key)
-            assert slot is not None, f"internal: {key!r} left the host tier between lookup and allocation"
+            assert slot is not None  # checked above; lookup changes no membership
             self.tier.pin(key)
             self._loading[key] = self._loading.get(key, 0) + 1
             slots.append(slot)
-        self._hold(blocks)
+        self._withdraw(request_id)
         self._queued.append(PlannedLoad(request_id, tuple(keys), tuple(blocks), tuple(slots), asynchronous))
 
     # ------------------------------------------------------------------ issue
     def issue(self) -> None:
         """End of ``schedule()``: issue the loads planned in it, synchronous ones first (compute waits
-        for them), then the asynchronous ones beside compute. A load that cannot be queued is failed."""
+        for them), then the asynchronous ones beside compute. A load that cannot be queued is failed.
+        Runs offered in this ``schedule()`` and not taken are no longer held."""
+        self._withdraw_all()
         queued, self._queued = self._queued, []
         queued.sort(key=lambda load: load.asynchronous)  # stable: sync first, each kind in plan order
         for load in queued:
+            if load.failed:  # its keys left the tier before it was planned
+                self._issued.append(load)
+                continue
             try:
                 load.fence = self.copier.load(load.block_ids, list(load.slots), block_compute=not load.asynchronous)
             except Exception:
@@ -164,6 +201,7 @@ class AsyncLoads:
 
     def wait_all(self) -> Retired:
         """Wait for every load issued (a prefix-cache reset frees host slots): then :meth:`retire`."""
+        self._withdraw_all()
         for load in self._issued:
             if load.fence is not None and not load.failed:
                 load.fence.wait()
@@ -177,6 +215,7 @@ class AsyncLoads:
     def forget(self, request_id: str) -> None:
         """``request_id`` finished: nothing more is kept about it (its loads, if any, still retire)."""
         self._refused.discard(request_id)
+        self._withdraw(request_id)
 
     def waiting_for(self, request_id: str) -> bool:
         """``request_id`` has an asynchronous load not yet retired."""

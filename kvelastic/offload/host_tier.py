@@ -25,7 +25,7 @@ from kvelastic.errors import ConfigError, KvelasticError
 from kvelastic.offload.arc import ARC
 from kvelastic.offload.host_memory import CudaPinner, HostMemory, PinError, SlotSupply
 from kvelastic.offload.lru import LRU
-from kvelastic.offload.policy import EvictionPolicy
+from kvelastic.offload.policy import AllPinnedError, EvictionPolicy
 from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
@@ -103,6 +103,7 @@ class HostTier:
         self._supply: SlotSupply | None = self.memory or supply
         self._slot_of: dict[Hashable, int] = {}
         self.hits = self.misses = self.admitted = self.evicted = 0
+        self.refused_all_pinned = 0  # blocks not kept: every resident one was pinned by a load
         if self._supply is None:
             self._grow_to(slots)
         else:
@@ -114,11 +115,10 @@ class HostTier:
 
     def admit(self, key: Hashable) -> int | None:
         """A slot to copy ``key``'s block into, or None when the tier already holds it (or the policy
-        has no slot pinned yet)."""
+        has no slot pinned yet, or every block it holds is pinned by a load: the block is not kept)."""
         self.refresh()
-        if self.policy is None or self.admit_held(key):
+        if self.policy is None or self.admit_held(key) or not self._request_new(key):
             return None
-        self.policy.request(key)  # a miss: admits the key, evicting as the policy says
         slot = self.take_slot()
         self._slot_of[key] = slot
         self.admitted += 1
@@ -127,12 +127,21 @@ class HostTier:
     def adopt(self, key: Hashable, slot: int) -> None:
         """Admit ``key`` whose data already sits in ``slot`` (stored ahead): the same request as :meth:`admit`,
         no copy. If the policy already held ``key`` (or has no slot yet), ``slot`` is simply freed."""
-        if self.policy is None or self.admit_held(key):
+        if self.policy is None or self.admit_held(key) or not self._request_new(key):
             self.give_slot(slot)
             return
-        self.policy.request(key)
         self._slot_of[key] = slot
         self.admitted += 1
+
+    def _request_new(self, key: Hashable) -> bool:
+        """Request ``key``, which the policy lacks (a miss: it is admitted, evicting as the policy says);
+        False, with nothing changed, when every resident key is pinned by a load in flight."""
+        try:
+            self.policy.request(key)  # type: ignore[union-attr]
+        except AllPinnedError:
+            self.refused_all_pinned += 1
+            return False
+        return True
 
     def admit_held(self, key: Hashable) -> bool:
         """If the policy holds ``key``, request it as :meth:`admit` does (no copy needed) and say so."""
