@@ -35,7 +35,8 @@ run() {  # TAG N [bench args]: one run of the tree TAG names (with TAG's variant
     install "$tree" || { echo "$tag-$n: install of $tree failed (install.log)"; return 1; }
     env ${settings//,/ } python3 scripts/bench_multiturn.py --outdir "$W/scratch" --json "$W/scratch/last.json" --configs "$config" "$@" \
         && mv "$W/scratch/$config.json" "$W/multiturn/$tag-$n.json" \
-        && mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.log"
+        && mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.log" \
+        || { mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.failed.log" 2>/dev/null; return 1; }
 }
 {
   n=0

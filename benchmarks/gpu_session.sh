@@ -28,7 +28,8 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$W/gpu
 date -u >>"$W/gpus-$stage.txt"
 # kvelastic must be installed (its .pth hook and vLLM plugin entry point), not only importable from
 # here: `python3 -c 'import kvelastic'` in the repo root passes without it and the engines run vanilla
-python3 -c 'import importlib.metadata as m; m.distribution("kvelastic")' 2>/dev/null \
+# (and this checkout's: an A/B leaves another tree installed on a warm machine)
+(cd / && python3 -c 'import sys, kvelastic, pathlib; sys.exit(pathlib.Path(kvelastic.__file__).parents[1] != pathlib.Path(sys.argv[1]))' "$(pwd -P)") 2>/dev/null \
     || python3 -m pip install -q --no-deps --no-build-isolation -e . >"$W/install.log" 2>&1 \
     || { echo "kvelastic could not be installed: $W/install.log"; exit 1; }
 e2e() { python3 scripts/e2e_check.py "$@"; }

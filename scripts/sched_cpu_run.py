@@ -111,9 +111,14 @@ def patched_scheduler(args: argparse.Namespace) -> tuple[Any, dict]:
 
     import torch
 
-    from kvelastic.startup.activate import activate
-    from kvelastic.scheduler.elastic_cache import ElasticKVCache
-    from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+    try:
+        from kvelastic.startup.activate import activate
+        from kvelastic.scheduler.elastic_cache import ElasticKVCache
+        from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
+    except ImportError:  # a tree from before the layers (06f4fad, the A/B's old side)
+        from kvelastic.integration.activate import activate  # type: ignore[no-redef]
+        from kvelastic.integration.elastic_cache import ElasticKVCache  # type: ignore[no-redef]
+        from kvelastic.integration.kv_layout import KVGroupLayout, merge_runs, runs_of_view  # type: ignore
     from kvelastic.patches import scheduler_block_pool
     from kvelastic.settings import Settings
 
