@@ -270,3 +270,42 @@ def test_staged_runs_end_where_a_chunk_begins():
     assert HostMemory(4, SLOT, pinner=None).breaks == frozenset()
     pinner.release(3)
     assert mem.wait(10)
+
+
+class RecordingPinner(GatedPinner):
+    """Records which threads pin, and refuses (as the driver does) while a "capture" is under way."""
+
+    def __init__(self):
+        super().__init__()
+        self.capturing = False
+        self.threads: set[str] = set()
+
+    def pin(self, address: int, nbytes: int) -> None:
+        if self.capturing:
+            raise PinError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (fake)")
+        self.threads.add(threading.current_thread().name)
+        super().pin(address, nbytes)
+
+
+def test_deferred_pinning_starts_only_when_begun_and_a_capture_before_it_is_undisturbed():
+    pinner = RecordingPinner()
+    pinner.release(10)
+    mem = HostMemory(9, SLOT, pinner=pinner, chunk_bytes=CHUNK, head_bytes=SLOT, threads=2, deferred=True)
+    assert pinner.pinned == [0] and mem.ready_slots == 1  # the head, on the constructing thread
+    pinner.capturing = True  # vLLM captures its CUDA graphs: no thread of ours may register memory
+    time.sleep(0.05)
+    assert pinner.pinned == [0] and not mem.settled and not mem.wait(0.01)
+    pinner.capturing = False
+    mem.begin()
+    mem.begin()  # once
+    assert mem.wait(10) and mem.failure is None and mem.ready_slots == 9
+    assert sorted(pinner.pinned) == [0, 1, 2] and pinner.threads - {threading.current_thread().name}
+
+
+def test_deferred_pinning_never_begun_closes_on_what_the_head_pinned():
+    pinner = RecordingPinner()
+    mem = HostMemory(9, SLOT, pinner=pinner, chunk_bytes=CHUNK, head_bytes=SLOT, deferred=True)
+    mem.close(timeout=1)
+    assert mem.settled and mem.ready_slots == 1 and pinner.pinned == [0]
+    mem.begin()  # too late: nothing starts
+    assert pinner.pinned == [0] and not any(t.is_alive() for t in mem._threads)

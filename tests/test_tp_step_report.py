@@ -232,3 +232,24 @@ def test_a_map_never_reported_by_every_rank_is_refused_in_the_end(step_cluster):
     for _ in range(MAX_REPORTS_WAITED + 2):
         c.step(deliver=[0])
     assert not c.mapper.pending_groups and c.mapper.refused, "an unconfirmed map stayed pending for ever"
+
+
+def test_a_rank_runs_its_first_step_callbacks_once_when_the_first_step_arrives(tmp_path):
+    """The rank's host tier starts pinning at the first step (after vLLM captured its CUDA graphs)."""
+    from kvelastic.tp.protocol import StepPlan
+    from kvelastic.tp.worker_side import start_rank
+    from tests.kv_fixtures import build_cache
+
+    _, _, cache = build_cache(None)
+    worker = start_rank(cache, tmp_path, 0, WORLD, None, None)
+    try:
+        calls: list[str] = []
+        worker.at_first_step(lambda: calls.append("pin"))
+        assert calls == []  # start-up (graph capture) is not over yet
+        worker.before_step(StepPlan(step=1))
+        worker.before_step(StepPlan(step=2))
+        assert calls == ["pin"]
+        worker.at_first_step(lambda: calls.append("late"))  # after the first step: at once
+        assert calls == ["pin", "late"]
+    finally:
+        worker.close()

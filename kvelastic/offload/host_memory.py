@@ -163,11 +163,17 @@ class HostMemory:
     ``pinner=None``: nothing to pin (a host-backend engine, tests), or
     ``buffer`` is already pinned (``KVELASTIC_CPU_PIN=at-start``): every slot
     is ready at once and no thread starts.
+
+    ``deferred``: the threads start only at :meth:`begin`. A tensor-parallel
+    rank builds its tier before vLLM captures its CUDA graphs, and capture
+    (torch's global mode) fails when any thread of the process registers host
+    memory meanwhile (``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED``, then the
+    capture is invalidated and the engine does not start: 2 x H200, vLLM 0.25).
     """
 
     def __init__(self, slots: int, slot_bytes: int, *, pinner: Pinner | None, chunk_bytes: int = CHUNK_BYTES,
                  head_bytes: int = HEAD_BYTES, threads: int = THREADS, hugepages: bool = True,
-                 buffer: torch.Tensor | None = None):
+                 buffer: torch.Tensor | None = None, deferred: bool = False):
         import torch
 
         if buffer is not None and (pinner is not None or tuple(buffer.shape) != (slots, slot_bytes)):
@@ -192,6 +198,7 @@ class HostMemory:
         self._failed: str | None = None
         self._watchers: list[Progress] = []
         self._threads: list[threading.Thread] = []
+        self._begun = False
         self._started = time.perf_counter()
         self.seconds: float | None = None  # set when settled
         self.ready_slots = 0 if self._plan else slots
@@ -205,6 +212,16 @@ class HostMemory:
         self._threads = [threading.Thread(target=self._run, name=f"kvelastic-pin{i}", daemon=True)
                          for i in range(max(1, min(threads, len(self._plan) - 1)))]
         self._running = len(self._threads)
+        if not deferred:
+            self.begin()
+
+    def begin(self) -> None:
+        """Start the pin threads (once; the constructor does, unless ``deferred``)."""
+        with self._lock:
+            if self._begun or self.settled:
+                return
+            self._begun = True
+            self._started = time.perf_counter()
         for thread in self._threads:
             thread.start()
 
@@ -230,15 +247,23 @@ class HostMemory:
             callback(self.ready_slots, self.settled)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until pinning has settled (tests, benchmarks); False on timeout."""
+        """Block until pinning has settled (tests, benchmarks); False on timeout, or at once if not begun."""
+        if not self._begun:
+            return self.settled
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.ident is not None:  # started (a close before begin starts none)
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.settled
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop pinning after the chunks in progress; what is pinned stays usable."""
         self._stop.set()
+        with self._lock:
+            if not self._begun and not self.settled:  # never started: settle on what the head pinned
+                self._begun = True
+                self._running = 0
+                self._settle()
         self.wait(timeout)
 
     def free(self) -> None:

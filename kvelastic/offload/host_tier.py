@@ -51,17 +51,19 @@ class HostTierStats:
         return self.slots_used * self.slot_bytes
 
 
-def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, at_start: bool = False) -> HostMemory:
+def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, at_start: bool = False,
+                   deferred: bool = False) -> HostMemory:
     """A (slots, slot_bytes) int8 host buffer, pinned in the background if asked (or all of it now,
     ``at_start``, with torch's pinned allocation); a clear error if it cannot be had or this host
-    cannot pin at all (its first chunk is pinned before this returns)."""
+    cannot pin at all (its first chunk is pinned before this returns). ``deferred``: the background
+    pinning waits for :meth:`HostMemory.begin`."""
     try:
         if pin and at_start:
             import torch
 
             buffer = torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=True)
             return HostMemory(slots, slot_bytes, pinner=None, buffer=buffer)
-        return HostMemory(slots, slot_bytes, pinner=CudaPinner() if pin else None)
+        return HostMemory(slots, slot_bytes, pinner=CudaPinner() if pin else None, deferred=deferred)
     except (PinError, OSError, RuntimeError) as exc:
         raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
                             f"of host memory for the KV host tier ({exc}); lower KVELASTIC_CPU_BYTES") from exc

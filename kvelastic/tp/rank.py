@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvelastic.errors import KvelasticError
 from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
@@ -58,12 +58,24 @@ class RankWorker:
         self._unreadable: set[Path] = set()  # idle command files reported as unreadable (once each)
         self._unreported: list[tuple[int, int]] = []  # (seq, groups mapped) of MAPs not yet in a report
         self._loads: list[tuple[int, Fence]] = []  # asynchronous LOADs (seq, copy) not yet reported done
+        self._first_step: list[Callable[[], None]] | None = []  # run once, at the first step (None after)
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
     # ----------------------------------------------------------------- steps
+    def at_first_step(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the first step arrives: vLLM's start-up (CUDA graph capture) is over."""
+        if self._first_step is None:
+            callback()
+        else:
+            self._first_step.append(callback)
+
     def before_step(self, plan: StepPlan) -> None:
         """Apply what the step carries (after any idle commands it depends on), before the forward."""
+        if self._first_step is not None:
+            callbacks, self._first_step = self._first_step, None
+            for callback in callbacks:
+                callback()
         with self._lock:
             if plan.idle_upto > self.applied:
                 self._apply_idle_files()

@@ -68,6 +68,7 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
     if memory is not None:
         board = worker.board
         memory.watch(lambda ready, settled: host_supply.publish(board, ready, settled))
+        worker.at_first_step(memory.begin)  # not while vLLM captures CUDA graphs (HostMemory's docstring)
     worker.start()
     return worker
 
@@ -82,5 +83,5 @@ def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: st
     slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
         return None, None, rows.slot_bytes
-    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, at_start=pin_at_start)
+    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, at_start=pin_at_start, deferred=True)
     return rows.copier(memory, copy_path), memory, rows.slot_bytes
