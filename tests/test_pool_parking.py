@@ -153,3 +153,48 @@ def test_adopting_a_shared_page_returns_the_parked_groups_other_page(pool):
     assert s.held_bytes == 4 * SMALL_PAGE
     tensor[SMALL_PAGE:3 * SMALL_PAGE] = 9
     assert torch.all(tensor[SMALL_PAGE:3 * SMALL_PAGE] == 9)
+
+
+def test_a_map_that_needs_a_parked_groups_shared_page_and_a_fresh_one_succeeds_at_the_limit():
+    """Shared pages, held at the limit: group 1 needs page 1 (parked with group 0) and page 2, which no
+    warm page can back until group 0's other page goes back. The map must not be refused (a scheduling
+    miss for memory the pool has: thousands of them in bench_scheduler_cpu's unaligned layout)."""
+    pool = PagePool.standard(CountingHostBackend(), page_bytes=SMALL_PAGE, limit_bytes=2 * SMALL_PAGE)
+    try:
+        tensor = pool.add_tensor(6 * SMALL_PAGE)
+        pool.set_layout(SharedPageLayout(5))
+        pool.grow_reserve(2)
+        assert pool.parked_groups() == {0} and pool.stats().held_bytes == 2 * SMALL_PAGE
+        assert pool.map_groups([1]) == 1  # page 1 adopted, page 0 unmapped and reused as page 2
+        s = pool.stats()
+        assert pool.parked_groups() == frozenset() and s.mapped_bytes == 2 * SMALL_PAGE
+        assert s.held_bytes == 2 * SMALL_PAGE and s.reserve_bytes == 0
+        tensor[SMALL_PAGE:3 * SMALL_PAGE] = 5
+        assert torch.all(tensor[SMALL_PAGE:3 * SMALL_PAGE] == 5)
+        with pytest.raises(PoolLimitExceeded):  # a refusal that stands changes nothing
+            pool.map_groups([3])
+        assert pool.mapped_groups() == {1} and pool.stats().held_bytes == 2 * SMALL_PAGE
+    finally:
+        pool.close()
+    assert pool.leak_report() == []
+
+
+def test_a_refused_map_after_adopting_parked_pages_gives_them_back():
+    pool = PagePool.standard(CountingHostBackend(), page_bytes=SMALL_PAGE, limit_bytes=4 * SMALL_PAGE)
+    try:
+        tensor = pool.add_tensor(8 * SMALL_PAGE)
+        pool.set_layout(SharedPageLayout(7))
+        pool.map_groups([4])  # pages 4 and 5
+        pool.grow_reserve(2)
+        assert pool.parked_groups() == {0}  # pages 0 and 1
+        with pytest.raises(PoolLimitExceeded):  # groups 1 and 3 want pages 1 (parked), 2 and 3: one too many
+            pool.map_groups([1, 3])
+        s = pool.stats()
+        assert pool.mapped_groups() == {4} and s.mapped_bytes == 2 * SMALL_PAGE
+        assert s.held_bytes <= 4 * SMALL_PAGE and s.held_bytes == s.mapped_bytes + s.reserve_bytes
+        assert pool.map_groups([1]) == 1  # what fits still maps
+        tensor[SMALL_PAGE:3 * SMALL_PAGE] = 7
+        assert torch.all(tensor[SMALL_PAGE:3 * SMALL_PAGE] == 7)
+    finally:
+        pool.close()
+    assert pool.leak_report() == []

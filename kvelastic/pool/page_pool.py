@@ -358,13 +358,29 @@ class PagePool(PoolView):
             self._reserve.release(handles)  # which gives back warm pages the limit no longer allows
 
     def _acquire(self, count: int, force: bool, wanted: list[PageRef]) -> list[Any]:
-        """Pages for a map call; parked groups holding none of ``wanted`` go back if the stack says no."""
+        """Pages for a map call. If the stack says no: parked groups holding none of ``wanted`` go
+        back, and then those holding some (shared pages) are adopted now, their other pages going
+        back (as adoption would send them after the map). A refusal that still stands gives the
+        adopted pages back too, so nothing is left owned by no group."""
         try:
             return self._reserve.acquire(count, force=force)
         except PoolExhausted:
-            if not self._unpark_locked(count - self._reserve.cached_pages, keep=set(wanted)):
+            keep = set(wanted)
+            short = count - self._reserve.cached_pages
+            freed = self._unpark_locked(short, keep=keep)
+            adopted: list[PageRef] = []
+            if freed < short:
+                strays = self._parking.adopt(keep)
+                adopted = [ref for ref in wanted if ref in self._handles and ref not in self._pending]
+                self._unmap_pages(strays)
+                freed += len(strays)
+            try:
+                if not freed:
+                    raise
+                return self._reserve.acquire(count, force=force)
+            except PoolExhausted:
+                self._unmap_pages(adopted)
                 raise
-            return self._reserve.acquire(count, force=force)
 
     def _park_locked(self) -> int:
         """Map the reserve's spare pages at the lowest unmapped groups they fill whole."""
