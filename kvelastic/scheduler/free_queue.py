@@ -110,7 +110,8 @@ class PageAwareFreeQueue:
         self.hold.taken(n)
         self.free.mark_taken(taken, now)
         self.prefetch.note(now, n)
-        self._balance()
+        if self.mapper.synchronous:  # else the step's end decides, with that step's demand (_balance)
+            self._balance()
         return taken
 
     def _overcommit(self, blocks_short: int, taken: list[Any]) -> None:
@@ -237,10 +238,13 @@ class PageAwareFreeQueue:
 
         Used where mapping is asynchronous (ranks in other processes): the
         demand holds until the next call replaces it, so groups mapped for
-        waiting requests are not released as surplus before they are used.
+        waiting requests are not released as surplus before they are used,
+        also once the free blocks cover the demand (empty groups count only
+        for what the partly used groups cannot hold).
         """
-        short = max(0, blocks - self.mapped_free_blocks())
-        self.demand_groups = len(self.free.empty) + -(-short // self.cache.blocks_per_group) if short else 0
+        per_group = self.cache.blocks_per_group
+        in_used_groups = max(0, self.mapped_free_blocks() - len(self.free.empty) * per_group)
+        self.demand_groups = -(-max(0, blocks - in_used_groups) // per_group)  # empty groups to keep or map
         self._balance()
 
     def map_for(self, blocks: int) -> bool:
@@ -350,7 +354,8 @@ class PageAwareFreeQueue:
             self.free.order.move_to_head(blocks)
         if self.transfers_in_flight is not None and blocks and self.transfers_in_flight():
             self.free.held.update(self.cache.group_of_block(b.block_id) for b in blocks)
-        self._balance()
+        if self.mapper.synchronous:  # else the step's end decides, with that step's demand (_balance)
+            self._balance()
 
     def _lift_holds(self) -> None:
         """Groups held for a connector's copies may go once it has nothing in flight."""
@@ -359,7 +364,14 @@ class PageAwareFreeQueue:
             self.free.held.clear()
 
     def _balance(self) -> None:
-        """Keep the prefetch's empty groups mapped: request more, or release the surplus."""
+        """Keep the prefetch's empty groups mapped: request more, or release the surplus.
+
+        Where mapping is asynchronous, allocations and frees within a step do not
+        balance: the demand they would weigh against is the last step's, so a group
+        given back there is asked for again a step later and one asked for is soon
+        surplus (each cycle a driver call before a forward pass and a step of
+        confirmation lag on every rank); the step's end (:meth:`want_blocks`)
+        decides with the demand of now."""
         self._adopt_mapped()
         self._lift_holds()
         want = max(self.prefetch.groups, self.demand_groups)
