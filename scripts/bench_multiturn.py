@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:
-    from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
-except ModuleNotFoundError:  # imported as scripts.bench_multiturn by the multi-model benchmark
-    from scripts.run_proof import inactive_reason
+from percentiles import percentile  # beside this file, as run_proof (the repo root on sys.path would
+from run_proof import inactive_reason  # shadow kvelastic)
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
@@ -84,11 +82,6 @@ def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -
                     "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
                     "outputs": [list(o.outputs[0].token_ids) for o in outs]})
     return out
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """The q-th percentile of sorted values (nearest rank below)."""
-    return ordered[int(q / 100 * (len(ordered) - 1))]
 
 
 def round_summary(rnd: dict, out_len: int) -> dict:
