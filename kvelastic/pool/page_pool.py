@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, AbstractSet, Any, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError, PoolExhausted
 from kvelastic.pool.backend import Fence, PhysicalBackend
+from kvelastic.pool.fenced_unmaps import FencedUnmaps
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
 from kvelastic.pool.parking import ParkingLot
 from kvelastic.pool.placement import PagePlacer
@@ -65,8 +66,7 @@ class PagePool(PoolView):
         self._mapped_groups: set[int] = set()
         self._page_refs: dict[PageRef, int] = {}
         self._handles: dict[PageRef, Any] = {}
-        self._pending: dict[PageRef, Fence] = {}
-        self._pending_batches: deque[tuple[Fence, list[PageRef]]] = deque()
+        self._pending = FencedUnmaps()
         self._parking = ParkingLot()
         self._park = park
         self._dead_regions: deque[int] = deque()
@@ -173,8 +173,7 @@ class PagePool(PoolView):
             strays = self._parking.adopt(wanted)
             if strays:
                 self._unmap_pages(strays)
-            for ref in wanted:
-                self._pending.pop(ref, None)
+            self._pending.revive(wanted)
             for group in new_groups:
                 for ref in self._live_pages(layout, group):
                     self._page_refs[ref] = self._page_refs.get(ref, 0) + 1
@@ -206,10 +205,8 @@ class PagePool(PoolView):
                         released.append(ref)
             if fence is None or fence.is_done():
                 self._unmap_pages(released)
-            elif released:
-                for ref in released:
-                    self._pending[ref] = fence
-                self._pending_batches.append((fence, released))
+            else:
+                self._pending.add(fence, released)
             self._collect_locked(wait=False)
             return count
 
@@ -304,7 +301,6 @@ class PagePool(PoolView):
             self._parking.evict()
             self._unmap_pages(list(self._handles))
             self._pending.clear()
-            self._pending_batches.clear()
             self._page_refs.clear()
             self._mapped_groups.clear()
             self._reserve.trim(0)
@@ -352,8 +348,7 @@ class PagePool(PoolView):
     def _unmap_pages(self, refs: list[PageRef]) -> None:
         handles = [self._handles.pop(ref) for ref in refs]
         self._placer.unmap(refs, handles)
-        for ref in refs:
-            self._pending.pop(ref, None)
+        self._pending.revive(refs)
         if handles:
             self._reserve.release(handles)  # which gives back warm pages the limit no longer allows
 
@@ -411,19 +406,8 @@ class PagePool(PoolView):
         return len(refs)
 
     def _collect_locked(self, wait: bool) -> int:
-        """Unmap pages whose fence has passed; one fence query per batch, not per page."""
-        if not self._pending_batches:
-            return 0
-        ready: list[PageRef] = []
-        waiting: deque[tuple[Fence, list[PageRef]]] = deque()
-        for fence, refs in self._pending_batches:
-            if wait:
-                fence.wait()
-            if wait or fence.is_done():
-                ready.extend(r for r in refs if self._pending.get(r) is fence)
-            else:
-                waiting.append((fence, refs))
-        self._pending_batches = waiting
+        """Unmap pages whose fence has passed."""
+        ready = self._pending.ready(wait)
         self._unmap_pages(ready)
         return len(ready)
 
