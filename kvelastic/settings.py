@@ -143,6 +143,10 @@ class Settings:
     #: step, gathered by vLLM's multiprocess executor: docs/tp-step-protocol.md). ``step`` matched ``board``
     #: on 2 x H200 (2026-11-27); ``board`` stays the default until the rest of the engine folder moves too.
     tp_confirm: str = "board"
+    #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``refuse`` start-up, or
+    #: ``allow`` it (every stage maps and confirms as a tensor-parallel rank does; CPU-tested with vLLM's
+    #: real scheduler and two stages, not yet shown on GPUs: docs/tensor-parallel.md). ``refuse`` until then.
+    pipeline: str = "refuse"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -248,6 +252,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
+    "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

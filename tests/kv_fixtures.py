@@ -29,10 +29,12 @@ class StandInRequest:
         self.block_hashes = hashes
 
 
-def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None):
+def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None,
+                layers: int = LAYERS):
     """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it).
 
     ``wrap_device(source)`` inserts a layer above the device in the usual stack (the shared account's gate).
+    ``layers``: how many KV layers this cache holds (a pipeline stage holds only its own).
     """
     if wrap_device is None:
         pool = PagePool.standard(backend or HostBackend(), page_bytes=PAGE)
@@ -40,7 +42,7 @@ def build_cache(limit_groups: int | None = None, backend: HostBackend | None = N
         backend = backend or HostBackend()
         device = wrap_device(StatisticsSource(DeviceSource(backend, PAGE)))
         pool = PagePool(backend, ReserveSource(LimitedSource(device)))
-    raws = [pool.add_tensor(2 * N * HALF) for _ in range(LAYERS)]
+    raws = [pool.add_tensor(2 * N * HALF) for _ in range(layers)]
     views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
     per_view = []
     for raw, view in zip(raws, views):
@@ -49,7 +51,7 @@ def build_cache(limit_groups: int | None = None, backend: HostBackend | None = N
                                                           view.data_ptr() - region.address, N)))
     layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
     if limit_groups is not None:
-        pool.set_limit(limit_groups * GROUP_BYTES)
+        pool.set_limit(limit_groups * 2 * layers * PAGE)
     return pool, views, ElasticKVCache(pool, layout)
 
 

@@ -437,7 +437,7 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
 
 
 def test_attach_scheduler_refuses_pipeline_parallelism():
-    with pytest.raises(PatchError, match="pipeline parallelism is not supported"):
+    with pytest.raises(PatchError, match="pipeline parallelism is refused by default.*KVELASTIC_PIPELINE=allow"):
         attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)), scheduler_patcher())
 
 

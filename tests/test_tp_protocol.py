@@ -33,7 +33,7 @@ WORLD = 2
 CPU_BYTES = 1 << 20
 
 
-def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
+def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3) -> None:
     """A worker rank: apply each step's plan, then do its writes and checks on its own shard."""
     from pathlib import Path
 
@@ -41,7 +41,7 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes) -> None:
     from kvelastic.tp.worker_side import start_rank
     from tests.kv_fixtures import build_cache
 
-    pool, views, cache = build_cache(limit_groups)
+    pool, views, cache = build_cache(limit_groups, layers=layers)
     worker = start_rank(cache, Path(folder), rank, WORLD, None, cpu_bytes)
     conn.send("ready")
     while True:
@@ -76,13 +76,14 @@ RANK_START_S = 240
 class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
-    def __init__(self, folder, limits=(None, None), cpu_bytes=None):
+    def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3)):
+        """``layers``: each rank's KV layers (equal under TP; a pipeline stage's own under PP)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(WORLD):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes),
-                               daemon=True)
+            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes,
+                                                       layers[rank]), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -117,9 +118,9 @@ class RankProcesses:
 class Cluster(RankProcesses):
     """The scheduler side plus two rank processes."""
 
-    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None):
+    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None, layers=(3, 3)):
         self.folder = tmp_path / "engine"
-        super().__init__(self.folder, limits, cpu_bytes)
+        super().__init__(self.folder, limits, cpu_bytes, layers)
         self.connection = RankConnection(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
         self.cache, self.mapper = self.connection.cache, self.connection.mapper
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)

@@ -48,9 +48,11 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     wait_s = RANKS_WAIT_S if wait_s is None else wait_s
     parallel = scheduler.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     world = int(parallel.world_size)
-    if int(parallel.pipeline_parallel_size) > 1:
-        raise PatchError("kvelastic: pipeline parallelism is not supported (each stage holds different "
-                         "layers); run with pipeline_parallel_size=1, or set KVELASTIC=0")
+    if int(parallel.pipeline_parallel_size) > 1 and runtime.settings.pipeline != "allow":
+        raise PatchError("kvelastic: pipeline parallelism is refused by default: it is tested on the CPU "
+                         "(each stage maps and confirms its own layers' page groups) but not yet shown on "
+                         "GPUs. Set KVELASTIC_PIPELINE=allow to run it, run with pipeline_parallel_size=1, "
+                         "or set KVELASTIC=0")
     confirm = _confirmations(runtime.settings.tp_confirm, parallel)
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
@@ -79,7 +81,10 @@ class RankConnection(CacheConnection):
 
     Groups mapped on every rank at start-up are adopted; a group mapped on
     only some ranks is unmapped with the first step. ``limit_bytes`` (the
-    user's) overrides the smallest limit the ranks profiled.
+    user's) overrides the smallest limit the ranks profiled. Under pipeline
+    parallelism the ranks hold different layers, so a group's bytes differ by
+    stage: the scheduler counts each group at the largest (the stage that
+    reaches its limit first), and a host-tier slot holds every rank's share.
     """
 
     unmaps_between_steps = False  # the ranks unmap with the step that carries the command
@@ -101,11 +106,12 @@ class RankConnection(CacheConnection):
                               and any(int(b.groups[g]) > 0 for b in boards)])
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
         self.mapper = mapper
-        self.cache = ShardedKVCache(mapper, first, limit_bytes or (min(limits) if limits else None), lock)
+        largest = max(infos, key=lambda i: i.group_bytes)
+        self.cache = ShardedKVCache(mapper, largest, limit_bytes or (min(limits) if limits else None), lock)
         self.rank_held_bytes = mapper.rank_held_bytes
         self.async_loads = mapper.confirm == STEP  # an asynchronous load's completion comes with the ranks' reports
         self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
-        self.slot_bytes = first.slot_bytes * first.world  # one slot of the index: every rank's share of a block
+        self.slot_bytes = sum(i.slot_bytes for i in infos)  # one slot of the index: every rank's share of a block
 
     def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
         """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank, and a
