@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
+#   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2 (KVELASTIC_PIPELINE=allow): identical outputs, memory
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
@@ -49,6 +50,10 @@ tp-step-spill)  # `tp-spill`'s TP=2 run, host hits loaded beside compute: the ra
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 KVELASTIC_TP_CONFIRM=step \
         KVELASTIC_CPU_LOAD=async --summary "$W/tp-step-spill/summary.json" --extra --passes 3 --prompts 48 \
         2>&1 | tee "$W/tp-step-spill.log" ;;
+pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, both GPUs' memory rising and falling
+    e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
+        KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
+        --max-tokens 128 2>&1 | tee "$W/pp.log" ;;
 tp-spill)
     tp2
     e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \

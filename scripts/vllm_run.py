@@ -86,6 +86,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="vLLM OffloadingConnector (4 GiB CPU)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (kvelastic: KVELASTIC_PIPELINE=allow)")
     p.add_argument("--mp", action="store_true", help="multiprocess executor even at TP=1 (worker in a child)")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--min-len", type=int, default=50)
@@ -116,7 +117,9 @@ def build_llm(args: argparse.Namespace):
         kwargs["kv_cache_memory_bytes"] = args.vanilla_kv_bytes
     if args.tp > 1:
         kwargs["tensor_parallel_size"] = args.tp
-    if args.mp or args.tp > 1:
+    if args.pp > 1:
+        kwargs["pipeline_parallel_size"] = args.pp
+    if args.mp or args.tp > 1 or args.pp > 1:
         kwargs["distributed_executor_backend"] = "mp"
     if args.offload:
         from vllm.config import KVTransferConfig
