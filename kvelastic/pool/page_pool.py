@@ -15,7 +15,6 @@ asked for next, so the hot path often makes no driver call at all.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import TYPE_CHECKING, AbstractSet, Any, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError, PoolExhausted
@@ -24,11 +23,10 @@ from kvelastic.pool.fenced_unmaps import FencedUnmaps
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
 from kvelastic.pool.parking import ParkingLot
 from kvelastic.pool.placement import PagePlacer
-from kvelastic.pool.region import Region, RegionLease
+from kvelastic.pool.region import Region, RegionTable
 from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
 from kvelastic.pool.stats import PoolStats, StatisticsSource
 from kvelastic.roles import PoolView
-from kvelastic.units import align_up
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +58,7 @@ class PagePool(PoolView):
         if zero_on_map == "fresh":
             source.watch_destroyed(self._placer.forget)
         self._lock = threading.RLock()
-        self._regions: dict[int, Region] = {}
-        self._next_region_id = 0
+        self._regions = RegionTable()
         self._layout: GroupLayout | None = None
         self._mapped_groups: set[int] = set()
         self._page_refs: dict[PageRef, int] = {}
@@ -69,7 +66,6 @@ class PagePool(PoolView):
         self._pending = FencedUnmaps()
         self._parking = ParkingLot()
         self._park = park
-        self._dead_regions: deque[int] = deque()
         self._closed = False
 
     @classmethod
@@ -90,31 +86,16 @@ class PagePool(PoolView):
             raise PoolError(f"tensor size must be positive, got {nbytes}")
         with self._lock:
             self._check_open()
-            reserved = align_up(nbytes, self.page_bytes)
-            address = self.backend.reserve_address(reserved)
-            region = Region(self._next_region_id, address, nbytes, reserved, self.page_bytes)
-            self._next_region_id += 1
-            lease = RegionLease(region.region_id)
-            tensor = self.backend.tensor_view(address, nbytes, lease)
-            region.watch(lease, self._dead_regions.append)
-            self._regions[region.region_id] = region
-            return tensor
+            return self._regions.reserve(self.backend, nbytes, self.page_bytes)
 
     def view_of(self, region: Region) -> "torch.Tensor":
         """Another flat int8 view of ``region``; it keeps the region alive like the original tensor."""
-        lease = region.lease_ref() if region.lease_ref is not None else None
-        if lease is None or not region.alive:
-            raise PoolError(f"region {region.region_id} has no live tensor")
-        return self.backend.tensor_view(region.address, region.nbytes, lease)
+        return RegionTable.view_of(self.backend, region)
 
     def region_of(self, tensor: "torch.Tensor") -> Region:
         """The region a tensor (or a view of it) lives in."""
-        pointer = tensor.data_ptr()
         with self._lock:
-            for region in self._regions.values():
-                if region.address <= pointer < region.address + region.reserved_bytes:
-                    return region
-        raise PoolError(f"address {pointer:#x} is not in any region of this pool")
+            return self._regions.containing(tensor.data_ptr())
 
     def regions_alive(self) -> int:
         """How many regions still have a live tensor (dead ones are retired first)."""
@@ -162,14 +143,7 @@ class PagePool(PoolView):
                 return 0
             wanted = self._pages_to_back(layout, new_groups)
             fresh = [ref for ref in wanted if ref not in self._handles]
-            handles = self._acquire(len(fresh), force, wanted)
-            try:
-                if fresh:  # none when every page was parked or waiting on a fence
-                    self._placer.map(fresh, handles)
-            except BaseException:
-                self._reserve.release(handles)
-                raise
-            self._handles.update(zip(fresh, handles))
+            self._place(fresh, self._acquire(len(fresh), force, wanted))  # none fresh: all parked or fenced
             strays = self._parking.adopt(wanted)
             if strays:
                 self._unmap_pages(strays)
@@ -327,8 +301,8 @@ class PagePool(PoolView):
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError("the page pool is closed")
-        while self._dead_regions:
-            self._drop_region(self._dead_regions.popleft())
+        while self._regions.dead:
+            self._drop_region(self._regions.dead.popleft())
 
     def _live_pages(self, layout: GroupLayout, group: int) -> list[PageRef]:
         return [ref for ref in layout.pages(group) if ref.region in self._regions]
@@ -344,6 +318,16 @@ class PagePool(PoolView):
 
     def _page_address(self, ref: PageRef) -> int:
         return self._regions[ref.region].page_address(ref.page)
+
+    def _place(self, refs: list[PageRef], handles: list[Any]) -> None:
+        """Map ``handles`` at ``refs``; on failure they go back to the reserve."""
+        try:
+            if refs:
+                self._placer.map(refs, handles)
+        except BaseException:
+            self._reserve.release(handles)
+            raise
+        self._handles.update(zip(refs, handles))
 
     def _unmap_pages(self, refs: list[PageRef]) -> None:
         handles = [self._handles.pop(ref) for ref in refs]
@@ -388,13 +372,7 @@ class PagePool(PoolView):
         refs = [ref for _, group_refs in chosen for ref in group_refs]
         if not refs:
             return 0
-        handles = self._reserve.acquire(len(refs))
-        try:
-            self._placer.map(refs, handles)
-        except BaseException:
-            self._reserve.release(handles)
-            raise
-        self._handles.update(zip(refs, handles))
+        self._place(refs, self._reserve.acquire(len(refs)))
         for group, group_refs in chosen:
             self._parking.park(group, group_refs)
         return len(refs)

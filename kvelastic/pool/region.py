@@ -9,8 +9,17 @@ short-lived profiling cache does not leak virtual or physical memory.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from kvelastic.errors import PoolError
+from kvelastic.units import align_up
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvelastic.pool.backend import PhysicalBackend
 
 
 class RegionLease:
@@ -48,3 +57,39 @@ class Region:
 
     def tensor_alive(self) -> bool:
         return self.lease_ref is not None and self.lease_ref() is not None
+
+
+class RegionTable(dict[int, Region]):
+    """A pool's live reservations by id, and the ids of those whose tensor died (``dead``, for the pool
+    to free under its lock: a finalizer may run on any thread, so it only appends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next_id = 0
+        self.dead: deque[int] = deque()
+
+    def reserve(self, backend: "PhysicalBackend", nbytes: int, page_bytes: int) -> "torch.Tensor":
+        """Reserve ``nbytes`` (padded to whole pages) and return a flat int8 tensor over them."""
+        reserved = align_up(nbytes, page_bytes)
+        address = backend.reserve_address(reserved)
+        region = Region(self._next_id, address, nbytes, reserved, page_bytes)
+        self._next_id += 1
+        lease = RegionLease(region.region_id)
+        tensor = backend.tensor_view(address, nbytes, lease)
+        region.watch(lease, self.dead.append)
+        self[region.region_id] = region
+        return tensor
+
+    @staticmethod
+    def view_of(backend: "PhysicalBackend", region: Region) -> "torch.Tensor":
+        """Another flat int8 view of ``region``; it keeps the region alive like the original tensor."""
+        lease = region.lease_ref() if region.lease_ref is not None else None
+        if lease is None or not region.alive:
+            raise PoolError(f"region {region.region_id} has no live tensor")
+        return backend.tensor_view(region.address, region.nbytes, lease)
+
+    def containing(self, pointer: int) -> Region:
+        for region in self.values():
+            if region.address <= pointer < region.address + region.reserved_bytes:
+                return region
+        raise PoolError(f"address {pointer:#x} is not in any region of this pool")
