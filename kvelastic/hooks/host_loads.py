@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvelastic.errors import ConfigError
 from kvelastic.offload.async_loads import AsyncLoads, Retired
+from kvelastic.patches._common import argument
 
 if TYPE_CHECKING:
     from kvelastic.offload.manager import OffloadManager
@@ -192,11 +193,6 @@ def feeding_wrapper(connector: Any, scheduler: Any) -> Any:
 
 
 def _fed(connector: Any, scheduler: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    if len(args) == 2 and not kwargs:  # how vLLM's engine calls it, every step
-        scheduled, output = args
-    else:
-        from kvelastic.patches._common import argument
-
-        scheduled = argument(wrapped, args, kwargs, "scheduler_output")
-        output = argument(wrapped, args, kwargs, "model_runner_output")
+    scheduled = argument(wrapped, args, kwargs, "scheduler_output")
+    output = argument(wrapped, args, kwargs, "model_runner_output")
     return wrapped(scheduled, connector.feed(scheduler, output))
