@@ -252,8 +252,7 @@ class HostMemory:
             return self.settled
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
-            if thread.ident is not None:  # started (a close before begin starts none)
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.settled
 
     def close(self, timeout: float = 5.0) -> None:
@@ -261,7 +260,6 @@ class HostMemory:
         self._stop.set()
         with self._lock:
             if not self._begun and not self.settled:  # never started: settle on what the head pinned
-                self._begun = True
                 self._running = 0
                 self._settle()
         self.wait(timeout)
