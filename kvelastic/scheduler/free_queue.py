@@ -110,8 +110,7 @@ class PageAwareFreeQueue:
         self.hold.taken(n)
         self.free.mark_taken(taken, now)
         self.prefetch.note(now, n)
-        if self.mapper.synchronous:  # else the step's end decides, with that step's demand (_balance)
-            self._balance()
+        self._balance_within_step()
         return taken
 
     def _overcommit(self, blocks_short: int, taken: list[Any]) -> None:
@@ -354,14 +353,19 @@ class PageAwareFreeQueue:
             self.free.order.move_to_head(blocks)
         if self.transfers_in_flight is not None and blocks and self.transfers_in_flight():
             self.free.held.update(self.cache.group_of_block(b.block_id) for b in blocks)
-        if self.mapper.synchronous:  # else the step's end decides, with that step's demand (_balance)
-            self._balance()
+        self._balance_within_step()
 
     def _lift_holds(self) -> None:
         """Groups held for a connector's copies may go once it has nothing in flight."""
         if self.free.held and not (self.transfers_in_flight is not None and self.transfers_in_flight()):
             self.free.note_empty(self.free.held)
             self.free.held.clear()
+
+    def _balance_within_step(self) -> None:
+        """After an allocation or a free: balance now where mapping is synchronous; else the step's end
+        does, with that step's demand (see :meth:`_balance`)."""
+        if self.mapper.synchronous:
+            self._balance()
 
     def _balance(self) -> None:
         """Keep the prefetch's empty groups mapped: request more, or release the surplus.
