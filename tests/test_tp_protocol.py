@@ -26,11 +26,20 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from kvelastic.hooks.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp.scheduler_side import RankConnection  # noqa: E402
-from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, StandInRequest  # noqa: E402
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, PAGE, StandInRequest  # noqa: E402
 from tests.scheduler_harness import scheduler_patcher  # noqa: E402
 
 WORLD = 2
 CPU_BYTES = 1 << 20
+#: Each rank's KV layers: tensor-parallel ranks hold the same ones; pipeline stages their own, so
+#: their groups differ in bytes but not in blocks (the first stage the smaller: the scheduler must
+#: not take its sizes for all).
+RANK_LAYERS = {"tensor": (3, 3), "pipeline": (1, 2)}
+
+
+def group_bytes(layers: int) -> int:
+    """A group's bytes on a rank holding ``layers`` layers (a K and a V page each)."""
+    return 2 * layers * PAGE
 
 
 def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3) -> None:
@@ -162,8 +171,10 @@ def allocate_within(c: Cluster, n: int, steps: int = 5) -> list:
     raise AssertionError(f"{n} blocks never became available")
 
 
-def test_blocks_are_handed_out_only_once_every_rank_mapped_them(cluster):
-    c = cluster()
+@pytest.mark.parametrize("split", RANK_LAYERS)
+def test_blocks_are_handed_out_only_once_every_rank_mapped_them(cluster, split):
+    layers = RANK_LAYERS[split]
+    c = cluster(layers=layers)
     assert c.allocate(3 * BLOCKS_PER_GROUP) is None  # nothing confirmed yet: a scheduling miss
     assert c.mapper.pending_commands, "the miss must turn into map commands for the next step"
     blocks = allocate_within(c, 3 * BLOCKS_PER_GROUP)
@@ -171,8 +182,8 @@ def test_blocks_are_handed_out_only_once_every_rank_mapped_them(cluster):
     for board in c.mapper.boards:
         assert all(board.groups[g] > 0 for g in groups)
     c.step(writes=[(b.block_id, 7) for b in blocks])
-    c.step(checks=[(b.block_id, 7) for b in blocks])
-    assert all(m >= 3 * GROUP_BYTES for m in c.mapped_bytes)
+    c.step(checks=[(b.block_id, 7) for b in blocks])  # every rank still holds what its layers wrote
+    assert all(m >= 3 * group_bytes(n) for m, n in zip(c.mapped_bytes, layers))
 
 
 def test_freed_groups_are_unmapped_on_every_rank_with_the_next_step(cluster):
@@ -228,22 +239,25 @@ def test_ranks_keep_the_warm_reserve_the_reclaimer_asks_for(cluster):
     assert [b.get(shm.HELD_BYTES) for b in c.mapper.boards] == baseline
 
 
-def test_a_rank_out_of_memory_turns_into_a_scheduling_miss(cluster):
-    c = cluster(limits=(None, 3))  # rank 1's GPU has room for 3 groups (the null group included)
+@pytest.mark.parametrize("split", RANK_LAYERS)
+def test_a_rank_out_of_memory_turns_into_a_scheduling_miss(cluster, split):
+    layers = RANK_LAYERS[split]
+    c = cluster(limits=(None, 3), layers=layers)  # rank 1's GPU has room for 3 groups (the null group included)
     got = allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
     assert c.allocate(4 * BLOCKS_PER_GROUP) is None
     c.step()  # rank 0 maps the extra groups, rank 1 refuses them
     assert c.allocate(4 * BLOCKS_PER_GROUP) is None, "a group refused by one rank must not be handed out"
     assert c.mapper.pending_commands, "the groups rank 0 did map must be given back"
     c.step()
-    assert c.mapped_bytes[0] == c.mapped_bytes[1] == 3 * GROUP_BYTES
+    assert c.mapped_bytes == [3 * group_bytes(n) for n in layers]
     c.step(writes=[(b.block_id, 5) for b in got], checks=[])
     c.bp.free_blocks(got)
     assert allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)  # the engine keeps serving within what fits
 
 
-def test_a_dead_rank_is_noticed_and_never_waited_for(cluster):
-    c = cluster()
+@pytest.mark.parametrize("split", RANK_LAYERS)
+def test_a_dead_rank_is_noticed_and_never_waited_for(cluster, split):
+    c = cluster(layers=RANK_LAYERS[split])
     allocate_within(c, BLOCKS_PER_GROUP)
     os.kill(c.procs[1].pid, signal.SIGKILL)
     c.procs[1].join(10)
@@ -255,6 +269,16 @@ def test_a_dead_rank_is_noticed_and_never_waited_for(cluster):
     assert c.allocate(6 * BLOCKS_PER_GROUP) is None
     assert c.mapper.dead_ranks == {1}
     assert time.monotonic() - started < 5
+
+
+def test_pipeline_stages_count_each_group_at_the_larger_stage_and_a_slot_holds_both_shares(cluster):
+    layers = RANK_LAYERS["pipeline"]
+    c = cluster(cpu_bytes=CPU_BYTES, layers=layers)
+    assert c.cache.group_bytes == group_bytes(max(layers))
+    infos = [shm.read_info(c.folder, r) for r in range(WORLD)]
+    assert [i.group_bytes for i in infos] == [group_bytes(n) for n in layers]
+    assert c.connection.slot_bytes == sum(i.slot_bytes for i in infos)
+    assert c.connection.host_slots == min(i.host_slots for i in infos) > 0
 
 
 def test_spilled_blocks_come_back_on_every_rank(cluster):

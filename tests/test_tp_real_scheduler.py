@@ -24,7 +24,7 @@ from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402
 from tests.scheduler_harness import build_patched, drive, make_requests, make_scheduler, vllm_config  # noqa: E402
-from tests.test_tp_protocol import WORLD, RankProcesses  # noqa: E402
+from tests.test_tp_protocol import RANK_LAYERS, WORLD, RankProcesses, group_bytes  # noqa: E402
 
 
 def _value(tokens: list[int]) -> int:
@@ -62,13 +62,18 @@ def tp_engine(tmp_path, monkeypatch):
     made: list = []
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
-             cpu_load: str = "sync"):
-        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes)
+             cpu_load: str = "sync", split: str = "tensor"):
+        """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
+        layers, with ``KVELASTIC_PIPELINE=allow``."""
+        layers = RANK_LAYERS[split]
+        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes, layers)
         made.append(ranks)  # closed even if the scheduler cannot be built
-        limit = limit_groups * GROUP_BYTES if limit_groups else None  # per rank, as KVELASTIC_LIMIT is under TP
+        limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
+        stages = WORLD if split == "pipeline" else 1
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
-                                   tp_confirm=confirm, cpu_load=cpu_load))
-        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD))
+                                   tp_confirm=confirm, cpu_load=cpu_load,
+                                   pipeline="allow" if stages > 1 else "refuse"))
+        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, stages=stages))
         made.append((scheduler, patcher))
         return scheduler, ranks
 
@@ -82,15 +87,16 @@ def tp_engine(tmp_path, monkeypatch):
             patcher.revert()
 
 
-def _scheduler_with_world(world: int, backend: str = "mp"):
+def _scheduler_with_world(world: int, backend: str = "mp", stages: int = 1):
+    """vLLM's scheduler for ``world`` workers (``stages`` of them pipeline stages) under ``backend``."""
     config = vllm_config(N)
     parallel = config.parallel_config
-    previous = parallel.world_size, parallel.distributed_executor_backend
-    parallel.world_size, parallel.distributed_executor_backend = world, backend
+    previous = parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend
+    parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend = world, stages, backend
     try:
         return make_scheduler()
     finally:
-        parallel.world_size, parallel.distributed_executor_backend = previous
+        parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend = previous
 
 
 def drive_ranks_step(scheduler, ranks: RankProcesses, waves: list[list], reports: list, seen: set) -> list:
