@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2 (KVELASTIC_PIPELINE=allow): identical outputs, memory
+#   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
@@ -54,6 +55,8 @@ pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, bot
     e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
         --max-tokens 128 2>&1 | tee "$W/pp.log" ;;
+dp)  # issue 19: two engine cores, one GPU each: identical to vanilla DP, both GPUs' memory, their accounts
+    python3 scripts/check_data_parallel.py --outdir "$W/dp" 2>&1 | tee "$W/dp.log" ;;
 tp-spill)
     tp2
     e2e --model scripts/models/llama-8b --outdir "$W/tp-spill" --matrix tp2 --label=-spill \
