@@ -67,6 +67,10 @@ class PoolView(Protocol):
     @abstractmethod
     def trim_reserve(self, keep_pages: int = 0) -> int: ...
 
+    @abstractmethod
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """The most bytes the pool may hold from now on (the GPU's shared account moves it at run time)."""
+
 
 class SchedulerCache(Protocol):
     """The engine's KV cache as the scheduler side sees it: its block layout, its pool, the room left."""
@@ -76,6 +80,8 @@ class SchedulerCache(Protocol):
     pool: PoolView
     #: Told the bytes waiting requests need beyond what a budget outside the engine grants; None: no such budget.
     external_want: "Callable[[int], None] | None"
+    #: Bytes a budget outside the engine (the GPU's shared account) still grants it; None: no such budget.
+    external_headroom: "Callable[[], int | None] | None"
 
     @property
     @abstractmethod

@@ -143,10 +143,10 @@ class Settings:
     #: step, gathered by vLLM's multiprocess executor: docs/tp-step-protocol.md). ``step`` matched ``board``
     #: on 2 x H200 (2026-11-27); ``board`` stays the default until the rest of the engine folder moves too.
     tp_confirm: str = "board"
-    #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``refuse`` start-up, or
-    #: ``allow`` it (every stage maps and confirms as a tensor-parallel rank does; CPU-tested with vLLM's
-    #: real scheduler and two stages, not yet shown on GPUs: docs/tensor-parallel.md). ``refuse`` until then.
-    pipeline: str = "refuse"
+    #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``allow`` it (every stage
+    #: maps and confirms as a tensor-parallel rank does; 8B PP=2 on 2 x H200 token-identical to vanilla,
+    #: 2026-11-27: docs/tensor-parallel.md), or ``refuse`` start-up.
+    pipeline: str = "allow"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0

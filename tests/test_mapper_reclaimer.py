@@ -436,9 +436,10 @@ def test_attach_scheduler_without_a_cache_or_ranks_explains_why(monkeypatch, tmp
     assert "KVELASTIC=0" in message
 
 
-def test_attach_scheduler_refuses_pipeline_parallelism():
-    with pytest.raises(PatchError, match="pipeline parallelism is refused by default.*KVELASTIC_PIPELINE=allow"):
-        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True)), scheduler_patcher())
+def test_attach_scheduler_refuses_pipeline_parallelism_when_told_to():
+    with pytest.raises(PatchError, match="pipeline parallelism is refused \\(KVELASTIC_PIPELINE=refuse\\)"):
+        attach_scheduler(_scheduler_with(world=2, pipeline=2), Runtime(Settings(enabled=True, pipeline="refuse")),
+                         scheduler_patcher())
 
 
 def test_attach_scheduler_makes_the_block_pool_page_aware_and_locks_the_entry_points():

@@ -42,7 +42,7 @@ def group_bytes(layers: int) -> int:
     return 2 * layers * PAGE
 
 
-def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3) -> None:
+def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3, world: int = WORLD) -> None:
     """A worker rank: apply each step's plan, then do its writes and checks on its own shard."""
     from pathlib import Path
 
@@ -51,7 +51,7 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int
     from tests.kv_fixtures import build_cache
 
     pool, views, cache = build_cache(limit_groups, layers=layers)
-    worker = start_rank(cache, Path(folder), rank, WORLD, None, cpu_bytes)
+    worker = start_rank(cache, Path(folder), rank, world, None, cpu_bytes)
     conn.send("ready")
     while True:
         message = conn.recv()
@@ -86,24 +86,25 @@ class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
     def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3)):
-        """``layers``: each rank's KV layers (equal under TP; a pipeline stage's own under PP)."""
+        """``layers``: each rank's KV layers (equal under TP; a pipeline stage's own under PP), one entry
+        per rank."""
         ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for rank in range(WORLD):
+        self.conns, self.procs, self.world = [], [], len(layers)
+        for rank in range(self.world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes,
-                                                       layers[rank]), daemon=True)
+                                                       layers[rank], self.world), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
         for conn in self.conns:  # a spawned rank imports torch and vLLM: minutes on a loaded 2-core machine
             assert conn.poll(RANK_START_S) and conn.recv() == "ready"
-        self.mapped_bytes = [0] * WORLD
+        self.mapped_bytes = [0] * self.world
         self.launched: list = []  # the last step's execute_model replies (reports on a report step)
 
     def send(self, plan, writes=(), checks=(), live=None) -> list:
         """One step: the plan and the forward pass's writes and checks; returns each rank's mapped bytes."""
-        ranks = range(WORLD) if live is None else live
+        ranks = range(self.world) if live is None else live
         for r in ranks:
             self.conns[r].send((plan, list(writes), list(checks)))
         replies, self.launched = [], []

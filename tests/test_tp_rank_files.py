@@ -24,7 +24,8 @@ def folder(tmp_path, monkeypatch):
 def _info(limit=None):
     pool, views, cache = build_cache()
     info = shm.RankInfo(rank=1, world=2, pid=os.getpid(), layout=cache.layout, group_bytes=cache.group_bytes,
-                        page_bytes=pool.page_bytes, limit_bytes=limit, host_slots=3, slot_bytes=4096)
+                        page_bytes=pool.page_bytes, limit_bytes=limit, host_slots=3, slot_bytes=4096,
+                        gpu_id="gpu-42245d53-03c8", gpu_total=80 << 30)
     return pool, views, cache, info
 
 
@@ -34,6 +35,7 @@ def test_a_rank_description_round_trips_with_its_layout(folder):
         shm.write_info(folder, info)
         back = shm.read_info(folder, 1)
         assert (back.rank, back.world, back.limit_bytes, back.host_slots) == (1, 2, 1 << 20, 3)
+        assert (back.gpu_id, back.gpu_total) == ("gpu-42245d53-03c8", 80 << 30)  # the account it names
         assert back.layout.num_groups == cache.layout.num_groups
         assert all(back.layout.pages(g) == cache.layout.pages(g) for g in range(cache.layout.num_groups))
         assert shm.read_info(folder, 0) is None  # not written yet
@@ -80,7 +82,11 @@ def test_a_rank_description_out_of_range_is_refused():
         for bad, complaint in ((good.replace(b'"rank":1', b'"rank":5'), "rank"),
                                (good.replace(b'"world":2', b'"world":0'), "world"),
                                (good.replace(b'"page_bytes":', b'"page_bytes":-', 1), "page_bytes"),
-                               (good.replace(b'"limit_bytes":null', b'"limit_bytes":"lots"'), "limit_bytes")):
+                               (good.replace(b'"limit_bytes":null', b'"limit_bytes":"lots"'), "limit_bytes"),
+                               # the scheduler opens the account a rank names: never a path out of its folder
+                               (good.replace(b'"gpu-42245d53-03c8"', b'"../../etc/gpu"'), "gpu_id"),
+                               (good.replace(b'"gpu-42245d53-03c8"', b'"' + b"g" * 200 + b'"'), "gpu_id"),
+                               (good.replace(b'"gpu_total":', b'"gpu_total":-', 1), "gpu_total")):
             with pytest.raises(BadSharedData, match=complaint):
                 decode_info(bad, "rank1.info")
     finally:

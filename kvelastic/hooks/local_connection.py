@@ -10,7 +10,6 @@ shared-budget gate. Its counterpart under tensor parallelism is
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from kvelastic.offload.copier import BlockCopier
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.settings import Settings
-
-log = logging.getLogger("vllm.kvelastic")
 
 
 class LocalConnection(CacheConnection):
@@ -64,15 +61,6 @@ class LocalConnection(CacheConnection):
         source = runtime.budget
         if source is None:
             return None
-        from kvelastic.cluster.errors import NameInUse
-        from kvelastic.scheduler.cluster_link import ClusterLink
+        from kvelastic.scheduler.cluster_link import join_shared_account
 
-        model = str(scheduler.vllm_config.model_config.model or "")
-        try:
-            return ClusterLink(self.cache, source, runtime.settings, model, self.limit_bytes)
-        except NameInUse:
-            raise  # a configuration error the user must fix: two live engines with one name
-        except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
-            log.warning("kvelastic: could not join this GPU's shared KV account (%s); this engine runs "
-                        "with its own limit only", exc)
-            return None
+        return join_shared_account(self.cache, source, scheduler, runtime.settings, self.limit_bytes)

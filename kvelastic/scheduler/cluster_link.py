@@ -19,17 +19,18 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import time
 from typing import Any
 
 from kvelastic.cluster.account import SharedAccount
+from kvelastic.cluster.device import device_identity
 from kvelastic.cluster.errors import AccountBusy
+from kvelastic.cluster.ledger import BudgetLedger
 from kvelastic.cluster.member import Member
 from kvelastic.cluster.membership import ACCOUNT_ERRORS, Membership
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.errors import ConfigError
-from kvelastic.scheduler.elastic_cache import ElasticKVCache
+from kvelastic.roles import SchedulerCache
 from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
 from kvelastic.shared.legacy import legacy_account
@@ -42,16 +43,9 @@ LOCK_TIMEOUT_S = 0.005  # the longest the scheduler's thread waits for another p
 WANT_PERIOD_S = 0.05  # the scheduler tells the account of its waiting requests at most this often
 
 
-def gpu_identity(cache: ElasticKVCache) -> tuple[str, int | None]:
-    """A name for the device's account file, and its total memory when known."""
-    backend = cache.pool.backend
-    if backend.name != "cuda":
-        return f"{backend.name}-{socket.gethostname()}", None
-    import torch
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    uuid = str(getattr(props, "uuid", "")) or f"index{torch.cuda.current_device()}"
-    return f"gpu-{uuid}", int(props.total_memory)
+def gpu_identity(cache: SchedulerCache) -> tuple[str, int | None]:
+    """A name for the device's account file, and its total memory when known (a pool in this process)."""
+    return device_identity(cache.pool.backend)  # type: ignore[attr-defined]
 
 
 def default_name(settings: Settings, model: str) -> str:
@@ -77,12 +71,36 @@ def _warn_about_uncounted_engines(gpu_id: str) -> None:
         log.warning("kvelastic: %s", legacy.describe(scope))
 
 
+def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", scheduler: Any,
+                        settings: Settings, limit_bytes: int | None,
+                        device: tuple[str, int | None] | None = None) -> "ClusterLink | None":
+    """The engine's membership in its device's account, or None (with a warning) where joining failed.
+
+    Sharing is an addition: an engine that cannot join serves on its own limit.
+    Two live engines with one name are a configuration error the user must fix.
+    """
+    from kvelastic.cluster.errors import NameInUse
+
+    model = str(scheduler.vllm_config.model_config.model or "")
+    try:
+        return ClusterLink(cache, source, settings, model, limit_bytes, device)
+    except NameInUse:
+        raise
+    except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
+        log.warning("kvelastic: could not join this GPU's shared KV account (%s); this engine runs "
+                    "with its own limit only", exc)
+        return None
+
+
 class ClusterLink:
     """Joins the account, gates the pool with it, and keeps the two in step."""
 
-    def __init__(self, cache: ElasticKVCache, source: SharedBudgetSource, settings: Settings,
-                 model: str, limit_bytes: int | None):
-        self.gpu_id, total = gpu_identity(cache)
+    def __init__(self, cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", settings: Settings,
+                 model: str, limit_bytes: int | None, device: tuple[str, int | None] | None = None):
+        """``source``: what counts this engine's bytes on the device (its pool's budget layer, or the
+        ledger of a worker rank's pages); ``device``: the account's id and the device's total memory,
+        where the pool is not in this process."""
+        self.gpu_id, total = device if device is not None else gpu_identity(cache)
         self.budget = settings.shared_budget_bytes or total or 1 << 62
         self.settings = settings
         self.model = model

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvelastic.cluster.device import ACCOUNT_ID
 from kvelastic.shared import bounded_json
 from kvelastic.shared.bounded_json import expect, int_list
 from kvelastic.shared.errors import BadSharedData
@@ -37,10 +38,13 @@ class RankInfo:
     limit_bytes: int | None
     host_slots: int        # 0 without a host tier
     slot_bytes: int
+    gpu_id: str = ""       # the rank's device, as its shared account names it ("": not said)
+    gpu_total: int = 0     # the device's memory in bytes (0: unknown)
 
 
 _INFO = {"rank": int, "world": int, "pid": int, "group_bytes": int, "page_bytes": int,
-         "limit_bytes": (int, type(None)), "host_slots": int, "slot_bytes": int, "layout": dict}
+         "limit_bytes": (int, type(None)), "host_slots": int, "slot_bytes": int, "layout": dict,
+         "gpu_id": str, "gpu_total": int}
 _LAYOUT = {"num_blocks": int, "page_bytes": int, "blocks_per_group": int, "regions": list}
 _REGION = {"region": int, "block_stride": int, "runs": list}
 
@@ -52,7 +56,7 @@ def encode_info(info: RankInfo) -> bytes:
     return bounded_json.dumps({
         "rank": info.rank, "world": info.world, "pid": info.pid, "group_bytes": info.group_bytes,
         "page_bytes": info.page_bytes, "limit_bytes": info.limit_bytes, "host_slots": info.host_slots,
-        "slot_bytes": info.slot_bytes,
+        "slot_bytes": info.slot_bytes, "gpu_id": info.gpu_id, "gpu_total": info.gpu_total,
         "layout": {"num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
                    "blocks_per_group": layout.blocks_per_group, "regions": regions}})
 
@@ -69,10 +73,14 @@ def decode_info(data: bytes, what: str) -> RankInfo:
         _in_range(record[key], 0, MAX_VALUE, f"{what}: {key}")
     if record["limit_bytes"] is not None:
         _in_range(record["limit_bytes"], 0, MAX_VALUE, f"{what}: limit_bytes")
+    _in_range(record["gpu_total"], 0, MAX_VALUE, f"{what}: gpu_total")
+    if record["gpu_id"] and not ACCOUNT_ID.match(record["gpu_id"]):
+        raise BadSharedData(f"{what}: gpu_id {record['gpu_id'][:40]!r} is not an account id")
     return RankInfo(rank=record["rank"], world=record["world"], pid=record["pid"],
                     layout=_decode_layout(record["layout"], what), group_bytes=record["group_bytes"],
                     page_bytes=record["page_bytes"], limit_bytes=record["limit_bytes"],
-                    host_slots=record["host_slots"], slot_bytes=record["slot_bytes"])
+                    host_slots=record["host_slots"], slot_bytes=record["slot_bytes"],
+                    gpu_id=record["gpu_id"], gpu_total=record["gpu_total"])
 
 
 def _decode_layout(record: dict, what: str) -> Any:

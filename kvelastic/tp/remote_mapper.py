@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvelastic.errors import KvelasticError
+from kvelastic.cluster.errors import SharedBudgetExceeded
+from kvelastic.cluster.ledger import BudgetLedger
 from kvelastic.cluster.liveness import is_alive
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
@@ -81,6 +83,13 @@ class RemoteMapper(Mapper):
         self.dead_ranks: set[int] = set()
         self.backoff_until = 0.0
         self._seen_marks: tuple[int, ...] = ()
+        self.ledger: BudgetLedger | None = None  # the GPU's shared account, once the engine joined it
+        self._group_bytes = 0
+
+    def charge_to(self, ledger: BudgetLedger, group_bytes: int) -> None:
+        """From now on every group is charged to ``ledger`` before its map is sent, and given back
+        with its unmap (or its refusal): the ranks' pages are counted in their GPU's shared account."""
+        self.ledger, self._group_bytes = ledger, group_bytes
 
     # ------------------------------------------------------ the Mapper role
     @property
@@ -105,6 +114,9 @@ class RemoteMapper(Mapper):
         groups = list(groups)
         if not groups:
             return
+        if not self._charge(len(groups) * self._group_bytes):
+            self._refused.extend(groups)  # the account said no: a scheduling miss, as a rank's refusal is
+            return
         seq = self._next()
         for g in groups:
             self._pending[g] = seq
@@ -116,6 +128,7 @@ class RemoteMapper(Mapper):
         """Unmap on every rank; ``after`` is moot: earlier copies precede this command on each rank."""
         groups = list(groups)
         if groups:
+            self._give_back(sum(g in self.mapped_groups for g in groups) * self._group_bytes)
             self.mapped_groups.difference_update(groups)
             self._outbox.append(unmap_command(self._next(), groups))
 
@@ -150,9 +163,15 @@ class RemoteMapper(Mapper):
         """Every rank makes its next forward pass wait for the copies queued before this command."""
         self._outbox.append(wait_command(self._next()))
 
-    def request_reserve(self, pages: int) -> None:
-        """Every rank keeps ``pages`` unmapped pages warm (fewer driver calls on the next map)."""
+    def request_reserve(self, pages: int, change_bytes: int = 0) -> bool:
+        """Every rank keeps ``pages`` unmapped pages warm (fewer driver calls on the next map);
+        ``change_bytes``: how much more (or less) each rank then holds. False if the GPU's shared
+        account refuses the growth (nothing is sent)."""
+        if change_bytes > 0 and not self._charge(change_bytes):
+            return False
+        self._give_back(-change_bytes)
         self._outbox.append(reserve_command(self._next(), pages))
+        return True
 
     # ---------------------------------------------------------- delivery
     def take_plan(self) -> StepPlan:
@@ -214,6 +233,7 @@ class RemoteMapper(Mapper):
 
     def _refuse(self, failed: list[int]) -> None:
         if failed:
+            self._give_back(len(failed) * self._group_bytes)
             self.backoff_until = time.monotonic() + REFUSAL_BACKOFF_S
             self._outbox.append(unmap_command(self._next(), failed))  # ranks that did map give it back
             self._refused.extend(failed)
@@ -280,6 +300,22 @@ class RemoteMapper(Mapper):
         return [b.get(shm.HELD_BYTES) for b in self.boards]
 
     # ------------------------------------------------------------- helpers
+    def _charge(self, nbytes: int) -> bool:
+        """False if the GPU's shared account refuses ``nbytes`` (True without an account)."""
+        if self.ledger is None:
+            return True
+        try:
+            granted = self.ledger.charge(nbytes)
+        except SharedBudgetExceeded:
+            return False
+        if granted:
+            self.ledger.made(nbytes)
+        return True
+
+    def _give_back(self, nbytes: int) -> None:
+        if self.ledger is not None and nbytes > 0:
+            self.ledger.release(nbytes)
+
     def _next(self) -> int:
         self._seq += 1
         return self._seq

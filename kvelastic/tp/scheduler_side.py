@@ -49,10 +49,9 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     parallel = scheduler.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     world = int(parallel.world_size)
     if int(parallel.pipeline_parallel_size) > 1 and runtime.settings.pipeline != "allow":
-        raise PatchError("kvelastic: pipeline parallelism is refused by default: it is tested on the CPU "
-                         "(each stage maps and confirms its own layers' page groups) but not yet shown on "
-                         "GPUs. Set KVELASTIC_PIPELINE=allow to run it, run with pipeline_parallel_size=1, "
-                         "or set KVELASTIC=0")
+        raise PatchError("kvelastic: pipeline parallelism is refused (KVELASTIC_PIPELINE=refuse). Unset it "
+                         "or set KVELASTIC_PIPELINE=allow (each stage maps and confirms its own layers' page "
+                         "groups), run with pipeline_parallel_size=1, or set KVELASTIC=0")
     confirm = _confirmations(runtime.settings.tp_confirm, parallel)
     folder = shm.engine_dir(os.getpid())
     infos = _wait_for_ranks(folder, world, wait_s)
@@ -106,6 +105,7 @@ class RankConnection(CacheConnection):
                               and any(int(b.groups[g]) > 0 for b in boards)])
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
         self.mapper = mapper
+        self.infos = tuple(infos)
         largest = max(infos, key=lambda i: i.group_bytes)
         self.cache = ShardedKVCache(mapper, largest, limit_bytes or (min(limits) if limits else None), lock)
         self.rank_held_bytes = mapper.rank_held_bytes
@@ -136,8 +136,26 @@ class RankConnection(CacheConnection):
         return functools.partial(adopt_reply, self.mapper) if self.mapper.confirm == STEP else None
 
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
-        """None: each rank would have to join its own GPU's account (not done under TP)."""
-        return None
+        """Join the rank's GPU's shared account for it, where the engine has one rank (a data-parallel
+        engine core, or TP=1 through the multiprocess executor).
+
+        The ranks create pages only on the scheduler's commands, so the
+        scheduler is the member: a map is charged to the account before it is
+        sent (refused: a scheduling miss) and given back with its unmap. Ranks
+        on several GPUs would need a membership per GPU: not done yet (None).
+        """
+        if len(self.infos) != 1 or not self.infos[0].gpu_id:
+            log.info("kvelastic: an engine over %d GPUs does not join their shared KV accounts (its limits "
+                     "are per rank); engines on these GPUs do not share memory with it", len(self.infos))
+            return None
+        from kvelastic.cluster.ledger import BudgetLedger
+        from kvelastic.scheduler.cluster_link import join_shared_account
+
+        info, pool = self.infos[0], self.cache.pool
+        ledger = BudgetLedger(held_bytes=pool.held_bytes() + pool.reserve_pages * pool.page_bytes)
+        self.mapper.charge_to(ledger, self.cache.group_bytes)
+        return join_shared_account(self.cache, ledger, scheduler, runtime.settings, pool.limit_bytes,
+                                   device=(info.gpu_id, info.gpu_total or None))
 
 
 def _remove_idle_files(folder: Path) -> None:

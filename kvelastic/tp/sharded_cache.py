@@ -10,9 +10,10 @@ groups, and vLLM profiled the limit per GPU.
 from __future__ import annotations
 
 import threading
-from typing import ContextManager
+import time
+from typing import Callable, ContextManager
 
-from kvelastic.scheduler.elastic_cache import GroupedBlocks
+from kvelastic.scheduler.elastic_cache import DEVICE_FREE_TTL_S, GroupedBlocks
 from kvelastic.pool.stats import PoolStats
 from kvelastic.roles import PoolView
 from kvelastic.tp.board import RankInfo
@@ -69,9 +70,15 @@ class ShardedPoolView(PoolView):
     def _set_reserve(self, pages: int) -> int:
         if pages == self.reserve_pages:
             return 0
-        change, self.reserve_pages = pages - self.reserve_pages, pages
-        self.mapper.request_reserve(pages)
+        change = pages - self.reserve_pages
+        if not self.mapper.request_reserve(pages, change * self.page_bytes):
+            return 0  # the GPU's shared account has no room for it
+        self.reserve_pages = pages
         return abs(change)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Ranks map only what the scheduler asks for, so the limit is kept here, not on the ranks."""
+        self.limit_bytes = limit_bytes
 
 
 class ShardedKVCache(GroupedBlocks):
@@ -85,12 +92,29 @@ class ShardedKVCache(GroupedBlocks):
         self.layout = info.layout
         self.group_bytes = info.group_bytes
         self.pool = ShardedPoolView(mapper, info, limit_bytes, lock)
+        self.external_headroom: Callable[[], int | None] | None = None
+        self._external_cache: tuple[float, int | None] = (0.0, None)
 
     def device_room(self) -> int | None:
-        """The fullest GPU decides; none at all while the ranks back off (a refusal, or a dead rank)."""
+        """The fullest GPU decides, within the shared account's grant; none at all while the ranks back
+        off (a refusal, or a dead rank)."""
         if self.mapper.backing_off():
             return 0
-        return self.beyond_margin(self.mapper.device_free_bytes())
+        room = self.beyond_margin(self.mapper.device_free_bytes())
+        external = self._external_room()
+        return room if external is None else external if room is None else min(room, external)
+
+    def _external_room(self) -> int | None:
+        """The account's grant, asked at most every 50 ms (as a pool in the scheduler's process asks it)."""
+        if self.external_headroom is None:
+            return None
+        stamp, room = self._external_cache
+        now = time.monotonic()
+        if now - stamp > DEVICE_FREE_TTL_S:
+            room = self.external_headroom()
+            self._external_cache = (now, room)
+        return room
 
     def forget_device_free(self) -> None:
-        """Nothing is kept to forget: every estimate reads the ranks' boards afresh."""
+        """The ranks' boards are read afresh each time; only the account's grant is kept, and dropped here."""
+        self._external_cache = (0.0, None)

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvelastic.cluster.device import device_identity
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
@@ -61,9 +62,11 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
         copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
+    gpu_id, gpu_total = device_identity(cache.pool.backend)
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
-                        limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes)
+                        limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
+                        gpu_id=gpu_id, gpu_total=gpu_total or 0)
     worker = RankWorker(cache, folder, info, copier)
     if memory is not None:
         board = worker.board

@@ -1,0 +1,126 @@
+"""An engine whose KV cache lives in one worker rank joins that GPU's shared account (issue 19).
+
+A data-parallel engine core (and TP=1 through the multiprocess executor) runs
+its one worker in a child process: the scheduler reaches the pool through the
+rank protocol. Here vLLM's real scheduler drives a spawned rank process (a
+host-backed pool) and joins the account the rank's device names, so it shares
+the device with a one-process engine (vLLM's real scheduler over a pool in the
+test's process): both are members of one account, the rank engine's maps are
+charged before they are sent, and together the two never hold more than the
+budget. Every block the rank reads is checked to hold its tokens' data.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
+
+from kvelastic.cluster import SharedAccount  # noqa: E402
+from kvelastic.cluster.device import device_identity  # noqa: E402
+from kvelastic.pool.host import HostBackend  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+from kvelastic.startup.runtime import Runtime  # noqa: E402
+from kvelastic.tp import board as shm  # noqa: E402
+from tests.kv_fixtures import GROUP_BYTES  # noqa: E402
+from tests.scheduler_harness import build_patched, make_requests, model_output  # noqa: E402
+from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
+from tests.test_tp_protocol import RankProcesses  # noqa: E402
+from tests.test_tp_real_scheduler import _forward, _scheduler_with_world  # noqa: E402
+
+BUDGET_GROUPS = 6
+
+
+@pytest.fixture
+def rank_engine(patched, monkeypatch):  # noqa: F811 - patched sets KVELASTIC_SHARED_DIR first
+    made: list = []
+
+    def make(**settings):
+        ranks = RankProcesses(shm.engine_dir(os.getpid()), (None,), layers=(3,))
+        made.append(ranks)
+        runtime = Runtime(Settings(enabled=True, **settings))  # no cache here: the rank holds it
+        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(1))
+        made.append((scheduler, patcher))
+        return scheduler, ranks
+
+    yield make
+    for item in reversed(made):
+        if isinstance(item, RankProcesses):
+            item.close()
+        else:
+            scheduler, patcher = item
+            scheduler.kvelastic_reclaimer.stop()
+            patcher.revert()
+
+
+def _step_rank_engine(scheduler, ranks: RankProcesses) -> None:
+    if not scheduler.has_requests():
+        ranks.send(scheduler.schedule().kvelastic_plan)  # commands still go out with an empty step
+        return
+    out = scheduler.schedule()
+    ranks.send(out.kvelastic_plan, *_forward(scheduler, out))
+    samplers = {r for r in out.num_scheduled_tokens
+                if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+    scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+
+
+def _step_local(scheduler) -> None:
+    if scheduler.has_requests():
+        out = scheduler.schedule()
+        samplers = {r for r in out.num_scheduled_tokens
+                    if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+        scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+
+
+def _account() -> SharedAccount:
+    gpu_id, _ = device_identity(HostBackend())
+    return SharedAccount.open(gpu_id, BUDGET_GROUPS * GROUP_BYTES)
+
+
+def test_a_one_rank_engine_joins_the_account_its_rank_names_and_is_charged_for_its_maps(rank_engine):
+    scheduler, ranks = rank_engine(name="ranked", shared_budget_bytes=BUDGET_GROUPS * GROUP_BYTES)
+    for request in make_requests("r", 6, 420, 0, seed=5, max_tokens=20):
+        scheduler.add_request(request)
+    account = _account()
+    try:
+        seen = []
+        for _ in range(400):
+            _step_rank_engine(scheduler, ranks)
+            scheduler.kvelastic_reclaimer.tick()
+            member = {m.name: m for m in account.members()}["ranked"]
+            assert member.pid == os.getpid()
+            seen.append((member.mapped_bytes, ranks.mapped_bytes[0]))
+            if not scheduler.has_requests():
+                break
+        assert not scheduler.has_requests(), "the wave never finished"
+        # the account is charged when a map is sent, before the rank maps: it never shows less than the rank holds
+        assert all(charged >= held for charged, held in seen), seen
+        assert max(held for _, held in seen) > 0
+        assert max(charged for charged, _ in seen) <= BUDGET_GROUPS * GROUP_BYTES
+    finally:
+        account.close()
+
+
+def test_a_one_rank_engine_and_a_local_engine_share_one_budget_and_both_finish(patched, rank_engine):  # noqa: F811
+    shared = dict(shared_budget_bytes=BUDGET_GROUPS * GROUP_BYTES, cache_ttl_s=60.0, reserve_bytes=0)
+    local, local_pool, _ = patched(name="local", shared=True, **shared)
+    ranked, ranks = rank_engine(name="ranked", **shared)
+    for request in make_requests("a", 8, 460, 0, seed=3, max_tokens=40):
+        local.add_request(request)
+    for request in make_requests("b", 4, 500, 0, seed=4, max_tokens=30):
+        ranked.add_request(request)
+    most_ranked = 0
+    for step in range(800):
+        _step_local(local)
+        _step_rank_engine(ranked, ranks)
+        local.kvelastic_reclaimer.tick()
+        ranked.kvelastic_reclaimer.tick()
+        together = local_pool.stats().held_bytes + ranks.mapped_bytes[0]
+        assert together <= BUDGET_GROUPS * GROUP_BYTES, f"step {step}: {together} bytes held together"
+        most_ranked = max(most_ranked, ranks.mapped_bytes[0])
+        if not local.has_requests() and not ranked.has_requests():
+            break
+    assert not local.has_requests() and not ranked.has_requests(), "a wave never finished"
+    assert most_ranked > 0
