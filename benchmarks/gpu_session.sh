@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
-#   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2 (KVELASTIC_PIPELINE=allow): identical outputs, memory
+#   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
 #   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)

@@ -29,7 +29,7 @@ CONFIGS = {
     "v1-mp1": ["--v1", "--mp"],
     "tp2": ["--tp", "2"],
     "v1-tp2": ["--v1", "--tp", "2"],
-    "pp2": ["--pp", "2"],       # two pipeline stages (kvelastic needs KVELASTIC_PIPELINE=allow)
+    "pp2": ["--pp", "2"],       # two pipeline stages
     # vLLM's own offload connectors (issue 17); vllm_run.py counts the blocks each stores and loads
     "simple-eager": ["--connector", "simple-eager"],
     "simple-lazy": ["--connector", "simple-lazy"],

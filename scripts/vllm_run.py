@@ -86,7 +86,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="vLLM OffloadingConnector (4 GiB CPU)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size (kvelastic: KVELASTIC_PIPELINE=allow)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--mp", action="store_true", help="multiprocess executor even at TP=1 (worker in a child)")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--min-len", type=int, default=50)
