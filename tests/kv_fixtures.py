@@ -30,28 +30,30 @@ class StandInRequest:
 
 
 def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None,
-                layers: int = LAYERS):
+                layers: int = LAYERS, num_blocks: int = N, page_bytes: int = PAGE):
     """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it).
 
     ``wrap_device(source)`` inserts a layer above the device in the usual stack (the shared account's gate).
     ``layers``: how many KV layers this cache holds (a pipeline stage holds only its own).
+    ``num_blocks``, ``page_bytes``: a larger cache, or larger groups (``page_bytes // HALF`` blocks each),
+    shaped like a GPU engine's.
     """
     if wrap_device is None:
-        pool = PagePool.standard(backend or HostBackend(), page_bytes=PAGE)
+        pool = PagePool.standard(backend or HostBackend(), page_bytes=page_bytes)
     else:
         backend = backend or HostBackend()
-        device = wrap_device(StatisticsSource(DeviceSource(backend, PAGE)))
+        device = wrap_device(StatisticsSource(DeviceSource(backend, page_bytes)))
         pool = PagePool(backend, ReserveSource(LimitedSource(device)))
-    raws = [pool.add_tensor(2 * N * HALF) for _ in range(layers)]
-    views = [raw.view(torch.bfloat16).view(2, N, BS, H, D) for raw in raws]
+    raws = [pool.add_tensor(2 * num_blocks * HALF) for _ in range(layers)]
+    views = [raw.view(torch.bfloat16).view(2, num_blocks, BS, H, D) for raw in raws]
     per_view = []
     for raw, view in zip(raws, views):
         region = pool.region_of(raw)
         per_view.append((region.region_id, *runs_of_view(view.shape, view.stride(), 2,
-                                                          view.data_ptr() - region.address, N)))
-    layout = KVGroupLayout(merge_runs(per_view), N, PAGE)
+                                                          view.data_ptr() - region.address, num_blocks)))
+    layout = KVGroupLayout(merge_runs(per_view), num_blocks, page_bytes)
     if limit_groups is not None:
-        pool.set_limit(limit_groups * 2 * layers * PAGE)
+        pool.set_limit(limit_groups * 2 * layers * page_bytes)
     return pool, views, ElasticKVCache(pool, layout)
 
 

@@ -16,12 +16,13 @@ MODEL = Path(__file__).resolve().parents[1] / "scripts" / "models" / "llama-1b"
 
 
 @functools.lru_cache(maxsize=None)
-def vllm_config(num_blocks: int):
+def vllm_config(num_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: int = 256):
+    """A small engine's config by default; the GPU benchmarks' batch limits where a test asks for them."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model = ModelConfig(model=str(MODEL), skip_tokenizer_init=True, max_model_len=2048, dtype="bfloat16", seed=0)
-    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
-                                is_encoder_decoder=False, enable_chunked_prefill=True)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=2048, is_encoder_decoder=False, enable_chunked_prefill=True)
     config = VllmConfig(model_config=model, scheduler_config=scheduler,
                         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
                         device_config=DeviceConfig(device="cpu"))
@@ -29,15 +30,16 @@ def vllm_config(num_blocks: int):
     return config
 
 
-def make_scheduler(num_blocks: int = N, asynchronous: bool = False):
-    """vLLM's Scheduler, or with ``asynchronous`` the AsyncScheduler that async scheduling uses."""
+def make_scheduler(num_blocks: int = N, asynchronous: bool = False, **batch):
+    """vLLM's Scheduler, or with ``asynchronous`` the AsyncScheduler that async scheduling uses;
+    ``batch``: :func:`vllm_config`'s batch limits."""
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    config = vllm_config(num_blocks)
+    config = vllm_config(num_blocks, **batch)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                               kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])

@@ -87,14 +87,15 @@ def tp_engine(tmp_path, monkeypatch):
             patcher.revert()
 
 
-def _scheduler_with_world(world: int, backend: str = "mp", stages: int = 1):
-    """vLLM's scheduler for ``world`` workers (``stages`` of them pipeline stages) under ``backend``."""
-    config = vllm_config(N)
+def _scheduler_with_world(world: int, backend: str = "mp", stages: int = 1, num_blocks: int = N, **batch):
+    """vLLM's scheduler for ``world`` workers (``stages`` of them pipeline stages) under ``backend``;
+    ``num_blocks`` and ``batch`` as :func:`make_scheduler` takes them."""
+    config = vllm_config(num_blocks, **batch)
     parallel = config.parallel_config
     previous = parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend
     parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend = world, stages, backend
     try:
-        return make_scheduler()
+        return make_scheduler(num_blocks, **batch)
     finally:
         parallel.world_size, parallel.pipeline_parallel_size, parallel.distributed_executor_backend = previous
 
