@@ -22,9 +22,9 @@ from tests.test_tp_protocol import RANK_LAYERS, group_bytes  # noqa: E402
 from tests.test_tp_real_scheduler import drive_ranks, drive_ranks_step, tp_engine  # noqa: E402,F401 (a fixture)
 
 
-def test_pipeline_parallelism_is_refused_unless_allowed():
+def test_pipeline_parallelism_is_allowed_unless_refused():
     """The refusal itself: tests/test_mapper_reclaimer.py; here the setting and its message."""
-    assert Settings().pipeline == "refuse" and Settings.from_env({"KVELASTIC_PIPELINE": "allow"}).pipeline == "allow"
+    assert Settings().pipeline == "allow" and Settings.from_env({"KVELASTIC_PIPELINE": "refuse"}).pipeline == "refuse"
     with pytest.raises(Exception, match="KVELASTIC_PIPELINE"):
         Settings.from_env({"KVELASTIC_PIPELINE": "yes"})
 
