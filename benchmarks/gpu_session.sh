@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
+#   bash benchmarks/gpu_session.sh tp-accounts  # issue 19: a TP=2 engine is a member of both GPUs' accounts
 #   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
@@ -55,6 +56,15 @@ pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, bot
     e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
         --max-tokens 128 2>&1 | tee "$W/pp.log" ;;
+tp-accounts)  # issue 19: `kvelastic status` each second while a TP=2 8B engine serves (kvelastic only)
+    (for i in $(seq -w 150); do python3 -m kvelastic.cli status --json >"$W/status-$i.json" 2>/dev/null; sleep 1; done) &
+    sampler=$!
+    KVELASTIC=1 KVELASTIC_CACHE_TTL=2 python3 scripts/vllm_run.py --model scripts/models/llama-8b --tp 2 \
+        --out "$W/tp2-kve.json" --prompts 128 --max-tokens 32 --idle-after 4 >"$W/tp2-kve.log" 2>&1
+    r=$?
+    kill $sampler 2>/dev/null
+    grep -h "joined the shared KV account" "$W/tp2-kve.log"
+    python3 scripts/accounts_seen.py "$W" && (exit $r) ;;
 dp)  # issue 19: two engine cores, one GPU each: identical to vanilla DP, both GPUs' memory, their accounts
     python3 scripts/check_data_parallel.py --outdir "$W/dp" 2>&1 | tee "$W/dp.log" ;;
 tp-spill)

@@ -30,16 +30,29 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.cluster_link import ClusterLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.pool.kv_layout import KVGroupLayout
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.pool.backend import Fence
     from kvelastic.pool.stats import PoolStats
+    from kvelastic.scheduler.reclaim_timing import ReclaimTiming
     from kvelastic.settings import Settings
 
-__all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "CacheConnection"]
+__all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "CacheConnection", "AccountLink"]
+
+
+class AccountLink(Protocol):
+    """An engine's membership in its GPUs' shared accounts, as upkeep uses it: a ``ClusterLink``
+    (one GPU) or a ``LinkGroup`` (an engine over several)."""
+
+    name: str
+    timing: "ReclaimTiming"
+
+    def tick(self, queue: Any, offload: Any) -> int:
+        """Report, apply the limit; the bytes other engines want back."""
+
+    def leave(self) -> None: ...
 
 
 class PoolView(Protocol):
@@ -200,5 +213,5 @@ class CacheConnection(Protocol):
         """What each ``update_from_output``'s model output gives up before vLLM reads it; None: nothing."""
 
     @abstractmethod
-    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
-        """This engine's membership in its GPU's shared account; None where it joins none."""
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> AccountLink | None:
+        """This engine's membership in its GPUs' shared accounts; None where it joins none."""

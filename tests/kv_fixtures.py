@@ -29,6 +29,14 @@ class StandInRequest:
         self.block_hashes = hashes
 
 
+class NamedHostBackend(HostBackend):
+    """Host memory that goes by another device name: a rank "on another GPU" names another account."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+
 def build_cache(limit_groups: int | None = None, backend: HostBackend | None = None, wrap_device=None,
                 layers: int = LAYERS, num_blocks: int = N, page_bytes: int = PAGE):
     """(pool, per-layer views, elastic cache) over the host backend (or ``backend``, a variant of it).

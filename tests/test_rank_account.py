@@ -24,7 +24,7 @@ from kvelastic.pool.host import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import GROUP_BYTES  # noqa: E402
+from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend  # noqa: E402
 from tests.scheduler_harness import build_patched, make_requests, model_output  # noqa: E402
 from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
 from tests.test_tp_protocol import RankProcesses  # noqa: E402
@@ -124,3 +124,45 @@ def test_a_one_rank_engine_and_a_local_engine_share_one_budget_and_both_finish(p
             break
     assert not local.has_requests() and not ranked.has_requests(), "a wave never finished"
     assert most_ranked > 0
+
+
+def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_grants(patched, monkeypatch):  # noqa: F811
+    """Ranks on two GPUs: the engine is a member of both accounts; another engine holds part of the second
+    GPU's budget, so the groups every rank maps stay within what is left there, and the wave still ends."""
+    from tests.scheduler_harness import drive
+
+    other_bytes = 2 * GROUP_BYTES
+    gpu_b = SharedAccount.open(device_identity(NamedHostBackend("gpub"))[0], BUDGET_GROUPS * GROUP_BYTES)
+    other = gpu_b.join("other")
+    assert other.request(other_bytes).granted  # another engine's pages on the second GPU
+    ranks = RankProcesses(shm.engine_dir(os.getpid()), (None, None), devices=("gpua", "gpub"))
+    runtime = Runtime(Settings(enabled=True, name="tp", shared_budget_bytes=BUDGET_GROUPS * GROUP_BYTES,
+                               reserve_bytes=0))
+    scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(2))
+    try:
+        held: list[tuple[int, int]] = []
+
+        def forward(s, out) -> None:
+            ranks.send(out.kvelastic_plan, *_forward(s, out))
+
+        def after_step(_) -> None:
+            scheduler.kvelastic_reclaimer.tick()
+            held.append(tuple(ranks.mapped_bytes))
+
+        drive(scheduler, [make_requests("t", 6, 420, 0, seed=6, max_tokens=20)], max_steps=3000,
+              forward=forward, after_step=after_step)
+        assert not scheduler.has_requests()
+        room = BUDGET_GROUPS * GROUP_BYTES - other_bytes  # what the second GPU's account leaves it
+        assert all(max(h) <= room for h in held), held  # every rank maps the same groups
+        assert max(h1 for _, h1 in held) == room  # the wave needed more: the account's room was what held it
+        for name in ("gpua", "gpub"):
+            account = SharedAccount.open(device_identity(NamedHostBackend(name))[0], BUDGET_GROUPS * GROUP_BYTES)
+            try:
+                assert "tp" in {m.name for m in account.members()}, f"not a member on {name}"
+            finally:
+                account.close()
+    finally:
+        scheduler.kvelastic_reclaimer.stop()
+        patcher.revert()
+        ranks.close()
+        gpu_b.close()

@@ -43,17 +43,20 @@ def group_bytes(layers: int) -> int:
 
 
 def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3, shape=(N, PAGE),
-              world: int = WORLD) -> None:
+              world: int = WORLD, device: str | None = None) -> None:
     """A worker rank: apply each step's plan, then do its writes and checks on its own shard.
 
-    ``shape``: the cache's blocks and page bytes (see ``build_cache``)."""
+    ``shape``: the cache's blocks and page bytes (see ``build_cache``); ``device``: the name its
+    host-memory "device" goes by (ranks on different GPUs name different ones)."""
     from pathlib import Path
 
     from kvelastic.tp.report_merger import reply_with_report
     from kvelastic.tp.worker_side import start_rank
-    from tests.kv_fixtures import build_cache
+    from tests.kv_fixtures import NamedHostBackend, build_cache
 
-    pool, views, cache = build_cache(limit_groups, layers=layers, num_blocks=shape[0], page_bytes=shape[1])
+    backend = NamedHostBackend(device) if device else None
+    pool, views, cache = build_cache(limit_groups, backend=backend, layers=layers, num_blocks=shape[0],
+                                     page_bytes=shape[1])
     worker = start_rank(cache, Path(folder), rank, world, None, cpu_bytes)
     conn.send("ready")
     while True:
@@ -88,15 +91,17 @@ RANK_START_S = 240
 class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
-    def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3), shape=(N, PAGE)):
+    def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3), shape=(N, PAGE), devices=None):
         """``layers``: each rank's KV layers (equal under TP; a pipeline stage's own under PP), one entry
-        per rank; ``shape``: every rank's blocks and page bytes."""
+        per rank; ``shape``: every rank's blocks and page bytes; ``devices``: each rank's device name
+        (default: all on the one host-memory device)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs, self.world = [], [], len(layers)
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes,
-                                                       layers[rank], shape, self.world), daemon=True)
+                                                       layers[rank], shape, self.world,
+                                                       devices[rank] if devices else None), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -17,7 +17,7 @@ from kvelastic.scheduler.mapper import GroupMapper
 from kvelastic.roles import CacheConnection
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.copier import BlockCopier
@@ -56,7 +56,7 @@ class LocalConnection(CacheConnection):
         """None: nothing of the pool rides a step's output."""
         return None
 
-    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
         """Join the GPU's shared account; None where the pool has no shared-budget gate."""
         source = runtime.budget
         if source is None:

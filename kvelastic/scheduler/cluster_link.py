@@ -73,17 +73,18 @@ def _warn_about_uncounted_engines(gpu_id: str) -> None:
 
 def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", scheduler: Any,
                         settings: Settings, limit_bytes: int | None,
-                        device: tuple[str, int | None] | None = None) -> "ClusterLink | None":
+                        device: tuple[str, int | None] | None = None, **options: Any) -> "ClusterLink | None":
     """The engine's membership in its device's account, or None (with a warning) where joining failed.
 
     Sharing is an addition: an engine that cannot join serves on its own limit.
     Two live engines with one name are a configuration error the user must fix.
+    ``options``: :class:`ClusterLink`'s ``group_bytes`` and ``install``.
     """
     from kvelastic.cluster.errors import NameInUse
 
     model = str(scheduler.vllm_config.model_config.model or "")
     try:
-        return ClusterLink(cache, source, settings, model, limit_bytes, device)
+        return ClusterLink(cache, source, settings, model, limit_bytes, device, **options)
     except NameInUse:
         raise
     except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
@@ -96,10 +97,13 @@ class ClusterLink:
     """Joins the account, gates the pool with it, and keeps the two in step."""
 
     def __init__(self, cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", settings: Settings,
-                 model: str, limit_bytes: int | None, device: tuple[str, int | None] | None = None):
+                 model: str, limit_bytes: int | None, device: tuple[str, int | None] | None = None,
+                 group_bytes: int | None = None, install: bool = True):
         """``source``: what counts this engine's bytes on the device (its pool's budget layer, or the
         ledger of a worker rank's pages); ``device``: the account's id and the device's total memory,
-        where the pool is not in this process."""
+        where the pool is not in this process; ``group_bytes``: a page group's bytes on this device
+        (the cache's unless its ranks differ); ``install``: gate the cache with this account (False
+        where a :class:`~kvelastic.scheduler.link_group.LinkGroup` gates it with several)."""
         self.gpu_id, total = device if device is not None else gpu_identity(cache)
         self.budget = settings.shared_budget_bytes or total or 1 << 62
         self.settings = settings
@@ -114,8 +118,10 @@ class ClusterLink:
         self.timing = ReclaimTiming(self.name, source.lock)
         source.observer = self.timing
         source.attach(self.membership)
-        cache.external_headroom = self.headroom
-        cache.external_want = self.want
+        self.group_bytes = group_bytes or cache.group_bytes
+        if install:
+            cache.external_headroom = self.headroom
+            cache.external_want = self.want
         self._next_want = 0.0
         self.source = source
         self.cache = cache
@@ -168,18 +174,27 @@ class ClusterLink:
 
     def tick(self, queue: Any, offload: Any) -> int:
         """Report, apply the current limit; return the bytes other engines want back from us."""
+        limit, pressure = self.assess(queue, offload)
         pool = self.cache.pool
-        stats = pool.stats()
+        if limit != pool.stats().limit_bytes:
+            pool.set_limit(limit)
+        return pressure
+
+    def assess(self, queue: Any, offload: Any) -> tuple[int | None, int]:
+        """Report to the account; the pool's limit from now on, and the bytes other engines want back.
+
+        Serving alone (no account), the limit it started with; while the
+        account is busy, the limit it has.
+        """
+        stats = self.cache.pool.stats()
         if not self.membership.attached and not self.source.rejoin():
             self._share_cap = 0
-            if stats.limit_bytes != self.base_limit:
-                pool.set_limit(self.base_limit)  # serving alone: the limit it started with
-            return 0
-        cached = queue.cached_groups() * self.cache.group_bytes + stats.reserve_bytes
+            return self.base_limit, 0
+        cached = queue.cached_groups() * self.group_bytes + stats.reserve_bytes
         host = offload.stats()["host_bytes_used"] if offload is not None else None
         t = self.membership.tick(cached_bytes=cached, host_bytes=host)
         if t is None:
-            return 0  # busy this time, or just lost: the next tick tells
+            return stats.limit_bytes, 0  # busy this time, or just lost: the next tick tells
         limit = self.limit_for(t.max_bytes)
         if limit != self._account_limit:
             self._account_limit = limit
@@ -189,14 +204,12 @@ class ClusterLink:
         if t.share_cap_bytes:
             asked = max(asked, stats.held_bytes - t.share_cap_bytes)
         self.timing.tick(asked)
-        if effective != stats.limit_bytes:
-            pool.set_limit(effective)
         if t.max_bytes:
             self._restore_tried = False
         elif self.base_limit and not self._restore_tried:
             self._restore_tried = True  # once per change to 0: a refusal must not repeat every tick
             self._show_restored_cap()
-        return t.pressure_bytes
+        return effective, t.pressure_bytes
 
     def _within_share(self, limit: int | None, cap: int, held: int) -> int | None:
         """The pool's limit: the account's, lowered to the fair share while another engine waits below its own.
@@ -241,7 +254,8 @@ class ClusterLink:
                         self.name, format_size(self.base_limit or 0), error)
 
     def leave(self) -> None:
-        self.cache.external_headroom = None
-        self.cache.external_want = None
+        if self.cache.external_headroom == self.headroom:  # not where a LinkGroup gates the cache
+            self.cache.external_headroom = None
+            self.cache.external_want = None
         self.source.member = None  # pages freed after leaving are no longer the account's business
         self.membership.leave()

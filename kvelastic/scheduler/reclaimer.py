@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 
 
@@ -50,7 +50,7 @@ class AccountSync:
 
     under_scheduler_lock = False
 
-    def __init__(self, link: "ClusterLink", queue: "PageAwareFreeQueue", offload: OffloadStatistics | None):
+    def __init__(self, link: "AccountLink", queue: "PageAwareFreeQueue", offload: OffloadStatistics | None):
         self.link = link
         self.queue = queue
         self.offload = offload

@@ -19,7 +19,7 @@ from kvelastic.scheduler.reclaimer import AccountSync, CacheReclaim, OffloadStat
 from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.metrics.metrics import StatsPublisher
 
@@ -89,7 +89,7 @@ class UpkeepThread:
 
 def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: ContextManager, *,
                   cache_ttl_s: float, reserve_bytes: int, offload: OffloadStatistics | None = None,
-                  link: "ClusterLink | None" = None, publisher: "StatsPublisher | None" = None,
+                  link: "AccountLink | None" = None, publisher: "StatsPublisher | None" = None,
                   rank_held_bytes: Callable[[], list[int]] | None = None,
                   after_tick: Callable[[], None] | None = None, interval_s: float = 0.25,
                   clock: Callable[[], float] = time.monotonic) -> UpkeepThread:

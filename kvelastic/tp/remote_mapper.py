@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -47,6 +48,19 @@ MAX_REPORTS_WAITED = 8  # a MAP not decided by every rank after this many step r
 
 BOARD = "board"  # confirmations read off the ranks' shared-memory boards (one host)
 STEP = "step"    # confirmations carried on the steps' replies (any host, any multiprocess executor)
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One GPU's shared account, as the ranks on it count: a group's bytes there, and how many ranks."""
+
+    ledger: BudgetLedger
+    group_bytes: int
+    ranks: int = 1
+
+    def bytes_for(self, groups: int, reserve_bytes: int = 0) -> int:
+        """``groups`` page groups and a warm reserve of ``reserve_bytes`` per rank, on this GPU."""
+        return groups * self.group_bytes + reserve_bytes * self.ranks
 
 
 class RemoteMapper(Mapper):
@@ -83,13 +97,12 @@ class RemoteMapper(Mapper):
         self.dead_ranks: set[int] = set()
         self.backoff_until = 0.0
         self._seen_marks: tuple[int, ...] = ()
-        self.ledger: BudgetLedger | None = None  # the GPU's shared account, once the engine joined it
-        self._group_bytes = 0
+        self._charges: list[Charge] = []  # the GPUs' shared accounts, once the engine joined them
 
-    def charge_to(self, ledger: BudgetLedger, group_bytes: int) -> None:
-        """From now on every group is charged to ``ledger`` before its map is sent, and given back
-        with its unmap (or its refusal): the ranks' pages are counted in their GPU's shared account."""
-        self.ledger, self._group_bytes = ledger, group_bytes
+    def charge_to(self, charges: Sequence["Charge"]) -> None:
+        """From now on every group is charged to each GPU's ledger before its map is sent, and given
+        back with its unmap (or its refusal): the ranks' pages are counted in their GPUs' accounts."""
+        self._charges = list(charges)
 
     # ------------------------------------------------------ the Mapper role
     @property
@@ -114,7 +127,7 @@ class RemoteMapper(Mapper):
         groups = list(groups)
         if not groups:
             return
-        if not self._charge(len(groups) * self._group_bytes):
+        if not self._charge(len(groups)):
             self._refused.extend(groups)  # the account said no: a scheduling miss, as a rank's refusal is
             return
         seq = self._next()
@@ -128,7 +141,7 @@ class RemoteMapper(Mapper):
         """Unmap on every rank; ``after`` is moot: earlier copies precede this command on each rank."""
         groups = list(groups)
         if groups:
-            self._give_back(sum(g in self.mapped_groups for g in groups) * self._group_bytes)
+            self._give_back(sum(g in self.mapped_groups for g in groups))
             self.mapped_groups.difference_update(groups)
             self._outbox.append(unmap_command(self._next(), groups))
 
@@ -167,9 +180,9 @@ class RemoteMapper(Mapper):
         """Every rank keeps ``pages`` unmapped pages warm (fewer driver calls on the next map);
         ``change_bytes``: how much more (or less) each rank then holds. False if the GPU's shared
         account refuses the growth (nothing is sent)."""
-        if change_bytes > 0 and not self._charge(change_bytes):
+        if change_bytes > 0 and not self._charge(0, change_bytes):
             return False
-        self._give_back(-change_bytes)
+        self._give_back(0, -change_bytes)
         self._outbox.append(reserve_command(self._next(), pages))
         return True
 
@@ -233,7 +246,7 @@ class RemoteMapper(Mapper):
 
     def _refuse(self, failed: list[int]) -> None:
         if failed:
-            self._give_back(len(failed) * self._group_bytes)
+            self._give_back(len(failed))
             self.backoff_until = time.monotonic() + REFUSAL_BACKOFF_S
             self._outbox.append(unmap_command(self._next(), failed))  # ranks that did map give it back
             self._refused.extend(failed)
@@ -300,21 +313,28 @@ class RemoteMapper(Mapper):
         return [b.get(shm.HELD_BYTES) for b in self.boards]
 
     # ------------------------------------------------------------- helpers
-    def _charge(self, nbytes: int) -> bool:
-        """False if the GPU's shared account refuses ``nbytes`` (True without an account)."""
-        if self.ledger is None:
-            return True
-        try:
-            granted = self.ledger.charge(nbytes)
-        except SharedBudgetExceeded:
-            return False
-        if granted:
-            self.ledger.made(nbytes)
+    def _charge(self, groups: int, reserve_bytes: int = 0) -> bool:
+        """False if a GPU's shared account refuses ``groups`` more groups (or a rank's warm reserve
+        ``reserve_bytes`` more); what the other accounts granted is given back then."""
+        done: list[tuple[BudgetLedger, int, bool]] = []
+        for charge in self._charges:
+            nbytes = charge.bytes_for(groups, reserve_bytes)
+            try:
+                done.append((charge.ledger, nbytes, charge.ledger.charge(nbytes)))
+            except SharedBudgetExceeded:
+                for ledger, taken, _ in done:
+                    ledger.undo(taken)
+                return False
+        for ledger, nbytes, granted in done:
+            if granted:
+                ledger.made(nbytes)
         return True
 
-    def _give_back(self, nbytes: int) -> None:
-        if self.ledger is not None and nbytes > 0:
-            self.ledger.release(nbytes)
+    def _give_back(self, groups: int, reserve_bytes: int = 0) -> None:
+        for charge in self._charges:
+            nbytes = charge.bytes_for(groups, reserve_bytes)
+            if nbytes > 0:
+                charge.ledger.release(nbytes)
 
     def _next(self) -> int:
         self._seq += 1

@@ -28,7 +28,7 @@ from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
@@ -135,27 +135,47 @@ class RankConnection(CacheConnection):
         """With confirmations on the steps' replies: adopt the ranks' reports each output brings."""
         return functools.partial(adopt_reply, self.mapper) if self.mapper.confirm == STEP else None
 
-    def join_account(self, scheduler: Any, runtime: "Runtime") -> "ClusterLink | None":
-        """Join the rank's GPU's shared account for it, where the engine has one rank (a data-parallel
-        engine core, or TP=1 through the multiprocess executor).
+    def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
+        """Join the shared account of every GPU the ranks are on, for them.
 
         The ranks create pages only on the scheduler's commands, so the
-        scheduler is the member: a map is charged to the account before it is
-        sent (refused: a scheduling miss) and given back with its unmap. Ranks
-        on several GPUs would need a membership per GPU: not done yet (None).
+        scheduler is the member: a map is charged to every GPU's account (at
+        the bytes a group takes there) before it is sent, a refusal by any is a
+        scheduling miss, and an unmap gives the bytes back. Over several GPUs
+        the memberships act as one (:class:`~kvelastic.scheduler.link_group.LinkGroup`).
         """
-        if len(self.infos) != 1 or not self.infos[0].gpu_id:
-            log.info("kvelastic: an engine over %d GPUs does not join their shared KV accounts (its limits "
-                     "are per rank); engines on these GPUs do not share memory with it", len(self.infos))
+        if not all(info.gpu_id for info in self.infos):
             return None
         from kvelastic.cluster.ledger import BudgetLedger
         from kvelastic.scheduler.cluster_link import join_shared_account
+        from kvelastic.scheduler.link_group import LinkGroup
+        from kvelastic.tp.remote_mapper import Charge
 
-        info, pool = self.infos[0], self.cache.pool
-        ledger = BudgetLedger(held_bytes=pool.held_bytes() + pool.reserve_pages * pool.page_bytes)
-        self.mapper.charge_to(ledger, self.cache.group_bytes)
-        return join_shared_account(self.cache, ledger, scheduler, runtime.settings, pool.limit_bytes,
-                                   device=(info.gpu_id, info.gpu_total or None))
+        pool, largest = self.cache.pool, self.cache.group_bytes
+        charges, links = [], []
+        for gpu_id, infos in _by_gpu(self.infos).items():
+            group_bytes = sum(i.group_bytes for i in infos)
+            held = (pool.held_bytes() * group_bytes // largest) + pool.reserve_pages * pool.page_bytes * len(infos)
+            ledger = BudgetLedger(held_bytes=held)
+            link = join_shared_account(self.cache, ledger, scheduler, runtime.settings,
+                                       pool.limit_bytes and pool.limit_bytes * group_bytes // largest,
+                                       device=(gpu_id, infos[0].gpu_total or None), group_bytes=group_bytes,
+                                       install=len(self.infos) == 1)
+            charges.append(Charge(ledger, group_bytes, len(infos)))
+            if link is not None:
+                links.append(link)
+        self.mapper.charge_to(charges)
+        if not links:
+            return None
+        return links[0] if len(self.infos) == 1 else LinkGroup(self.cache, links)
+
+
+def _by_gpu(infos: Sequence[shm.RankInfo]) -> dict[str, list[shm.RankInfo]]:
+    """The ranks on each GPU (one each, unless ranks share a GPU)."""
+    found: dict[str, list[shm.RankInfo]] = {}
+    for info in infos:
+        found.setdefault(info.gpu_id, []).append(info)
+    return found
 
 
 def _remove_idle_files(folder: Path) -> None:
