@@ -13,6 +13,8 @@ budget. Every block the rank reads is checked to hold its tokens' data.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -161,6 +163,13 @@ def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_gran
                 assert "tp" in {m.name for m in account.members()}, f"not a member on {name}"
             finally:
                 account.close()
+        # `kvelastic limit` (a real CLI process) caps the engine on every GPU it runs on: the pool follows
+        cap = 8 * GROUP_BYTES  # the CLI takes no cap under 2 MiB (one chunk)
+        done = subprocess.run([sys.executable, "-m", "kvelastic.cli", "limit", "tp", str(cap)], env=dict(os.environ),
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0 and done.stdout.count("tp on GPU") == 2, done.stdout + done.stderr
+        scheduler.kvelastic_reclaimer.tick()
+        assert scheduler.kv_cache_manager.block_pool.free_block_queue.cache.pool.limit_bytes == cap
     finally:
         scheduler.kvelastic_reclaimer.stop()
         patcher.revert()

@@ -280,6 +280,27 @@ def test_a_dead_rank_is_noticed_and_never_waited_for(cluster, split):
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("split", RANK_LAYERS)
+def test_a_slow_rank_delays_its_groups_and_holds_up_nothing_else(cluster, split):
+    """Rank 1 runs a step behind: the groups it has not mapped yet are not handed out, the scheduler
+    side never waits for it, and once it catches up the same groups are adopted."""
+    layers = RANK_LAYERS[split]
+    c = cluster(layers=layers)
+    assert c.allocate(3 * BLOCKS_PER_GROUP) is None
+    plan = c.mapper.take_plan()
+    c.send(plan, live=[0])  # rank 0 maps; rank 1 has not got to this step yet
+    started = time.monotonic()
+    for _ in range(20):  # vLLM asks for free blocks many times a step: never waits for rank 1
+        assert c.allocate(3 * BLOCKS_PER_GROUP) is None, "a group only rank 0 mapped was handed out"
+    assert time.monotonic() - started < 1.0
+    assert c.mapper.pending_groups >= 3 and c.mapped_bytes[0] >= 3 * group_bytes(layers[0])
+    c.send(plan, live=[1])  # rank 1 catches up with the same step
+    blocks = c.allocate(3 * BLOCKS_PER_GROUP)
+    assert blocks is not None, "the groups both ranks mapped must be adopted"
+    c.step(writes=[(b.block_id, 9) for b in blocks])
+    c.step(checks=[(b.block_id, 9) for b in blocks])  # both ranks hold the data their layers wrote
+
+
 def test_pipeline_stages_count_each_group_at_the_larger_stage_and_a_slot_holds_both_shares(cluster):
     layers = RANK_LAYERS["pipeline"]
     c = cluster(cpu_bytes=CPU_BYTES, layers=layers)
