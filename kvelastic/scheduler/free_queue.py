@@ -76,9 +76,11 @@ class PageAwareFreeQueue:
     def num_free_blocks(self) -> int:
         if self.report_all_free:
             return self.num_total - self.free.num_in_use
-        if self.mapper.mapped or self.mapper.refused:
+        mapper = self.mapper  # read once per request per step: _mappable_blocks() is inlined below
+        if mapper.mapped or mapper.refused:
             self._adopt_mapped()
-        return max(0, self.free.free_in_mapped + self._mappable_blocks() - self.excess_blocks)
+        free = self.free.free_in_mapped - self.excess_blocks
+        return max(0, free + self._room()[1] if mapper.synchronous and not self.hold.refused else free)
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
