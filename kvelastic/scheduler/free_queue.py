@@ -76,11 +76,9 @@ class PageAwareFreeQueue:
     def num_free_blocks(self) -> int:
         if self.report_all_free:
             return self.num_total - self.free.num_in_use
-        mapper = self.mapper  # read once per request per step: _mappable_blocks() is inlined below
-        if mapper.mapped or mapper.refused:
+        if self.mapper.mapped or self.mapper.refused:
             self._adopt_mapped()
-        free = self.free.free_in_mapped - self.excess_blocks
-        return max(0, free + self._room()[1] if mapper.synchronous and not self.hold.refused else free)
+        return max(0, self.free.free_in_mapped + self._mappable_blocks() - self.excess_blocks)
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
