@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
+#   bash benchmarks/gpu_session.sh tp4      # issue 19: TP=4 8B on a 4-GPU machine: identical outputs, memory
 #   bash benchmarks/gpu_session.sh tp-accounts  # issue 19: a TP=2 engine is a member of both GPUs' accounts
 #   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
@@ -56,6 +57,9 @@ pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, bot
     e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
         --max-tokens 128 2>&1 | tee "$W/pp.log" ;;
+tp4)  # issue 19: `tp` at TP=4 (a 4-GPU machine)
+    e2e --model scripts/models/llama-8b --outdir "$W/tp4" --matrix tp4 --kve-env KVELASTIC_CACHE_TTL=2 \
+        --summary "$W/tp4/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp4.log" ;;
 tp-accounts)  # issue 19: `kvelastic status` each second while a TP=2 8B engine serves (kvelastic only)
     (for i in $(seq -w 150); do python3 -m kvelastic.cli status --json >"$W/status-$i.json" 2>/dev/null; sleep 1; done) &
     sampler=$!

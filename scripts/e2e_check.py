@@ -28,6 +28,7 @@ CONFIGS = {
     "mp1": ["--mp"],            # TP=1 through the multiprocess executor: the worker is another process
     "v1-mp1": ["--v1", "--mp"],
     "tp2": ["--tp", "2"],
+    "tp4": ["--tp", "4"],       # a 4-GPU machine
     "v1-tp2": ["--v1", "--tp", "2"],
     "pp2": ["--pp", "2"],       # two pipeline stages
     # vLLM's own offload connectors (issue 17); vllm_run.py counts the blocks each stores and loads
