@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
 #   bash benchmarks/gpu_session.sh tp4      # issue 19: TP=4 8B on a 4-GPU machine: identical outputs, memory
 #   bash benchmarks/gpu_session.sh tp-accounts  # issue 19: a TP=2 engine is a member of both GPUs' accounts
+#   bash benchmarks/gpu_session.sh tp-sharing   # issue 19: a TP=2 engine and a 1-GPU engine share GPU 0's account
 #   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
@@ -69,6 +70,8 @@ tp-accounts)  # issue 19: `kvelastic status` each second while a TP=2 8B engine 
     kill $sampler 2>/dev/null
     grep -h "joined the shared KV account" "$W/tp2-kve.log"
     python3 scripts/accounts_seen.py "$W" && (exit $r) ;;
+tp-sharing)  # issue 19: `tp` (8B, TP=2) and `small` (1B, GPU 0) under one 4 GiB budget per GPU, in turns and together
+    python3 scripts/check_tp_sharing.py --outdir "$W/tp-sharing" 2>&1 | tee "$W/tp-sharing.log" ;;
 dp)  # issue 19: two engine cores, one GPU each: identical to vanilla DP, both GPUs' memory, their accounts
     python3 scripts/check_data_parallel.py --outdir "$W/dp" 2>&1 | tee "$W/dp.log" ;;
 tp-spill)
