@@ -153,9 +153,9 @@ def run_phases(ns: argparse.Namespace, urls: dict[str, str], sampler: StatusSamp
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvelastic.units import parse_size
-
     ns = parse_args(argv)
+    from kvelastic.units import parse_size  # installed where the servers run
+
     outdir = Path(ns.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     budget = parse_size(ns.budget)
