@@ -91,13 +91,17 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                sample = {"t": round(time.monotonic() - self.t0, 2), "gpu": gpu_memory()}
+                sample = {"t": self.now(), "gpu": gpu_memory()}
                 if self.with_status:
                     sample["accounts"] = kvelastic_status()
                 self.samples.append(sample)
             except Exception:  # noqa: BLE001 - a missed sample, never a dead sampler
                 pass
             self._stop.wait(0.5)
+
+    def now(self) -> float:
+        """Seconds since sampling began, as the samples' ``t``."""
+        return round(time.monotonic() - self.t0, 2)
 
     def stop(self) -> list[dict]:
         self._stop.set()
@@ -124,12 +128,13 @@ def stop_server(server: subprocess.Popen) -> None:
         pass
 
 
-def one_pass(url: str, count: int, max_tokens: int) -> tuple[list[dict], float]:
+def one_pass(url: str, count: int, max_tokens: int, first: int = 0) -> tuple[list[dict], float]:
+    """Prompts ``first`` .. ``first + count - 1`` at once; their results and the seconds they took."""
     results: list[dict] = [{} for _ in range(count)]
 
     def one(i: int) -> None:
         try:
-            results[i] = complete(url, "m", prompt(i), max_tokens)
+            results[i] = complete(url, "m", prompt(first + i), max_tokens)
         except Exception as error:  # noqa: BLE001 - recorded, judged by the checks
             results[i] = {"error": repr(error)}
 

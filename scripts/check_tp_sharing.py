@@ -31,8 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from check_data_parallel import kvelastic_status, model_folder, stop_server  # noqa: E402
-from demo_support import complete, healthy, prompt, run_all  # noqa: E402
+from check_data_parallel import Sampler, model_folder, one_pass, stop_server  # noqa: E402
+from demo_support import healthy, run_all  # noqa: E402
 
 GIB = 1 << 30
 
@@ -60,44 +60,6 @@ def start(name: str, model: Path, port: int, extra: list[str], env: dict, log: P
     env = dict(os.environ, KVELASTIC="1", KVELASTIC_NAME=name, KVELASTIC_CACHE_TTL="2", **env)
     with log.open("w") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def load(url: str, count: int, max_tokens: int, offset: int) -> list[dict]:
-    results: list[dict] = [{} for _ in range(count)]
-
-    def one(i: int) -> None:
-        try:
-            results[i] = complete(url, "m", prompt(offset + i), max_tokens)
-        except Exception as error:  # noqa: BLE001 - recorded, judged by the checks
-            results[i] = {"error": repr(error)}
-
-    run_all([threading.Thread(target=one, args=(i,)) for i in range(count)])
-    return results
-
-
-class StatusSampler:
-    def __init__(self) -> None:
-        self.samples: list[dict] = []
-        self.t0 = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.samples.append({"t": round(time.monotonic() - self.t0, 2), "accounts": kvelastic_status()})
-            except Exception:  # noqa: BLE001 - a missed sample
-                pass
-            self._stop.wait(0.5)
-
-    def now(self) -> float:
-        return round(time.monotonic() - self.t0, 2)
-
-    def stop(self) -> list[dict]:
-        self._stop.set()
-        self._thread.join(timeout=20)
-        return self.samples
 
 
 def held(sample: dict, name: str, gpu: str | None = None) -> int:
@@ -135,15 +97,15 @@ def judge(data: dict, budget: int) -> list[tuple[str, bool, str]]:
     ]
 
 
-def run_phases(ns: argparse.Namespace, urls: dict[str, str], sampler: StatusSampler) -> dict:
+def run_phases(ns: argparse.Namespace, urls: dict[str, str], sampler: Sampler) -> dict:
     """Idle, then ``tp`` alone, ``small`` alone, both at once, each followed by an idle pause."""
     phases, results = {}, []
     time.sleep(8)  # both idle past the cache TTL: what start-up mapped is given back first
     for label, names in (("tp alone", ["tp"]), ("small alone", ["small"]), ("both", ["tp", "small"])):
         start = sampler.now()
         done: list[list[dict]] = []
-        threads = [threading.Thread(target=lambda n=n: done.append(load(urls[n], ns.prompts, ns.max_tokens,
-                                                                         1000 * len(phases))))
+        threads = [threading.Thread(target=lambda n=n: done.append(one_pass(urls[n], ns.prompts, ns.max_tokens,
+                                                                             1000 * len(phases))[0]))
                    for n in names]
         run_all(threads)
         phases[label] = (start, sampler.now())
@@ -175,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("a server did not start: see server-*.log")
                 return 2
             time.sleep(2)
-        sampler = StatusSampler()
+        sampler = Sampler(with_status=True)
         data = run_phases(ns, urls, sampler)
     finally:
         samples = sampler.stop() if sampler is not None else []

@@ -30,7 +30,7 @@ from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend  # noqa: E402
 from tests.scheduler_harness import build_patched, make_requests, model_output  # noqa: E402
 from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
 from tests.test_tp_protocol import RankProcesses  # noqa: E402
-from tests.test_tp_real_scheduler import _forward, _scheduler_with_world  # noqa: E402
+from tests.test_tp_real_scheduler import _forward, _scheduler_with_world, close_engines  # noqa: E402
 
 BUDGET_GROUPS = 6
 
@@ -39,22 +39,18 @@ BUDGET_GROUPS = 6
 def rank_engine(patched, monkeypatch):  # noqa: F811 - patched sets KVELASTIC_SHARED_DIR first
     made: list = []
 
-    def make(**settings):
-        ranks = RankProcesses(shm.engine_dir(os.getpid()), (None,), layers=(3,))
+    def make(devices: tuple[str, ...] | None = None, **settings):
+        """One rank on the host-memory device, or (``devices``) one rank on each device named."""
+        world = len(devices) if devices else 1
+        ranks = RankProcesses(shm.engine_dir(os.getpid()), (None,) * world, layers=(3,) * world, devices=devices)
         made.append(ranks)
-        runtime = Runtime(Settings(enabled=True, **settings))  # no cache here: the rank holds it
-        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(1))
+        runtime = Runtime(Settings(enabled=True, **settings))  # no cache here: the ranks hold it
+        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(world))
         made.append((scheduler, patcher))
         return scheduler, ranks
 
     yield make
-    for item in reversed(made):
-        if isinstance(item, RankProcesses):
-            item.close()
-        else:
-            scheduler, patcher = item
-            scheduler.kvelastic_reclaimer.stop()
-            patcher.revert()
+    close_engines(made)
 
 
 def _step_rank_engine(scheduler, ranks: RankProcesses) -> None:
@@ -128,7 +124,7 @@ def test_a_one_rank_engine_and_a_local_engine_share_one_budget_and_both_finish(p
     assert most_ranked > 0
 
 
-def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_grants(patched, monkeypatch):  # noqa: F811
+def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_grants(rank_engine):
     """Ranks on two GPUs: the engine is a member of both accounts; another engine holds part of the second
     GPU's budget, so the groups every rank maps stay within what is left there, and the wave still ends."""
     from tests.scheduler_harness import drive
@@ -137,10 +133,8 @@ def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_gran
     gpu_b = SharedAccount.open(device_identity(NamedHostBackend("gpub"))[0], BUDGET_GROUPS * GROUP_BYTES)
     other = gpu_b.join("other")
     assert other.request(other_bytes).granted  # another engine's pages on the second GPU
-    ranks = RankProcesses(shm.engine_dir(os.getpid()), (None, None), devices=("gpua", "gpub"))
-    runtime = Runtime(Settings(enabled=True, name="tp", shared_budget_bytes=BUDGET_GROUPS * GROUP_BYTES,
-                               reserve_bytes=0))
-    scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(2))
+    scheduler, ranks = rank_engine(devices=("gpua", "gpub"), name="tp", reserve_bytes=0,
+                                   shared_budget_bytes=BUDGET_GROUPS * GROUP_BYTES)
     try:
         held: list[tuple[int, int]] = []
 
@@ -171,7 +165,4 @@ def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_gran
         scheduler.kvelastic_reclaimer.tick()
         assert scheduler.kv_cache_manager.block_pool.free_block_queue.cache.pool.limit_bytes == cap
     finally:
-        scheduler.kvelastic_reclaimer.stop()
-        patcher.revert()
-        ranks.close()
         gpu_b.close()

@@ -78,6 +78,11 @@ def tp_engine(tmp_path, monkeypatch):
         return scheduler, ranks
 
     yield make
+    close_engines(made)
+
+
+def close_engines(made: list) -> None:
+    """Tear down what an engine fixture made: rank processes, and (scheduler, patcher) pairs."""
     for thing in made:
         if isinstance(thing, RankProcesses):
             thing.close()

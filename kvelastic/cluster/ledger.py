@@ -3,8 +3,8 @@
 Two callers create KV memory and must ask the account first: the page source
 stack of a pool in this process (:class:`~kvelastic.cluster.source.SharedBudgetSource`,
 which charges before it creates pages) and the scheduler of an engine whose
-pages live in a worker rank's process (:class:`~kvelastic.tp.remote_budget`),
-which charges before it sends a map command. Both keep their bytes here, so the
+pages live in worker ranks' processes (:class:`~kvelastic.tp.remote_mapper.RemoteMapper`,
+which charges before it sends a map command). Both keep their bytes here, so the
 rules are written once: bytes are charged before memory exists and given back
 only once it is gone (or can no longer be used); before the engine joins
 (``member=None``) and while its account is lost (the member answers None) bytes
@@ -54,11 +54,11 @@ class ReclaimObserver(Protocol):
 class BudgetLedger:
     """Charges and releases bytes against ``member``'s grants; counts only while there is no member."""
 
-    def __init__(self, member: BudgetGate | None = None, held_bytes: int = 0):
+    def __init__(self, member: BudgetGate | None = None):
         self.member = member
         self.observer: ReclaimObserver | None = None  # must never raise: it is called where memory is made
         self.refusals = 0
-        self._held = held_bytes
+        self._held = 0
         self._lock = threading.RLock()  # keeps attach() atomic with respect to charge/release
 
     @property

@@ -69,6 +69,8 @@ class CommitGuard:
             return
         hold = self.queue.hold
         hold.secured = blocks
+        if blocks <= 0:  # most estimates of a decode step (once per request per step): nothing to map
+            return
         if not self.queue.map_for(blocks):
             hold.refused = True
             self.queue.cache.forget_device_free()
@@ -112,14 +114,9 @@ def guard_of(kv_cache_manager: Any) -> CommitGuard | None:
 
 def _estimate(guard: CommitGuard, flag_at: int | None, wrapped: Any, instance: Any, args: tuple,
               kwargs: dict) -> int:
-    """Runs once per request per step. Most are decode steps asking for no new block: for those,
-    ``secure`` would only record 0 secured blocks (``map_for(0)`` maps nothing), so that is done here
-    without its calls (they cost a visible share of ``schedule()`` on a TP=2 decode step)."""
     blocks = wrapped(*args, **kwargs)
     if is_admission_check(flag_at, args, kwargs):
         guard.queue.note_shortfall(blocks)  # nothing to map; a request it declines waits for memory
-    elif blocks <= 0 and not guard.admitting:
-        guard.queue.hold.secured = blocks
     else:
         guard.secure(blocks)
     return blocks

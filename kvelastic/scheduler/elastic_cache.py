@@ -32,6 +32,13 @@ def groups_within(room: int | None, unmapped: int, group_bytes: int) -> int:
     return max(0, min(unmapped, room // max(1, group_bytes)))
 
 
+def least_room(room: int | None, grant: int | None) -> int | None:
+    """The smaller of the device's room and a budget's grant, either of which may be unknown (None)."""
+    if room is None:
+        return grant
+    return room if grant is None else min(room, grant)
+
+
 class GroupedBlocks(SchedulerCache):
     """Block arithmetic and the room left, computed alike by every view of an engine's KV cache.
 
@@ -148,9 +155,7 @@ class ElasticKVCache(GroupedBlocks):
         stamp, room = self._device_free_cache
         now = time.monotonic()
         if now - stamp > DEVICE_FREE_TTL_S:
-            room = self.beyond_margin(self.pool.backend.device_free_bytes())
             external = self.external_headroom() if self.external_headroom is not None else None
-            if external is not None:
-                room = external if room is None else min(room, external)
+            room = least_room(self.beyond_margin(self.pool.backend.device_free_bytes()), external)
             self._device_free_cache = (now, room)
         return room

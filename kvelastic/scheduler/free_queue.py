@@ -252,8 +252,6 @@ class PageAwareFreeQueue:
         Only when the estimate says they can be had (otherwise vLLM's own
         check declines). False if a map was refused: the estimate was wrong.
         """
-        if blocks <= 0:  # most estimates of a decode step: nothing new to map
-            return True
         short = blocks - self.mapped_free_blocks()
         if short <= 0:
             return True

@@ -155,13 +155,14 @@ class RankConnection(CacheConnection):
         charges, links = [], []
         for gpu_id, infos in _by_gpu(self.infos).items():
             group_bytes = sum(i.group_bytes for i in infos)
-            held = (pool.held_bytes() * group_bytes // largest) + pool.reserve_pages * pool.page_bytes * len(infos)
-            ledger = BudgetLedger(held_bytes=held)
-            link = join_shared_account(self.cache, ledger, scheduler, runtime.settings,
+            charge = Charge(BudgetLedger(), group_bytes, len(infos))
+            # what the ranks hold already (counted: no member yet), handed to the account as it joins
+            charge.ledger.charge(charge.bytes_for(pool.held_bytes() // largest, pool.reserve_pages * pool.page_bytes))
+            link = join_shared_account(self.cache, charge.ledger, scheduler, runtime.settings,
                                        pool.limit_bytes and pool.limit_bytes * group_bytes // largest,
                                        device=(gpu_id, infos[0].gpu_total or None), group_bytes=group_bytes,
                                        install=len(self.infos) == 1)
-            charges.append(Charge(ledger, group_bytes, len(infos)))
+            charges.append(charge)
             if link is not None:
                 links.append(link)
         self.mapper.charge_to(charges)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, ContextManager
 
-from kvelastic.scheduler.elastic_cache import DEVICE_FREE_TTL_S, GroupedBlocks
+from kvelastic.scheduler.elastic_cache import DEVICE_FREE_TTL_S, GroupedBlocks, least_room
 from kvelastic.pool.stats import PoolStats
 from kvelastic.roles import PoolView
 from kvelastic.tp.board import RankInfo
@@ -100,9 +100,7 @@ class ShardedKVCache(GroupedBlocks):
         off (a refusal, or a dead rank)."""
         if self.mapper.backing_off():
             return 0
-        room = self.beyond_margin(self.mapper.device_free_bytes())
-        external = self._external_room()
-        return room if external is None else external if room is None else min(room, external)
+        return least_room(self.beyond_margin(self.mapper.device_free_bytes()), self._external_room())
 
     def _external_room(self) -> int | None:
         """The account's grant, asked at most every 50 ms (as a pool in the scheduler's process asks it)."""
