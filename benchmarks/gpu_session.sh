@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh tp-sharing   # issue 19: a TP=2 engine and a 1-GPU engine share GPU 0's account
 #   bash benchmarks/gpu_session.sh dp       # issue 19: vllm serve --data-parallel-size 2 (8B) against vanilla DP
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
+#   bash benchmarks/gpu_session.sh startup  # issue 16: start-up with a 48 GiB host tier vs vanilla and the connector (1B)
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
 #   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes
@@ -125,6 +126,9 @@ connectors-simple|connectors-offload)  # issue 17: each about 4-6 min on an H100
         --min-len 1000 --max-len 1800 --max-tokens 32 --idle-after 8 2>&1 | tee "$W/$stage-$ver.log" ;;
 serve)
     python3 scripts/check_serve_metrics.py --outdir "$W/serve" 2>&1 | tee "$W/serve.log" ;;
+startup)  # about 5 min: 7 engine starts, vanilla between the others
+    python3 scripts/bench_startup.py --outdir "$W/startup" --json "$W/startup/startup.json" ${STARTUP_ARGS:-} \
+        2>&1 | tee "$W/startup.log" ;;
 reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
         2>&1 | tee "$W/reload.log" ;;
