@@ -159,8 +159,12 @@ def host_tier_warning(args: argparse.Namespace, block: int, stats: dict[str, Any
     if stats is None:
         return "no kvelastic stats snapshot found: is kvelastic active (KVELASTIC=1, installed)?"
     per_rep = (args.prefix_len + 3 * args.suffix_len + args.check_tokens) // block + 3
-    if stats.get("host_slots", 0) < per_rep * (args.reps + args.warmup):
-        return (f"host tier holds {stats.get('host_slots')} blocks, the run needs about "
+    if not stats.get("host_hits"):
+        return "the host tier served no hit"
+    block_bytes = stats["reloaded_bytes"] / stats["host_hits"]  # every hit reloads one block
+    holds = int(stats.get("host_pinned_bytes", 0) // block_bytes)
+    if holds < per_rep * (args.reps + args.warmup):
+        return (f"host tier holds {holds} blocks, the run needs about "
                 f"{per_rep * (args.reps + args.warmup)}: later reloads may miss; raise --cpu-bytes")
     return None
 
