@@ -26,6 +26,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,10 +49,15 @@ def run(name: str, env: dict[str, str], extra: list[str], args: argparse.Namespa
     log = Path(args.outdir) / f"{name}.log"
     cmd = [sys.executable, str(HERE / "vllm_run.py"), "--model", args.model, "--out", str(out),
            "--prompts", str(args.prompts), "--passes", "1", "--max-tokens", "32", *extra]
+    start = time.monotonic()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=args.timeout).returncode
-    row: dict = {"config": name.rsplit(".", 1)[0], "run": name, "rc": rc}
+        try:
+            rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    row: dict = {"config": name.rsplit(".", 1)[0], "run": name, "rc": rc,
+                 "process_s": time.monotonic() - start, "gpu_free_after_s": gpu_free_after(start)}
     if rc == 0:
         data = json.loads(out.read_text())
         row.update(startup_s=data["startup_s"], pass_s=data["passes"][0]["seconds"],
@@ -62,12 +68,29 @@ def run(name: str, env: dict[str, str], extra: list[str], args: argparse.Namespa
     return row
 
 
+def gpu_compute_pids() -> list[str]:
+    text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    return text.split()
+
+
+def gpu_free_after(start: float, limit: float = 180.0) -> float | None:
+    """Seconds from the run's start until no process holds a GPU context: a run's teardown
+    (a 48 GiB pinned tier is unregistered and unmapped at exit) must not overlap the next start."""
+    while gpu_compute_pids():
+        if time.monotonic() - start > limit:
+            return None
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
 def table(rows: list[dict]) -> list[dict]:
     ok = [r for r in rows if r["rc"] == 0 and not r["run"].endswith(".warm")]
     base = statistics.median(r["startup_s"] for r in ok if r["config"] == "vanilla")
     reference = next(r["outputs"] for r in ok if r["config"] == "vanilla")
     summary = []
-    print(f"{'config':<20}{'runs':>5}{'start-up s':>12}{'vs vanilla':>12}{'pass s':>9}{'pinned in s':>13}  identical")
+    print(f"{'config':<20}{'runs':>5}{'start-up s':>12}{'vs vanilla':>12}{'pass s':>9}{'pinned in s':>13}"
+          f"{'GPU free s':>12}  identical")
     for name in dict.fromkeys(r["config"] for r in ok):
         mine = [r for r in ok if r["config"] == name]
         start = statistics.median(r["startup_s"] for r in mine)
@@ -75,11 +98,12 @@ def table(rows: list[dict]) -> list[dict]:
         same = sum(r["outputs"] == reference for r in mine)
         summary.append({"config": name, "runs": len(mine), "startup_s": start, "minus_vanilla_s": start - base,
                         "pass_s": statistics.median(r["pass_s"] for r in mine),
-                        "pin_s": statistics.median(pin) if pin else None, "identical": f"{same}/{len(mine)}"})
+                        "pin_s": statistics.median(pin) if pin else None, "identical": f"{same}/{len(mine)}",
+                        "gpu_free_after_s": [r["gpu_free_after_s"] for r in mine]})
         s = summary[-1]
         pin_text = f"{s['pin_s']:.2f}" if pin else "-"
         print(f"{name:<20}{len(mine):>5}{start:>12.2f}{start - base:>+12.2f}{s['pass_s']:>9.2f}"
-              f"{pin_text:>13}  {s['identical']}")
+              f"{pin_text:>13}{max(x or -1 for x in s['gpu_free_after_s']):>12.1f}  {s['identical']}")
     return summary
 
 
@@ -90,7 +114,7 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=["kvelastic", "kvelastic-atstart", "offload-lru"])
     p.add_argument("--repeats", type=int, default=1, help="runs of each configuration, alternated with vanilla")
     p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--timeout", type=float, default=150)
     p.add_argument("--outdir", default="startup")
     p.add_argument("--json", default="startup.json")
     args = p.parse_args()
@@ -106,7 +130,8 @@ def main() -> int:
         rows.append(run(run_name, env, extra, args))
         r = rows[-1]
         print(f"{run_name}: rc={r['rc']} start-up={r.get('startup_s', float('nan')):.2f}s "
-              f"pinned={r.get('pinned')} in {r.get('pin_s')} s", flush=True)
+              f"pinned={r.get('pinned')} in {r.get('pin_s')} s; process {r['process_s']:.1f} s, "
+              f"GPU free after {r['gpu_free_after_s']} s", flush=True)
     summary = table(rows)
     for r in rows:
         r.pop("outputs", None)
