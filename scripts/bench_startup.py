@@ -69,8 +69,12 @@ def run(name: str, env: dict[str, str], extra: list[str], args: argparse.Namespa
 
 
 def gpu_compute_pids() -> list[str]:
-    text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout
+    """Processes holding a GPU context; a dummy entry while nvidia-smi itself waits on the driver."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout
+    except subprocess.TimeoutExpired:
+        return ["nvidia-smi timed out"]
     return text.split()
 
 

@@ -38,18 +38,27 @@ class GpuMemorySampler:
         self.samples: list[tuple[float, int]] = []
         self.per_gpu: list[tuple[float, list[int]]] = []
         self.marks: list[tuple[float, str]] = []
+        self.stalls = 0  # nvidia-smi calls that took over 5 s
         self._stop = threading.Event()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _read(self) -> list[int]:
-        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=True).stdout
+    def _read(self) -> list[int] | None:
+        """Used bytes per GPU; None when nvidia-smi takes over 5 s (it waits on the driver, which
+        another process's teardown can hold: a sampler stuck there kept a finished run from exiting)."""
+        try:
+            text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, check=True, timeout=5).stdout
+        except subprocess.TimeoutExpired:
+            self.stalls += 1
+            return None
         return [int(v) * MIB for v in text.split()]
 
     def _run(self) -> None:
         while not self._stop.is_set():
             per_gpu = self._read()
+            if per_gpu is None:
+                continue
             now = time.monotonic() - self._t0
             self.samples.append((now, per_gpu[0]))  # the first GPU: every run uses it
             self.per_gpu.append((now, per_gpu))
@@ -241,12 +250,13 @@ def main() -> None:
     result["memory"] = sampler.samples
     result["memory_per_gpu"] = sampler.per_gpu
     result["marks"] = sampler.marks
+    result["nvidia_smi_stalls"] = sampler.stalls
     with open(args.out, "w") as f:
         json.dump(result, f)
     p0 = result["passes"][0]
     print(f"RUN kvelastic={result['kvelastic']} v1={args.v1} offload={args.offload} "
           f"startup={result['startup_s']:.1f}s pass0={p0['seconds']:.2f}s "
-          f"peak_mem={max(m for _, m in sampler.samples) / 2**30:.2f}GiB "
+          f"peak_mem={max((m for _, m in sampler.samples), default=0) / 2**30:.2f}GiB "
           f"cached={sum(c or 0 for c in result['passes'][-1]['cached_tokens'])} "
           f"connector={result.get('connector')} host_tier={result.get('host_tier')}")
 
