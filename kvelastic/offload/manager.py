@@ -15,6 +15,15 @@ own block pool:
 Only free blocks that hold no cached prefix are used for loads, so a load can
 never evict a block the scheduler has just matched for the same request.
 
+A long run of host hits (a 16k-token prefix is 1,024 blocks, eight page
+groups of the 8B engine) maps its groups one by one while vLLM looks the
+blocks up, the engine thread waiting on the mapper each time. Where mapping is
+synchronous (the cache in this process), the loads are therefore issued a
+group's worth at a time as the lookups go on: the copy stream moves the blocks
+of one group while the driver maps the next, instead of starting only once
+every group is mapped. The data, and what compute waits for, are those of one
+batch at the step's end (see :meth:`OffloadManager.load_on_miss`).
+
 With write-through (``KVELASTIC_CPU_STORE=write-through``) blocks are also
 stored as they are computed, beside the compute (:mod:`~kvelastic.offload.write_through`);
 an eviction then finds the copy made ahead and costs no copy.
@@ -80,6 +89,8 @@ class OffloadManager:
         self._pending_loads: list[tuple[int, int]] = []
         self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
+        self._issue_every = _loads_per_piece(queue)
+        self._issued_early = False  # copies of this step issued before its end, not yet fenced (see flush)
 
     # ------------------------------------------------------------------ spill
     def spill(self, blocks: Sequence[Any], *, before_reuse: bool) -> Fence | None:
@@ -122,10 +133,19 @@ class OffloadManager:
 
     # ----------------------------------------------------------------- reload
     def load_on_miss(self, key: Hashable) -> Any | None:
-        """A GPU block now holding (or about to hold) ``key``'s data, or None on a host miss."""
+        """A GPU block now holding (or about to hold) ``key``'s data, or None on a host miss.
+
+        Once a group's worth of loads is pending, they are issued (after the
+        pending spills, as :meth:`flush` orders them) before the next block is
+        taken, which may wait for its group to be mapped: that copy overlaps
+        the map. They do not make compute wait one by one; :meth:`flush` fences
+        the copy stream once, after the last of them (one stream: all of them).
+        """
         if key not in self.tier:
             self.tier.misses += 1
             return None
+        if self._issue_every and len(self._pending_loads) >= self._issue_every:
+            self._issued_early |= self._issue_pending(block_compute=False)
         block = self.queue.take_block_for_load(self._matched)
         if block is None:
             return None
@@ -149,30 +169,45 @@ class OffloadManager:
         Both make later compute wait for the copy stream, so they also cover
         every write-through store issued before them; a reuse of a block a
         store still reads takes an explicit fence only when neither came.
+        Copies issued earlier in the step (:meth:`load_on_miss`) are covered
+        by the last batch's fence, or by one of their own when none is left.
         """
         self._matched.clear()
-        waited = False
-        if self._pending_spills:
-            ids = [b for b, _ in self._pending_spills]
-            slots = [s for _, s in self._pending_spills]
-            self._pending_spills.clear()
-            self.copier.store(ids, slots, block_compute=True)
-            self.counters.spill_batches += 1
-            waited = True
-        if self._pending_loads:
-            ids = [b for b, _ in self._pending_loads]
-            slots = [s for _, s in self._pending_loads]
-            self._pending_loads.clear()
-            self.copier.load(ids, slots)
-            self.counters.reloaded_blocks += len(ids)
-            self.counters.load_batches += 1
-            waited = True
+        waited = self._issue_pending(block_compute=True)
+        if self._issued_early and not waited:
+            self.copier.fence_compute()
+        waited = waited or self._issued_early
+        self._issued_early = False
         wt = self.write_through
         if wt is not None and (waited or wt.fence_needed):
             if not waited:
                 self.copier.fence_compute()
                 self.counters.store_fences += 1
             wt.fenced()
+
+    def _issue_pending(self, *, block_compute: bool) -> bool:
+        """Issue the pending spills, then the pending loads, each as one batch (``block_compute``: later
+        compute waits for them); True if anything was issued."""
+        issued = False
+        if self._pending_spills:
+            ids = [b for b, _ in self._pending_spills]
+            slots = [s for _, s in self._pending_spills]
+            self._pending_spills.clear()
+            self.copier.store(ids, slots, block_compute=block_compute)
+            self.counters.spill_batches += 1
+            issued = True
+        if self._pending_loads:
+            ids = [b for b, _ in self._pending_loads]
+            slots = [s for _, s in self._pending_loads]
+            self._pending_loads.clear()
+            if block_compute:  # the role's default
+                self.copier.load(ids, slots)
+            else:
+                self.copier.load(ids, slots, block_compute=False)
+            self.counters.reloaded_blocks += len(ids)
+            self.counters.load_batches += 1
+            issued = True
+        return issued
 
     def join(self, part: TrafficPart) -> None:
         """``part`` issues its copies at each step's end right after :meth:`flush`, is settled before a
@@ -252,3 +287,14 @@ class OffloadManager:
                           store_fences=c.store_fences, ahead_held=len(self.write_through.ahead),
                           ahead_dropped=self.write_through.ahead.dropped)
         return values
+
+
+def _loads_per_piece(queue: Any) -> int:
+    """How many loads of one step go out together ahead of the step's end: a page group's blocks where
+    the queue maps synchronously (in this process), else none (0: all at the end, as under tensor
+    parallelism, where the ranks apply a step's commands together anyway)."""
+    mapper = getattr(queue, "mapper", None)
+    cache = getattr(queue, "cache", None)
+    if not getattr(mapper, "synchronous", False) or cache is None:
+        return 0
+    return int(getattr(cache, "blocks_per_group", 0) or 0)
