@@ -142,6 +142,40 @@ def test_where_mapping_is_asynchronous_the_guard_never_waits_but_still_holds(bui
     assert queue.hold.secured == 10 * BLOCKS_PER_GROUP and not queue.hold.refused
 
 
+@pytest.mark.parametrize(("low", "params"), _bands()[-1:], ids=[low for low, _ in _bands()[-1:]])
+def test_where_mapping_is_asynchronous_the_estimate_is_not_wrapped(built, low, params):
+    """Under TP the guard would cost a call per request per step and change nothing (see the next test)."""
+    make, _, _ = built
+    queue = make(AsyncMapper)
+    coordinator = _coordinator(params)
+    guard = _install(coordinator, queue, low)
+    assert coordinator.kvelastic_guard is guard  # the admission patch of 0.19-0.20.1 still finds it
+    assert "get_num_blocks_to_allocate" not in vars(coordinator), "the estimate was wrapped"
+    args = {name: 0 for name in params[1:]}
+    args.update(request_id="r", num_tokens=10 * BLOCKS_PER_GROUP, apply_admission_cap=False)
+    assert coordinator.get_num_blocks_to_allocate(**args) == 10 * BLOCKS_PER_GROUP
+    assert queue.hold.secured == 0 and queue.mapper.waited == 0
+
+
+def test_where_mapping_is_asynchronous_nothing_in_a_step_releases_an_empty_group(built):
+    """Why the TP guard needs no hold: allocations and frees within a step never balance there, so the
+    groups vLLM counted on its estimate are all still mapped when it takes them; the step's end does."""
+    make, _, _ = built
+    queue = make(AsyncMapper)
+    queue.want_blocks(3 * BLOCKS_PER_GROUP)  # the last step's demand: mapped at once (no mapper thread)
+    assert queue.mapped_free_blocks() >= 3 * BLOCKS_PER_GROUP
+    empty = set(queue.free.empty)
+    assert len(empty) >= 3
+    queue.prefetch.clear()
+    queue.demand_groups = 0  # every empty group is surplus now
+    taken = queue.popleft_n(BLOCKS_PER_GROUP + 1)
+    queue.append_n(taken)
+    queue.append_n([queue.popleft()])
+    assert queue.free.empty == empty, "an allocation or a free within the step released an empty group"
+    queue.want_blocks(0)  # the step's end: the surplus goes (the prefetch keeps what the burst used)
+    assert len(queue.free.empty) <= queue.prefetch.groups < len(empty)
+
+
 def test_the_admission_check_of_0_19_maps_nothing(built):
     make, _, _ = built
     queue = make()

@@ -76,7 +76,7 @@ class PageAwareFreeQueue:
     def num_free_blocks(self) -> int:
         if self.report_all_free:
             return self.num_total - self.free.num_in_use
-        if self.mapper.mapped or self.mapper.refused:
+        if self._requested:  # only a group asked for comes back mapped or refused: else no mapper call
             self._adopt_mapped()
         return max(0, self.free.free_in_mapped + self._mappable_blocks() - self.excess_blocks)
 
