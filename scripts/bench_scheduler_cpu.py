@@ -20,7 +20,11 @@ time over the repeats, what a machine shared with other work distorts least::
     python scripts/bench_scheduler_cpu.py --trees old=/tmp/venv-old/bin/python new=.venv/bin/python \\
         --repeat 3 --json sched-cpu.json
 
-``--profile FILE`` writes a cProfile of the measured rounds (without ``--trees``).
+``--profile FILE`` writes a cProfile of the measured rounds (without ``--trees``). A tree named
+``vanilla`` runs vLLM's scheduler without kvelastic. ``--tp`` runs issue #19's TP=2 model instead
+(``sched_cpu_tp.py``: a cold and a warm burst, vLLM's scheduler in front of two rank processes)::
+
+    python scripts/bench_scheduler_cpu.py --tp --trees vanilla=.venv/bin/python new=.venv/bin/python --repeat 3
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sched_cpu_run import kvelastic_environment, run_config  # noqa: E402
+from sched_cpu_tp import run_tp  # noqa: E402
 
 
 # ------------------------------------------------------------------ tabulation
@@ -60,6 +65,7 @@ def summarize(result: dict) -> dict:
             "step_wall_ms_p50": 1e3 * statistics.median(s[0] + s[2] for s in steps), "total_cpu_s": sum(cpu),
             "copy_cpu_s": sum(s[5] for s in steps),
             "round_cpu_ms_p50": [round(1e3 * statistics.median(v), 3) for _, v in sorted(per_round.items())],
+            "round_steps": [len(v) for _, v in sorted(per_round.items())],
             "other_threads_cpu_s": result["other_threads_cpu_s"], "thread_cpu_s": result["thread_cpu_s"],
             "ticks": len(ticks), "upkeep_cpu_s": sum(t[0] for t in ticks),
             "tick_cpu_ms_p50": 1e3 * statistics.median(t[0] for t in ticks) if ticks else 0.0,
@@ -96,7 +102,7 @@ def print_table(rows: list[dict], pairs: dict[str, dict] | None = None) -> None:
         print(f"{r['name']:<9} {r['steps']:>5} {r['step_cpu_ms_p50']:>6.3f}ms {r['schedule_cpu_ms_p50']:>6.3f} "
               f"{r['update_cpu_ms_p50']:>6.3f} {r['step_cpu_ms_mean']:>6.3f} {r['total_cpu_s']:>5.2f}s {r['copy_cpu_s']:>5.2f}s "
               f"{r['upkeep_cpu_s']:>5.3f}s {r['tick_cpu_ms_p50']:>5.2f} {r['other_threads_cpu_s']:>4.2f}s "
-              f"{r['spilled_blocks']:>7} {r['reloaded_blocks']:>7}  {r['round_cpu_ms_p50']}")
+              f"{r['spilled_blocks']:>7} {r['reloaded_blocks']:>7}  {r['round_cpu_ms_p50']} steps {r['round_steps']}")
     print("(ms of the engine thread's CPU per step, schedule + update_from_output; 'copies': the host tier's "
           "copies within them; 'upkeep': the upkeep (or reclaimer) thread's ticks, 'tick' their median ms; "
           "'other': every thread but the engine's)")
@@ -122,8 +128,9 @@ def run_trees(args: argparse.Namespace, passthrough: list[str]) -> int:
     for k in range(args.repeat):
         for name, python in trees:
             out = outdir / f"{name}-{k + 1}.json"
-            cmd = [python, __file__, "--config", "kvelastic", "--out", str(out), *passthrough,
-                   *(["--count-calls"] if args.count_calls else [])]
+            config = "vanilla" if name.startswith("vanilla") else "kvelastic"
+            cmd = [python, __file__, "--config", config, "--out", str(out), *passthrough,
+                   *(["--count-calls"] if args.count_calls else []), *(["--tp"] if args.tp else [])]
             subprocess.run(cmd, check=True, env={k: v for k, v in os.environ.items() if k != "KVELASTIC"})
             result = json.loads(out.read_text())
             result["name"] = f"{name}#{k + 1}" if args.repeat > 1 else name
@@ -142,6 +149,7 @@ WORKLOAD = {  # passed to every tree: name, default, help
     "limit-blocks": (4096, "physical limit (2 GiB on the H100)"), "cpu-blocks": (32768, "host tier (16 GiB on the H100)"),
     "cpu-policy": ("arc", ""), "chunk-mib": (2, ""), "layers": (1, ""), "heads": (4, ""), "head-size": (64, ""),
     "max-num-seqs": (256, ""), "max-batched-tokens": (8192, ""), "max-model-len": (8192, ""),
+    "tp-prompts": (256, "with --tp: prompts per burst"), "tp-out-len": (128, "with --tp: output tokens"),
 }
 
 
@@ -151,6 +159,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--trees", nargs="+", metavar="NAME=PYTHON", help="run each interpreter's kvelastic in turn")
     p.add_argument("--repeat", type=int, default=1, help="with --trees: how many turns each tree gets")
     p.add_argument("--config", choices=("kvelastic", "vanilla"), default="kvelastic")
+    p.add_argument("--tp", action="store_true", help="issue #19's TP=2 model (sched_cpu_tp.py) instead of "
+                   "the multi-turn workload on one cache")
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--json", default="bench_scheduler_cpu.json")
     p.add_argument("--profile", help="cProfile output of the measured rounds (without --trees)")
@@ -167,10 +177,13 @@ def main() -> int:
     args, passthrough = parse()
     if args.trees:
         return run_trees(args, passthrough)
-    shared = tempfile.mkdtemp(prefix="kvelastic-shared-")
-    atexit.register(shutil.rmtree, shared, True)  # registered first, so it runs after kvelastic's own exit work
-    os.environ.update(kvelastic_environment(args, shared))
-    result = run_config(args)
+    if args.tp:
+        result = run_tp(args)
+    else:
+        shared = tempfile.mkdtemp(prefix="kvelastic-shared-")
+        atexit.register(shutil.rmtree, shared, True)  # registered first: runs after kvelastic's own exit work
+        os.environ.update(kvelastic_environment(args, shared))
+        result = run_config(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result))
         return 0

@@ -217,6 +217,10 @@ class Probes:
         self._gc_start = 0.0
 
     def timed(self, call: Any, *args: Any) -> tuple[Any, float, float]:
+        if self.counter is None:  # no setprofile at all: clearing it would stop a cProfile run with --profile
+            w, c = time.perf_counter(), time.thread_time()
+            result = call(*args)
+            return result, time.perf_counter() - w, time.thread_time() - c
         w, c = time.perf_counter(), time.thread_time()
         sys.setprofile(self.counter)
         try:
