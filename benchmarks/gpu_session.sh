@@ -130,7 +130,7 @@ startup)  # about 5 min: 7 engine starts, vanilla between the others
     python3 scripts/bench_startup.py --outdir "$W/startup" --json "$W/startup/startup.json" ${STARTUP_ARGS:-} \
         2>&1 | tee "$W/startup.log" ;;
 reload)
-    python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 \
+    python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 ${RELOAD_ARGS:-} \
         2>&1 | tee "$W/reload.log" ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
