@@ -134,6 +134,10 @@ class Settings:
     #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
     cpu_load: str = "sync"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
+    #: When a step's synchronous host loads go out: ``group`` (a page group's worth at a time as vLLM looks
+    #: the blocks up, each copy beside the next group's mapping) or ``off`` (all at the step's end, as before
+    #: 2026-11-27): an A/B knob until both run in one GPU call (docs/offload.md).
+    cpu_load_pieces: str = "group"
     #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
     #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
     #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
@@ -250,6 +254,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
+    "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("group", "off")),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
     "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),

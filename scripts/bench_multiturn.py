@@ -25,6 +25,7 @@ from typing import Any
 
 from percentiles import percentile  # beside this file, as run_proof (the repo root on sys.path would
 from run_proof import inactive_reason  # shadow kvelastic)
+from variants import parse_variant
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
@@ -124,14 +125,6 @@ def identical(a: dict, b: dict) -> tuple[int, int]:
     return same, total
 
 
-def _variant(text: str) -> tuple[str, dict[str, str]]:
-    name, _, settings = text.partition(":")
-    env = dict(pair.split("=", 1) for pair in settings.split(",") if pair)
-    if not name or not all(k.startswith("KVELASTIC_") for k in env):
-        raise SystemExit(f"--variant {text!r}: expected NAME:KVELASTIC_VAR=VALUE[,...]")
-    return f"kvelastic-{name}", env
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-1b")
@@ -159,7 +152,7 @@ def main() -> int:
         return 0
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     rows, results = [], {}
-    variants = dict(_variant(text) for text in args.variant)
+    variants = dict(parse_variant(text) for text in args.variant)
     for config in [*args.configs, *variants]:
         if args.collect_only:
             results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())

@@ -29,6 +29,9 @@ time of ``llm.generate`` with ``max_tokens=1`` (prefill + first token); vLLM's o
 latency is recorded too. Medians over the repetitions.
 
     python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
+
+``--variant NAME:KVELASTIC_VAR=VALUE[,...]`` adds a kvelastic configuration ``kvelastic-NAME`` with
+those settings to the same run (an A/B in one call: ``--variant nopieces:KVELASTIC_CPU_LOAD_PIECES=off``).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ from pathlib import Path
 from typing import Any
 
 from kvelastic.units import parse_size
+from variants import parse_variant  # beside this file
 
 CONFIGS = ("vanilla", "kvelastic", "offload-arc")
 OFFLOAD_BLOCK = 16  # the connector's block size, as in bench_multiturn.py
 TICK_WAIT_S = 0.6  # more than two reclaimer ticks (0.25 s): the snapshot counts the last request
+
+
+def is_kvelastic(config: str) -> bool:
+    """``kvelastic`` or one of its ``--variant`` configurations (``kvelastic-NAME``)."""
+    return config == "kvelastic" or config.startswith("kvelastic-")
 
 
 def make_prompts(seed: int, prefix_len: int, suffix_len: int) -> tuple[list[int], list[list[int]]]:
@@ -101,7 +110,7 @@ def kv_stats() -> dict[str, Any] | None:
 
 def off_gpu(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit."""
-    if args.config == "kvelastic":
+    if is_kvelastic(args.config):
         time.sleep(args.wait)
         return {"stats": kv_stats()}
     time.sleep(args.settle)
@@ -139,7 +148,7 @@ def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[s
     if moves:
         rep["before_check"] = off_gpu(llm, args)
     rep["check"] = ask(llm, prefix + s0, args.check_tokens)
-    if args.config == "kvelastic":
+    if is_kvelastic(args.config):
         time.sleep(TICK_WAIT_S)
         rep["after_check"] = {"stats": kv_stats()}
     rep["identical"] = rep["check"]["tokens"] == rep["reference"]["tokens"]
@@ -154,7 +163,7 @@ def host_tier_warning(args: argparse.Namespace, block: int, stats: dict[str, Any
     Judged on the snapshot taken after the run: the engine publishes its first
     one only after its first upkeep tick, so at start-up there is none yet.
     """
-    if args.config != "kvelastic":
+    if not is_kvelastic(args.config):
         return None
     if stats is None:
         return "no kvelastic stats snapshot found: is kvelastic active (KVELASTIC=1, installed)?"
@@ -188,7 +197,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         times = ", ".join(f"{k} {rep[k]['wall_ms']:.1f} ms" for k in ("cold", "reload", "gpu_hit") if k in rep)
         print(f"{args.config} rep {i}{' (warmup)' if rep['warmup'] else ''}: {times}; "
               f"identical {rep['identical']}, verified {rep['verified']}", flush=True)
-    result["final_stats"] = kv_stats() if args.config == "kvelastic" else None
+    result["final_stats"] = kv_stats() if is_kvelastic(args.config) else None
     result["warning"] = host_tier_warning(args, block, result["final_stats"])
     return result
 
@@ -239,10 +248,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run_children(args: argparse.Namespace) -> None:
-    for config in args.configs:
-        env = dict(os.environ, KVELASTIC="1" if config == "kvelastic" else "0")
-        if config == "kvelastic":
+    variants = dict(parse_variant(text) for text in args.variant)
+    for config in [*args.configs, *variants]:
+        env = dict(os.environ, KVELASTIC="1" if is_kvelastic(config) else "0")
+        if is_kvelastic(config):
             env.update(KVELASTIC_CPU_BYTES=str(args.cpu_bytes), KVELASTIC_CACHE_TTL=str(args.ttl))
+            env.update(variants.get(config, {}))
         cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
         Path(args.outdir, f"{config}.json").unlink(missing_ok=True)  # never tabulate a stale result
         t0 = time.perf_counter()
@@ -256,6 +267,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-8b")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="one more kvelastic config, kvelastic-NAME, with these environment settings")
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=5, help="measured prefixes (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded prefixes first (default 1)")
@@ -288,8 +301,12 @@ def main() -> int:
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
     if not args.collect_only:
         run_children(args)
-    wanted = CONFIGS if args.collect_only else args.configs
-    files = [Path(args.outdir, f"{c}.json") for c in wanted]
+    if args.collect_only:  # every configuration's file the outdir holds (variants included)
+        order = {c: i for i, c in enumerate(CONFIGS)}  # the usual configurations first, then variants
+        files = sorted((f for f in Path(args.outdir).glob("*.json") if f.stem in CONFIGS or is_kvelastic(f.stem)),
+                       key=lambda f: (order.get(f.stem, len(CONFIGS)), f.stem))
+    else:
+        files = [Path(args.outdir, f"{c}.json") for c in [*args.configs, *dict(map(parse_variant, args.variant))]]
     results = {f.stem: json.loads(f.read_text()) for f in files if f.exists()}
     base = results.get("vanilla")
     rows = [summarize(r, base if r is not base else None) for r in results.values()]

@@ -61,11 +61,14 @@ def _values(views, block_id: int) -> set[int]:
     return {int(v) for view in views for v in view[:, block_id].unique()}
 
 
-def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end():
+@pytest.mark.parametrize("pieces", ["group", "off"])
+def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end(pieces):
+    """``KVELASTIC_CPU_LOAD_PIECES=off``: the same data, all of it in one batch at the step's end."""
+    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_CPU_LOAD_PIECES": pieces})
     pool, views, cache, bp, queue = build(limit_groups=None)
-    tier, copier = local_host_tier(cache, Settings(cpu_bytes=1 << 24))
+    tier, copier = local_host_tier(cache, settings)
     recording = Recording(copier)
-    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher())
+    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), settings)
     n = 3 * BLOCKS_PER_GROUP + 5  # a run over four groups, the last one partly
     held = bp.get_new_blocks(BLOCKS_PER_GROUP - 1)  # group 0 (with the null block) stays in use
     blocks = bp.get_new_blocks(n)
@@ -82,8 +85,11 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
     early = list(recording.calls)
     manager.flush()  # the step's end
     loads = [c for c in recording.calls if c[0] == "load"]
-    assert [len(c[1]) for c in loads] == [BLOCKS_PER_GROUP] * 3 + [5]
-    assert all(c[3] is False for c in early) and len(early) == 3  # issued before the end, not fenced one by one
+    if pieces == "off":
+        assert early == [] and [len(c[1]) for c in loads] == [n]
+    else:
+        assert [len(c[1]) for c in loads] == [BLOCKS_PER_GROUP] * 3 + [5]
+        assert all(c[3] is False for c in early) and len(early) == 3  # issued before the end, not fenced one by one
     assert recording.calls[-1][0] == "load" and recording.calls[-1][3] is True  # the last one fences them all
     assert sorted(b for c in loads for b in c[1]) == sorted(b.block_id for b in found)
     for i, block in enumerate(found):

@@ -76,8 +76,10 @@ class OffloadManager:
     """
 
     def __init__(self, tier: HostTier, copier: Copier, queue: Any,
-                 enter_block: Callable[[Any, Hashable], None], write_through: WriteThrough | None = None):
-        """``write_through``: store blocks as they are computed (None: only as they leave the GPU)."""
+                 enter_block: Callable[[Any, Hashable], None], write_through: WriteThrough | None = None,
+                 *, pieces: bool = True):
+        """``write_through``: store blocks as they are computed (None: only as they leave the GPU).
+        ``pieces``: issue long runs of loads a page group at a time (``KVELASTIC_CPU_LOAD_PIECES``)."""
         self.write_through = write_through
         self.tier = tier
         self.copier = copier
@@ -89,7 +91,7 @@ class OffloadManager:
         self._pending_loads: list[tuple[int, int]] = []
         self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
-        self._issue_every = _loads_per_piece(queue)
+        self._issue_every = _loads_per_piece(queue) if pieces else 0
         self._issued_early = False  # copies of this step issued before its end, not yet fenced (see flush)
 
     # ------------------------------------------------------------------ spill

@@ -1,0 +1,17 @@
+"""``--variant NAME:KVELASTIC_VAR=VALUE[,...]``: one more kvelastic configuration in a benchmark's run.
+
+One parser for every benchmark that runs configurations side by side, so that an A/B of a
+setting (``--variant nopieces:KVELASTIC_CPU_LOAD_PIECES=off``) reads the same everywhere.
+"""
+
+from __future__ import annotations
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """``("kvelastic-NAME", {VAR: VALUE, ...})``; SystemExit naming the flag on anything else."""
+    name, _, settings = text.partition(":")
+    env = dict(pair.split("=", 1) for pair in settings.split(",") if "=" in pair)
+    malformed = [pair for pair in settings.split(",") if pair and "=" not in pair]
+    if not name or malformed or not all(k.startswith("KVELASTIC_") for k in env):
+        raise SystemExit(f"--variant {text!r}: expected NAME:KVELASTIC_VAR=VALUE[,...]")
+    return f"kvelastic-{name}", env
