@@ -135,9 +135,10 @@ class Settings:
     cpu_load: str = "sync"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
     #: When a step's synchronous host loads go out: ``group`` (a page group's worth at a time as vLLM looks
-    #: the blocks up, each copy beside the next group's mapping) or ``off`` (all at the step's end, as before
-    #: 2026-11-27): an A/B knob until both run in one GPU call (docs/offload.md).
-    cpu_load_pieces: str = "group"
+    #: the blocks up, each copy beside the next group's mapping) or ``off`` (all at the step's end). ``off``
+    #: until one GPU call shows ``group`` wins in vLLM: outside it, 2 GiB mapped and copied 61.4 -> 54.5 ms
+    #: (H200), but in the engine the copies beside the maps were timed at 29.3 GB/s against 46.9 (docs/offload.md).
+    cpu_load_pieces: str = "off"
     #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
     #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
     #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.

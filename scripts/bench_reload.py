@@ -31,7 +31,7 @@ latency is recorded too. Medians over the repetitions.
     python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
 
 ``--variant NAME:KVELASTIC_VAR=VALUE[,...]`` adds a kvelastic configuration ``kvelastic-NAME`` with
-those settings to the same run (an A/B in one call: ``--variant nopieces:KVELASTIC_CPU_LOAD_PIECES=off``).
+those settings to the same run (an A/B in one call: ``--variant pieces:KVELASTIC_CPU_LOAD_PIECES=group``).
 """
 
 from __future__ import annotations

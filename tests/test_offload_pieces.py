@@ -125,7 +125,7 @@ def _manager(blocks, *, synchronous=True, per_group=4, victims=None):
     tier = HostTier(64, 1, pin=False, allocate=False)
     queue = _Queue(blocks, synchronous, per_group, victims)
     recording = Recording()
-    manager = OffloadManager(tier, recording, queue, lambda block, key: None)
+    manager = OffloadManager(tier, recording, queue, lambda block, key: None, pieces=True)
     queue.spill_hook = manager.spill
     return manager, tier, recording
 

@@ -77,7 +77,7 @@ class OffloadManager:
 
     def __init__(self, tier: HostTier, copier: Copier, queue: Any,
                  enter_block: Callable[[Any, Hashable], None], write_through: WriteThrough | None = None,
-                 *, pieces: bool = True):
+                 *, pieces: bool = False):
         """``write_through``: store blocks as they are computed (None: only as they leave the GPU).
         ``pieces``: issue long runs of loads a page group at a time (``KVELASTIC_CPU_LOAD_PIECES``)."""
         self.write_through = write_through
