@@ -53,9 +53,9 @@ class Recording:
         self.gates.append(Gate(self.stores_done))
         return self.gates[-1]
 
-    def load(self, block_ids, slots):
+    def load(self, block_ids, slots, *, block_compute=True):
         self.calls.append(("load", tuple(block_ids)))
-        return self.inner.load(block_ids, slots)
+        return self.inner.load(block_ids, slots, block_compute=block_compute)
 
     def fence_compute(self):
         self.calls.append(("fence",))

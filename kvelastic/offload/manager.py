@@ -176,15 +176,13 @@ class OffloadManager:
         """
         self._matched.clear()
         waited = self._issue_pending(block_compute=True)
-        if self._issued_early and not waited:
-            self.copier.fence_compute()
-        waited = waited or self._issued_early
-        self._issued_early = False
+        early, self._issued_early = self._issued_early, False
         wt = self.write_through
-        if wt is not None and (waited or wt.fence_needed):
-            if not waited:
-                self.copier.fence_compute()
-                self.counters.store_fences += 1
+        stores_only = wt is not None and wt.fence_needed and not (waited or early)
+        if not waited and (early or stores_only):  # one fence covers everything on the one stream
+            self.copier.fence_compute()
+            self.counters.store_fences += int(stores_only)
+        if wt is not None and (waited or early or wt.fence_needed):
             wt.fenced()
 
     def _issue_pending(self, *, block_compute: bool) -> bool:
@@ -202,10 +200,7 @@ class OffloadManager:
             ids = [b for b, _ in self._pending_loads]
             slots = [s for _, s in self._pending_loads]
             self._pending_loads.clear()
-            if block_compute:  # the role's default
-                self.copier.load(ids, slots)
-            else:
-                self.copier.load(ids, slots, block_compute=False)
+            self.copier.load(ids, slots, block_compute=block_compute)
             self.counters.reloaded_blocks += len(ids)
             self.counters.load_batches += 1
             issued = True
@@ -295,8 +290,4 @@ def _loads_per_piece(queue: Any) -> int:
     """How many loads of one step go out together ahead of the step's end: a page group's blocks where
     the queue maps synchronously (in this process), else none (0: all at the end, as under tensor
     parallelism, where the ranks apply a step's commands together anyway)."""
-    mapper = getattr(queue, "mapper", None)
-    cache = getattr(queue, "cache", None)
-    if not getattr(mapper, "synchronous", False) or cache is None:
-        return 0
-    return int(getattr(cache, "blocks_per_group", 0) or 0)
+    return queue.cache.blocks_per_group if queue.mapper.synchronous else 0
