@@ -148,6 +148,11 @@ class Settings:
     #: step, gathered by vLLM's multiprocess executor: docs/tp-step-protocol.md). ``step`` matched ``board``
     #: on 2 x H200 (2026-11-27); ``board`` stays the default until the rest of the engine folder moves too.
     tp_confirm: str = "board"
+    #: Under tensor (or pipeline) parallelism, whether a rank applies a step's page maps after launching
+    #: its forward pass (the GPU computes, the driver calls run beside it) instead of before: exact, since
+    #: a step's maps back none of its own blocks (docs/tp-step-protocol.md, point 7). CPU-tested; not yet
+    #: measured on GPUs.
+    tp_map_after_launch: bool = True
     #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``allow`` it (every stage
     #: maps and confirms as a tensor-parallel rank does; 8B PP=2 on 2 x H200 token-identical to vanilla,
     #: 2026-11-27: docs/tensor-parallel.md), or ``refuse`` start-up.
@@ -258,6 +263,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("group", "off")),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
+    "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
     "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
