@@ -115,6 +115,9 @@ class Settings:
     virtual_bytes: int | None = None
     limit_bytes: int | None = None
     reserve_bytes: int = 256 * MIB
+    #: Most bytes the warm reserve grows to, while busy and nobody else waits, to cover the longest host-tier
+    #: run reloaded in the last minute (0: off). Off until a GPU run shows it pays (docs/offload.md, item 6).
+    reserve_host_runs_bytes: int = 0
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
@@ -134,11 +137,12 @@ class Settings:
     #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
     cpu_load: str = "sync"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
-    #: When a step's synchronous host loads go out: ``group`` (a page group's worth at a time as vLLM looks
-    #: the blocks up, each copy beside the next group's mapping) or ``off`` (all at the step's end). ``off``
-    #: until one GPU call shows ``group`` wins in vLLM: outside it, 2 GiB mapped and copied 61.4 -> 54.5 ms
-    #: (H200), but in the engine the copies beside the maps were timed at 29.3 GB/s against 46.9 (docs/offload.md).
-    cpu_load_pieces: str = "off"
+    #: When a step's synchronous host loads go out: a page group's worth at a time as vLLM looks the blocks
+    #: up, each copy beside the next group's mapping, within a run of host hits two groups long (``long-runs``)
+    #: or any run (``group``); or all at the step's end (``off``). ``long-runs``: on an H100 (2026-11-27, two
+    #: calls) ``group`` reloaded a 16k prefix in 103.4 / 109.6 ms against 115.3 / 112.6, and cost the 1B
+    #: multi-turn 6 % (one run), whose runs are shorter than a group and keep one batch with ``long-runs``.
+    cpu_load_pieces: str = "long-runs"
     #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
     #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
     #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
@@ -249,6 +253,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),
     "reserve_bytes": ("KVELASTIC_RESERVE", lambda n, t: parse_size(t, name=n)),
+    "reserve_host_runs_bytes": ("KVELASTIC_RESERVE_HOST_RUNS", lambda n, t: parse_size(t, name=n)),
     "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
@@ -260,7 +265,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
-    "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("group", "off")),
+    "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
     "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),

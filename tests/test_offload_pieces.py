@@ -121,11 +121,11 @@ class _Queue:
         pass
 
 
-def _manager(blocks, *, synchronous=True, per_group=4, victims=None):
+def _manager(blocks, *, synchronous=True, per_group=4, victims=None, pieces="group"):
     tier = HostTier(64, 1, pin=False, allocate=False)
     queue = _Queue(blocks, synchronous, per_group, victims)
     recording = Recording()
-    manager = OffloadManager(tier, recording, queue, lambda block, key: None, pieces=True)
+    manager = OffloadManager(tier, recording, queue, lambda block, key: None, pieces=pieces)
     queue.spill_hook = manager.spill
     return manager, tier, recording
 

@@ -83,7 +83,7 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
     write_through = None
     if settings is not None and settings.cpu_store == "write-through":
         write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block)
-    pieces = settings is not None and settings.cpu_load_pieces == "group"
+    pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill
     if serve_misses:

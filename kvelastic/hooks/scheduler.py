@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvelastic.hooks.commit_guard import CommitGuard
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.offload.manager import OffloadManager
+    from kvelastic.scheduler.reload_reserve import ReloadReserve
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -89,7 +90,8 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                               reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
                               publisher=_publisher(link, scheduler),
                               rank_held_bytes=connection.rank_held_bytes,
-                              after_tick=runtime.retire_unused_pools)
+                              after_tick=runtime.retire_unused_pools,
+                              reloads=_reload_reserve(offload, cache, settings))
     patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
     reclaimer.start()
     started.append(reclaimer)
@@ -149,6 +151,16 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, 
                            serve_misses=serve_misses)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
+
+
+def _reload_reserve(offload: OffloadManager | None, cache: Any, settings: Settings) -> "ReloadReserve | None":
+    """What sizes the warm reserve for host-tier reloads: ``KVELASTIC_RESERVE_HOST_RUNS`` with a host tier."""
+    if offload is None or not settings.reserve_host_runs_bytes:
+        return None
+    from kvelastic.scheduler.reload_reserve import ReloadReserve
+
+    tier = offload.tier
+    return ReloadReserve(offload.runs, cache, lambda: tier.stats().slots_used, settings.reserve_host_runs_bytes)
 
 
 def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:

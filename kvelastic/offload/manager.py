@@ -21,8 +21,13 @@ blocks up, the engine thread waiting on the mapper each time. Where mapping is
 synchronous (the cache in this process), the loads are therefore issued a
 group's worth at a time as the lookups go on: the copy stream moves the blocks
 of one group while the driver maps the next, instead of starting only once
-every group is mapped. The data, and what compute waits for, are those of one
-batch at the step's end (see :meth:`OffloadManager.load_on_miss`).
+every group is mapped. By default (``KVELASTIC_CPU_LOAD_PIECES=long-runs``)
+only once the run being looked up is :data:`LONG_RUN_GROUPS` groups long: a
+step of many short runs (a multi-turn batch) keeps one batched load, since
+each piece costs the engine thread its launches and short runs wait on few
+maps. The data, and what compute waits for, are those of one batch at the
+step's end (see :meth:`OffloadManager.load_on_miss`). The runs' lengths
+(:mod:`~kvelastic.offload.host_runs`) also size the warm reserve for reloads.
 
 With write-through (``KVELASTIC_CPU_STORE=write-through``) blocks are also
 stored as they are computed, beside the compute (:mod:`~kvelastic.offload.write_through`);
@@ -35,10 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from kvelastic.offload.fences import AllFences
+from kvelastic.offload.host_runs import HostRuns
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
+
+#: A run of host hits this many page groups long is loaded a group at a time with ``long-runs``.
+LONG_RUN_GROUPS = 2
+#: ``KVELASTIC_CPU_LOAD_PIECES``: when loads go out before the step's end.
+PIECES = ("long-runs", "group", "off")
 
 
 class TrafficPart(Protocol):
@@ -77,9 +88,13 @@ class OffloadManager:
 
     def __init__(self, tier: HostTier, copier: Copier, queue: Any,
                  enter_block: Callable[[Any, Hashable], None], write_through: WriteThrough | None = None,
-                 *, pieces: bool = False):
+                 *, pieces: str = "off", runs: HostRuns | None = None):
         """``write_through``: store blocks as they are computed (None: only as they leave the GPU).
-        ``pieces``: issue long runs of loads a page group at a time (``KVELASTIC_CPU_LOAD_PIECES``)."""
+        ``pieces`` (``KVELASTIC_CPU_LOAD_PIECES``): ``long-runs`` issues loads a page group at a time within
+        a run of host hits :data:`LONG_RUN_GROUPS` groups long, ``group`` within any run, ``off`` never.
+        ``runs``: where the runs' lengths are kept (a fresh one if None)."""
+        if pieces not in PIECES:
+            raise ValueError(f"pieces={pieces!r}: expected one of {', '.join(PIECES)}")
         self.write_through = write_through
         self.tier = tier
         self.copier = copier
@@ -91,7 +106,9 @@ class OffloadManager:
         self._pending_loads: list[tuple[int, int]] = []
         self._pending_spills: list[tuple[int, int]] = []
         self._matched: set[int] = set()  # blocks the scheduler matched this step
-        self._issue_every = _loads_per_piece(queue) if pieces else 0
+        self.runs = runs if runs is not None else HostRuns()
+        self._issue_every = _loads_per_piece(queue) if pieces != "off" else 0
+        self._long_run = self._issue_every * LONG_RUN_GROUPS if pieces == "long-runs" else 0
         self._issued_early = False  # copies of this step issued before its end, not yet fenced (see flush)
 
     # ------------------------------------------------------------------ spill
@@ -137,20 +154,24 @@ class OffloadManager:
     def load_on_miss(self, key: Hashable) -> Any | None:
         """A GPU block now holding (or about to hold) ``key``'s data, or None on a host miss.
 
-        Once a group's worth of loads is pending, they are issued (after the
-        pending spills, as :meth:`flush` orders them) before the next block is
-        taken, which may wait for its group to be mapped: that copy overlaps
-        the map. They do not make compute wait one by one; :meth:`flush` fences
-        the copy stream once, after the last of them (one stream: all of them).
+        Once a group's worth of loads is pending in a run long enough (see
+        :meth:`_piece_due`), they are issued (after the pending spills, as
+        :meth:`flush` orders them) before the next block is taken, which may
+        wait for its group to be mapped: that copy overlaps the map. They do
+        not make compute wait one by one; :meth:`flush` fences the copy stream
+        once, after the last of them (one stream: all of them).
         """
         if key not in self.tier:
             self.tier.misses += 1
+            self.runs.end()
             return None
-        if self._issue_every and len(self._pending_loads) >= self._issue_every:
+        if self._piece_due():
             self._issued_early |= self._issue_pending(block_compute=False)
         block = self.queue.take_block_for_load(self._matched)
         if block is None:
+            self.runs.end()
             return None
+        self.runs.hit()
         self._matched.add(block.block_id)
         slot = self.tier.lookup(key)
         if slot is None:  # pragma: no cover - checked just above
@@ -161,9 +182,15 @@ class OffloadManager:
         self._pending_loads.append((block.block_id, slot))
         return block
 
+    def _piece_due(self) -> bool:
+        """Whether the pending loads go out now: a group's worth of them, in a run that is long enough."""
+        return (bool(self._issue_every) and len(self._pending_loads) >= self._issue_every
+                and self.runs.current >= self._long_run)
+
     def matched(self, block: Any) -> None:
         """The scheduler found ``block`` in the GPU prefix cache this step: never evict it for a load."""
         self._matched.add(block.block_id)
+        self.runs.end()
 
     def flush(self) -> None:
         """Issue the pending spills, then loads, each as one batch (in that order on one stream).
@@ -175,6 +202,7 @@ class OffloadManager:
         by the last batch's fence, or by one of their own when none is left.
         """
         self._matched.clear()
+        self.runs.end()
         waited = self._issue_pending(block_compute=True)
         early, self._issued_early = self._issued_early, False
         wt = self.write_through

@@ -15,6 +15,9 @@ upkeep thread's memory jobs (:mod:`kvelastic.scheduler.upkeep` runs them):
 - :class:`WarmReserve` finishes fenced unmaps and keeps a warm reserve of pages
   while the engine is busy, none while it idles; the pool parks those pages at
   the groups the scheduler maps next, so that mapping costs no driver call.
+  With ``KVELASTIC_RESERVE_HOST_RUNS`` the reserve also grows, while nobody
+  else waits, to cover the longest host-tier run reloaded lately
+  (:mod:`~kvelastic.scheduler.reload_reserve`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvelastic.roles import SchedulerCache
 if TYPE_CHECKING:
     from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
+    from kvelastic.scheduler.reload_reserve import ReloadReserve
 
 
 class OffloadStatistics(Protocol):
@@ -103,25 +107,46 @@ class WarmReserve:
     a want, and a waiting engine is spared by the others' pressure, so an
     engine whose requests are done would keep its cache from the engines that
     really wait (seen on the GPU: 8 MiB wants renewed for 15 s after a burst).
+
+    ``reloads`` (``KVELASTIC_RESERVE_HOST_RUNS``) raises the target to cover
+    the longest host-tier run reloaded lately, but only while no other engine
+    waits (``account``'s pressure): that part is memory held for a reload that
+    may come, so it is the first to go. When the target falls (the runs aged
+    out, or others began to wait) the reserve is trimmed to it at once.
     """
 
     under_scheduler_lock = False
 
     def __init__(self, queue: "PageAwareFreeQueue", cache: SchedulerCache, *, reserve_pages: int,
-                 cache_ttl_s: float):
+                 cache_ttl_s: float, reloads: "ReloadReserve | None" = None, account: AccountSync | None = None):
         self.queue = queue
         self.cache = cache
         self.reserve_pages = reserve_pages
         self.cache_ttl_s = cache_ttl_s
+        self.reloads = reloads
+        self.account = account
+        self._last_target = reserve_pages
+
+    def target_pages(self, now: float) -> int:
+        """Pages to keep warm while busy: ``reserve_pages``, or enough for a recent host run if more."""
+        if self.reloads is None or (self.account is not None and self.account.pressure_bytes):
+            return self.reserve_pages
+        page = self.cache.pool.page_bytes
+        return max(self.reserve_pages, -(-self.reloads.bytes_wanted(now) // page))
 
     def run(self, now: float) -> None:
         pool = self.cache.pool
         pool.collect()
         if not recently_busy(self.queue, now, self.cache_ttl_s):
             pool.trim_reserve(0)
+            self._last_target = self.reserve_pages
             return
+        target = self.target_pages(now)
+        if target < self._last_target:  # what covered a reload is not wanted any more: give it back now
+            pool.trim_reserve(target)
+        self._last_target = target
         warm = pool.stats().reserve_bytes
-        missing = self.reserve_pages - warm // pool.page_bytes
+        missing = target - warm // pool.page_bytes
         room = pool.headroom_estimate(self.cache.device_room())  # counts the warm pages too
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
