@@ -61,9 +61,10 @@ def _values(views, block_id: int) -> set[int]:
     return {int(v) for view in views for v in view[:, block_id].unique()}
 
 
-@pytest.mark.parametrize("pieces", ["group", "off"])
+@pytest.mark.parametrize("pieces", ["long-runs", "group", "off"])
 def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end(pieces):
-    """``KVELASTIC_CPU_LOAD_PIECES=off``: the same data, all of it in one batch at the step's end."""
+    """``off``: the same data, all of it in one batch at the step's end; ``long-runs`` (the default): the
+    first piece goes once the run is two groups long, then a group at a time."""
     settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_CPU_LOAD_PIECES": pieces})
     pool, views, cache, bp, queue = build(limit_groups=None)
     tier, copier = local_host_tier(cache, settings)
@@ -87,6 +88,9 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
     loads = [c for c in recording.calls if c[0] == "load"]
     if pieces == "off":
         assert early == [] and [len(c[1]) for c in loads] == [n]
+    elif pieces == "long-runs":
+        assert [len(c[1]) for c in loads] == [2 * BLOCKS_PER_GROUP, BLOCKS_PER_GROUP, 5]
+        assert all(c[3] is False for c in early) and len(early) == 2
     else:
         assert [len(c[1]) for c in loads] == [BLOCKS_PER_GROUP] * 3 + [5]
         assert all(c[3] is False for c in early) and len(early) == 3  # issued before the end, not fenced one by one
@@ -95,8 +99,14 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
     for i, block in enumerate(found):
         assert _values(views, block.block_id) == {i % 100 + 1}
     assert manager.counters.reloaded_blocks == n and tier.hits == n
+    assert manager.runs.longest() == n  # the run's length is kept (it sizes the reserve for reloads)
     bp.free_blocks(held)
     pool.close()
+
+
+def test_the_default_issues_pieces_only_within_long_runs():
+    assert Settings().cpu_load_pieces == "long-runs"
+    assert Settings.from_env({"KVELASTIC_CPU_LOAD_PIECES": "group"}).cpu_load_pieces == "group"
 
 
 class _Queue:
@@ -184,3 +194,36 @@ def test_torch_tensor_views_keep_their_data_when_loaded_in_pieces_by_the_cpu_cop
         copier.load(ids, slots, block_compute=False)
     copier.fence_compute()
     assert torch.equal(views[0][:6], host[[11, 10, 9, 8, 7, 6]])
+
+
+def _look_up_runs(manager, tier, lengths, *, between):
+    """Runs of host hits of ``lengths`` blocks, each followed by ``between`` (a miss, or a GPU hit)."""
+    index = 0
+    for length in lengths:
+        for _ in range(length):
+            tier.admit(f"k{index}")
+            assert manager.load_on_miss(f"k{index}") is not None
+            index += 1
+        if between == "miss":
+            assert manager.load_on_miss("not-on-the-host") is None
+        else:
+            manager.matched(_block(1000 + index))
+
+
+@pytest.mark.parametrize("between", ["miss", "gpu-hit"])
+def test_a_step_of_short_runs_keeps_one_batched_load_with_long_runs(between):
+    """Three requests' runs of 1.5 groups each: ``group`` issues a piece per group's worth, ``long-runs`` one batch."""
+    for pieces, expected in (("long-runs", [18]), ("group", [4, 4, 4, 4, 2])):
+        manager, tier, recording = _manager([_block(i) for i in range(18)], pieces=pieces)
+        _look_up_runs(manager, tier, [6, 6, 6], between=between)
+        manager.flush()
+        assert [len(c[1]) for c in recording.calls if c[0] == "load"] == expected, pieces
+        assert manager.runs.longest() == 6
+
+
+def test_a_long_run_after_short_ones_issues_what_is_pending_once_it_is_long():
+    """The first piece carries the step's earlier loads too: they are due anyway, and one stream orders them."""
+    manager, tier, recording = _manager([_block(i) for i in range(17)], pieces="long-runs")
+    _look_up_runs(manager, tier, [3, 14], between="miss")
+    manager.flush()
+    assert [(len(c[1]), c[3]) for c in recording.calls if c[0] == "load"] == [(11, False), (4, False), (2, True)]

@@ -1,0 +1,249 @@
+"""The warm reserve covers the longest host-tier run reloaded lately (``KVELASTIC_RESERVE_HOST_RUNS``).
+
+Over the host backend (real memory), vLLM's real ``BlockPool`` made
+page-aware and the host tier's real manager: a run spilled and unmapped comes
+back through vLLM's lookup, its length is kept, and the upkeep's warm reserve
+grows to its page groups while the engine is busy, parked where the next
+reload maps, within the limit and the shared account's room; it is given back
+when other engines wait, when the engine idles and when the run ages out. A
+second reload of the run then creates and maps no page, and its data is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from kvelastic.cluster import SharedAccount, SharedBudgetSource
+from kvelastic.hooks.block_pool import make_page_aware
+from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
+from kvelastic.hooks.scheduler import _reload_reserve
+from kvelastic.offload.host_runs import HostRuns
+from kvelastic.scheduler.mapper import GroupMapper
+from kvelastic.scheduler.reclaimer import CacheReclaim, WarmReserve
+from kvelastic.scheduler.reload_reserve import ReloadReserve
+from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
+from kvelastic.settings import Settings
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, PAGE, N, StandInRequest, build_cache
+from tests.scheduler_harness import scheduler_patcher
+
+block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
+
+TTL = 100.0
+RUN = 2 * BLOCKS_PER_GROUP + 5  # a run over three groups
+
+
+class Clock:
+    """The real monotonic clock plus an offset the test moves (the queue's own stamps stay real)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        import time
+
+        return time.monotonic() + self.offset
+
+
+class Engine(types.SimpleNamespace):
+    def __repr__(self) -> str:  # never print KV views over unmapped pages
+        return "<Engine>"
+
+
+def make_engine(*, cap_bytes: int = 8 * GROUP_BYTES, limit_groups: int | None = None, wrap_device=None) -> Engine:
+    pool, views, cache = build_cache(limit_groups, wrap_device=wrap_device)
+    bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
+    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_RESERVE_HOST_RUNS": str(cap_bytes)})
+    tier, copier = local_host_tier(cache, settings)
+    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
+    return Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, tier=tier, manager=manager,
+                  settings=settings, clock=Clock(), held=bp.get_new_blocks(BLOCKS_PER_GROUP - 1))
+
+
+def upkeep(engine: Engine, *, reserve_pages: int = 1, account=None) -> UpkeepThread:
+    reloads = _reload_reserve(engine.manager, engine.cache, engine.settings)
+    if account is None:
+        return engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=TTL,
+                             reserve_bytes=reserve_pages * PAGE, offload=engine.manager, reloads=reloads,
+                             clock=engine.clock)
+    jobs = [CacheReclaim(engine.queue, engine.cache, cache_ttl_s=TTL, account=account),
+            WarmReserve(engine.queue, engine.cache, reserve_pages=reserve_pages, cache_ttl_s=TTL,
+                        reloads=reloads, account=account)]
+    return UpkeepThread(jobs, threading.RLock(), clock=engine.clock)
+
+
+def spill_a_run(engine: Engine, tag: str = "p", n: int = RUN) -> list[bytes]:
+    """Compute ``n`` blocks of one prefix, stamp them, free them, and spill and unmap them."""
+    blocks = engine.bp.get_new_blocks(n)
+    for i, block in enumerate(blocks):
+        for view in engine.views:
+            view[:, block.block_id].fill_(i % 100 + 1)
+    hashes = [f"{tag}{i}".encode() for i in range(n)]
+    engine.bp.cache_full_blocks(StandInRequest(hashes), blocks, 0, n, BS, 0)
+    engine.bp.free_blocks(blocks)
+    engine.queue.reclaim_cached(groups_wanted=engine.cache.num_groups)
+    assert not any(engine.pool.is_mapped(engine.cache.group_of_block(b.block_id)) for b in blocks)
+    return hashes
+
+
+def reload(engine: Engine, hashes: list[bytes]) -> list:
+    """vLLM's lookup, block by block, then the step's end; every block must come back exactly."""
+    found = [engine.bp.get_cached_block(h, [0])[0] for h in hashes]
+    engine.manager.flush()
+    for i, block in enumerate(found):
+        assert {int(v) for view in engine.views for v in view[:, block.block_id].unique()} == {i % 100 + 1}
+    return found
+
+
+def spill_again_and_give_back(engine: Engine) -> None:
+    """The reloaded run's groups spill and unmap again and their pages go back to the device (as when idle):
+    a later reserve holds only what the upkeep grows, not the pages recycled by the release."""
+    assert engine.queue.reclaim_cached(groups_wanted=engine.cache.num_groups) >= 3
+    engine.pool.collect(wait=True)
+    engine.pool.trim_reserve(0)
+
+
+def close(engine: Engine) -> None:
+    engine.bp.free_blocks(engine.held)
+    engine.pool.close()
+    assert engine.pool.leak_report() == []
+
+
+def test_the_reserve_grows_to_a_reloaded_run_while_busy_and_the_next_reload_creates_and_maps_nothing(monkeypatch):
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == PAGE  # no run yet: the usual reserve
+    hashes = spill_a_run(engine)
+    reload(engine, hashes)
+    assert engine.manager.runs.longest() == RUN
+    spill_again_and_give_back(engine)
+    reclaimer.tick()
+    stats = engine.pool.stats()
+    assert stats.reserve_bytes == 3 * GROUP_BYTES  # three groups, parked where the next maps go
+    assert len(engine.pool.parked_groups()) == 3
+    before, parked, created = engine.pool.mapped_groups(), engine.pool.parked_groups(), stats.pages_created
+    mapped: list[int] = []
+    original = engine.pool.backend.map_runs
+    monkeypatch.setattr(engine.pool.backend, "map_runs",
+                        lambda runs, *a, **k: (mapped.append(sum(len(r.handles) for r in runs)),
+                                               original(runs, *a, **k))[1])
+    found = reload(engine, hashes)  # exact, into the parked groups
+    assert parked <= {engine.cache.group_of_block(b.block_id) for b in found}
+    newly = engine.pool.mapped_groups() - before
+    unparked = len(newly) - len(parked)  # groups mapped ahead beside the run (the queue's prefetch), if any
+    assert sum(mapped) == unparked * GROUP_PAGES  # the parked groups cost no driver call
+    assert engine.pool.stats().pages_created - created == unparked * GROUP_PAGES  # nor a new page
+    close(engine)
+
+
+def test_the_reserve_for_reloads_stays_within_the_limit():
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    reload(engine, spill_a_run(engine))
+    spill_again_and_give_back(engine)
+    engine.pool.set_limit(engine.pool.stats().held_bytes + 2 * GROUP_BYTES)  # room for two of the run's three groups
+    reclaimer.tick()
+    stats = engine.pool.stats()
+    assert stats.reserve_bytes == 2 * GROUP_BYTES and stats.over_limit_bytes == 0
+    close(engine)
+
+
+def test_the_reserve_for_reloads_stays_within_the_shared_accounts_room(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    budget = 10 * GROUP_BYTES
+    with SharedAccount.open("host-reload", budget) as account:
+        member = account.join("a")
+        other = account.join("b")
+        engine = make_engine(wrap_device=lambda source: SharedBudgetSource(source, member))
+        reclaimer = upkeep(engine)
+        reload(engine, spill_a_run(engine))
+        spill_again_and_give_back(engine)
+        grant = budget - engine.pool.stats().held_bytes - GROUP_BYTES  # another engine takes all but a group
+        assert other.acquire(grant)
+        reclaimer.tick()
+        assert engine.pool.stats().reserve_bytes == GROUP_BYTES  # the account's room, not the run's three groups
+        assert member.info().mapped_bytes + other.info().mapped_bytes <= budget
+        other.release(grant)
+        close(engine)
+
+
+def test_the_reserve_for_reloads_goes_first_when_other_engines_wait():
+    engine = make_engine()
+    pressure = types.SimpleNamespace(pressure_bytes=0)
+    reclaimer = upkeep(engine, account=pressure)
+    reload(engine, spill_a_run(engine))
+    spill_again_and_give_back(engine)
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
+    pressure.pressure_bytes = PAGE
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == PAGE  # only the usual reserve, within the room there is
+    pressure.pressure_bytes = 0
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
+    close(engine)
+
+
+def test_the_reserve_for_reloads_is_given_back_when_idle_and_when_the_run_ages_out():
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    reload(engine, spill_a_run(engine))
+    spill_again_and_give_back(engine)
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
+    engine.bp.free_blocks(engine.bp.get_new_blocks(1))  # busy again, just now
+    engine.clock.offset = 70.0  # within the TTL (busy), past the runs' minute
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == PAGE
+    engine.clock.offset = TTL + 80.0
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == 0
+    close(engine)
+
+
+def test_off_by_default_the_reserve_keeps_its_usual_size_after_a_long_reload():
+    assert Settings().reserve_host_runs_bytes == 0
+    engine = make_engine(cap_bytes=0)
+    assert _reload_reserve(engine.manager, engine.cache, engine.settings) is None
+    reclaimer = upkeep(engine)
+    reload(engine, spill_a_run(engine))
+    spill_again_and_give_back(engine)
+    reclaimer.tick()
+    assert engine.pool.stats().reserve_bytes == PAGE
+    close(engine)
+
+
+def test_the_wanted_bytes_are_whole_groups_at_most_the_cap_and_what_the_host_tier_holds():
+    cache = types.SimpleNamespace(blocks_per_group=BLOCKS_PER_GROUP, group_bytes=GROUP_BYTES)
+    runs = HostRuns()
+    for _ in range(RUN):
+        runs.hit()
+    runs.end()
+    held = [10 * BLOCKS_PER_GROUP]
+    reserve = ReloadReserve(runs, cache, lambda: held[0], cap_bytes=8 * GROUP_BYTES)
+    assert reserve.bytes_wanted(runs._clock()) == 3 * GROUP_BYTES
+    reserve.cap_bytes = 2 * GROUP_BYTES + GROUP_PAGES  # not a whole group: the cap still holds
+    assert reserve.bytes_wanted(runs._clock()) == 2 * GROUP_BYTES + GROUP_PAGES
+    reserve.cap_bytes = 8 * GROUP_BYTES
+    held[0] = BLOCKS_PER_GROUP  # the tier was cleared but for a group: no longer run can come back
+    assert reserve.bytes_wanted(runs._clock()) == GROUP_BYTES
+    held[0] = 0
+    assert reserve.bytes_wanted(runs._clock()) == 0
+
+
+def test_a_reload_of_parked_groups_keeps_the_blocks_of_others_exact():
+    """Two runs spilled, the reserve parked for the longer; reloading both gives every block its data."""
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    first = spill_a_run(engine, "a")
+    reload(engine, first)
+    spill_again_and_give_back(engine)
+    reclaimer.tick()
+    second = spill_a_run(engine, "b", n=BLOCKS_PER_GROUP)
+    reload(engine, first)  # each checked exact as it comes back
+    reload(engine, second)
+    close(engine)
