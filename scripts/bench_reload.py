@@ -30,6 +30,13 @@ latency is recorded too. Medians over the repetitions.
 
     python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
 
+``--busy-before S`` (default 0: off): S seconds before each reload, after the prefix went off the
+GPU, a short request of other tokens (one output token) makes the engine busy, as other traffic
+would on a server; the reload then finds what a busy engine keeps warm (``KVELASTIC_RESERVE``,
+``KVELASTIC_RESERVE_HOST_RUNS``) instead of an idle engine's nothing. Keep S under a second
+(kvelastic counts an engine busy for max(``--ttl``, 1) s after its last allocation) and above two
+upkeep ticks (0.5 s). Every configuration gets the same request.
+
 ``--variant NAME:KVELASTIC_VAR=VALUE[,...]`` adds a kvelastic configuration ``kvelastic-NAME`` with
 those settings to the same run (an A/B in one call: ``--variant pieces:KVELASTIC_CPU_LOAD_PIECES=group``).
 """
@@ -108,13 +115,22 @@ def kv_stats() -> dict[str, Any] | None:
     return found[0]["values"] if found else None
 
 
-def off_gpu(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit."""
+def off_gpu(llm: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit; with
+    ``--busy-before``, then a short request of other tokens ``busy_before`` seconds before the next one."""
     if is_kvelastic(args.config):
         time.sleep(args.wait)
-        return {"stats": kv_stats()}
-    time.sleep(args.settle)
-    return {"reset_ok": bool(llm.reset_prefix_cache())}
+        moved: dict[str, Any] = {}
+    else:
+        time.sleep(args.settle)
+        moved = {"reset_ok": bool(llm.reset_prefix_cache())}
+    if args.busy_before > 0:
+        rng = random.Random(seed)
+        ask(llm, [rng.randrange(1000, 100000) for _ in range(64)], 1)
+        time.sleep(args.busy_before)
+    if is_kvelastic(args.config):
+        moved["stats"] = kv_stats()
+    return moved
 
 
 def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | None:
@@ -132,6 +148,7 @@ def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | 
     rep["reloaded_bytes"] = [b["reloaded_bytes"] - a["reloaded_bytes"],
                              c["reloaded_bytes"] - b["reloaded_bytes"]]
     rep["cached_gpu_bytes_before_reload"] = a["cached_bytes"]
+    rep["warm_bytes_before_reload"] = a["held_bytes"] - a["mapped_bytes"]  # the reserve the reload could use
     return cached and min(rep["host_hits"]) >= args.prefix_len // block
 
 
@@ -142,11 +159,11 @@ def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[s
     rep: dict[str, Any] = {"seed": seed, "cold": ask(llm, prefix + s0, 1),
                            "reference": ask(llm, prefix + s0, args.check_tokens)}
     if moves:
-        rep["before_reload"] = off_gpu(llm, args)
+        rep["before_reload"] = off_gpu(llm, args, seed * 2 + 1)
         rep["reload"] = ask(llm, prefix + s1, 1)
     rep["gpu_hit"] = ask(llm, prefix + s2, 1)
     if moves:
-        rep["before_check"] = off_gpu(llm, args)
+        rep["before_check"] = off_gpu(llm, args, seed * 2 + 2)
     rep["check"] = ask(llm, prefix + s0, args.check_tokens)
     if is_kvelastic(args.config):
         time.sleep(TICK_WAIT_S)
@@ -277,6 +294,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared after a reload")
     p.add_argument("--wait", type=float, default=4.0, help="kvelastic: idle seconds for the prefix to spill")
     p.add_argument("--ttl", type=float, default=1.0, help="kvelastic: KVELASTIC_CACHE_TTL seconds")
+    p.add_argument("--busy-before", type=float, default=0.0,
+                   help="seconds before each reload, a short request of other tokens (0: the engine idles)")
     p.add_argument("--settle", type=float, default=1.0, help="offload-arc: seconds for stores to finish")
     p.add_argument("--cpu-bytes", type=lambda t: parse_size(t, name="--cpu-bytes"), default=16 << 30,
                    help="host/CPU tier for kvelastic and the connector, e.g. 16GiB (default)")
