@@ -1,8 +1,14 @@
-"""Worker: apply the scheduler's page-group and copy commands before each step's forward pass.
+"""Worker: apply the scheduler's page-group and copy commands around each step's forward pass.
 
 Only on worker ranks whose scheduler is another process (tensor parallelism,
-multiprocess executor); elsewhere the wrapper passes straight through. On a step
-whose plan asks for a report, the rank's reply carries what it mapped
+multiprocess executor); elsewhere the wrapper passes straight through. Unmaps,
+copies and fences run before the forward; the step's maps run once
+``execute_model`` returns, which vLLM's worker does as soon as the forward is
+launched (and, on a pipeline stage that is not the last, sent on): the GPU
+computes while the driver calls run (``KVELASTIC_TP_MAP_AFTER_LAUNCH``). Nothing
+more is asked of vLLM: were the call to return only once the GPU is done, the
+maps would still be exact, only no longer hidden. On a step whose plan asks for
+a report, the rank's reply carries what it mapped, maps of this step included
 (``patches/executor_step_report.py`` makes the executor gather every rank's reply).
 """
 
@@ -31,8 +37,8 @@ def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dic
     if plan is None:
         return wrapped(*args, **kwargs)
     worker.before_step(plan)
-    result = wrapped(*args, **kwargs)
-    worker.after_step(plan)
+    result = wrapped(*args, **kwargs)  # the forward is launched (sync or async scheduling alike)
+    worker.after_step(plan)  # the step's maps, then its confirmations
     if plan.report:  # the executor gathers every rank's reply to this step (KVELASTIC_TP_CONFIRM=step)
         from kvelastic.tp.report_merger import reply_with_report
 
@@ -44,5 +50,5 @@ def apply(patcher: Any, runtime: Any) -> None:
     patcher.wrap(TARGET, functools.partial(_execute, runtime))
 
 
-PATCH = Patch("worker_execute_model", "Worker: apply the scheduler's KV page commands before the forward pass",
+PATCH = Patch("worker_execute_model", "Worker: apply the scheduler's KV page commands around the forward pass",
               ALL, (TARGET,), apply)

@@ -113,8 +113,11 @@ def drive(scheduler, waves: list[list], max_steps: int = 2000, after_step=None, 
     return trace
 
 
-def drive_async(scheduler, waves: list[list], max_steps: int = 2000, after_step=None) -> list:
-    """As the engine core runs async scheduling: step N+1 is scheduled before step N's output arrives."""
+def drive_async(scheduler, waves: list[list], max_steps: int = 2000, after_step=None, forward=None) -> list:
+    """As the engine core runs async scheduling: step N+1 is scheduled before step N's output arrives.
+
+    ``forward(scheduler, output)`` runs right after a step's scheduling (the engine sends it at once); what
+    it returns is set on that step's model output, as with :func:`drive`."""
     from collections import deque
 
     trace: list = []
@@ -126,13 +129,17 @@ def drive_async(scheduler, waves: list[list], max_steps: int = 2000, after_step=
             assert len(trace) < max_steps, "the scheduler stopped making progress"
             if len(in_flight) < 2 and scheduler.has_requests():  # also flushes finished ids, as the engine does
                 out = scheduler.schedule()
+                carried = forward(scheduler, out) if forward is not None else None
                 samplers = {r for r in out.num_scheduled_tokens if not scheduler.requests[r].is_prefill_chunk}
-                in_flight.append((out, samplers))
+                in_flight.append((out, samplers, carried))
                 trace.append(step_of(out))
                 if len(in_flight) < 2 and scheduler.has_unfinished_requests():
                     continue
-            out, samplers = in_flight.popleft()
-            scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+            out, samplers, carried = in_flight.popleft()
+            result = model_output(scheduler, out, samplers)
+            for name, value in (carried or {}).items():
+                setattr(result, name, value)
+            scheduler.update_from_output(out, result)
             if after_step is not None:
                 after_step(scheduler)
     return trace

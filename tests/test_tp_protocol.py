@@ -15,7 +15,9 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
+import types
 
 import pytest
 
@@ -25,6 +27,7 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from kvelastic.hooks.block_pool import make_page_aware  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
+from kvelastic.tp.protocol import MAP  # noqa: E402
 from kvelastic.tp.scheduler_side import RankConnection  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, N, PAGE, StandInRequest  # noqa: E402
 from tests.scheduler_harness import scheduler_patcher  # noqa: E402
@@ -42,30 +45,60 @@ def group_bytes(layers: int) -> int:
     return 2 * layers * PAGE
 
 
+class MapOrder:
+    """Watches a rank's cache: each map the step thread makes, and which step's forward had been launched.
+
+    The forward stand-in sets ``launched``; a map of a MAP command of step N's plan made while
+    ``launched`` is still below N ran in front of that step's forward pass."""
+
+    def __init__(self, cache) -> None:
+        self.launched = 0
+        self.calls: list[tuple[tuple[int, ...], int]] = []
+        inner = cache.map_as_many
+
+        def map_as_many(groups, **kw):
+            if threading.current_thread() is threading.main_thread():  # not the idle thread's maps
+                self.calls.append((tuple(groups), self.launched))
+            return inner(groups, **kw)
+
+        cache.map_as_many = map_as_many
+
+    def take(self, plan) -> tuple[int, int]:
+        """How many of ``plan``'s MAPs ran before its forward's launch and after it; forgets the calls."""
+        own = {tuple(c[2]) for c in plan.commands if c[1] == MAP}
+        mine = [launched for groups, launched in self.calls if groups in own]
+        self.calls = []
+        return sum(launched < plan.step for launched in mine), sum(launched == plan.step for launched in mine)
+
+
 def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int = 3, shape=(N, PAGE),
-              world: int = WORLD, device: str | None = None) -> None:
-    """A worker rank: apply each step's plan, then do its writes and checks on its own shard.
+              world: int = WORLD, device: str | None = None, map_after_launch: bool = True) -> None:
+    """A worker rank: each step goes through the ``Worker.execute_model`` patch, whose forward pass here
+    does the step's writes and checks on this rank's shard (at once: as if the GPU ran it on launch).
 
     ``shape``: the cache's blocks and page bytes (see ``build_cache``); ``device``: the name its
     host-memory "device" goes by (ranks on different GPUs name different ones)."""
     from pathlib import Path
 
-    from kvelastic.tp.report_merger import reply_with_report
     from kvelastic.tp.worker_side import start_rank
+    from patches.worker_execute_model import _execute
     from tests.kv_fixtures import NamedHostBackend, build_cache
 
     backend = NamedHostBackend(device) if device else None
     pool, views, cache = build_cache(limit_groups, backend=backend, layers=layers, num_blocks=shape[0],
                                      page_bytes=shape[1])
-    worker = start_rank(cache, Path(folder), rank, world, None, cpu_bytes)
+    order = MapOrder(cache)
+    worker = start_rank(cache, Path(folder), rank, world, None, cpu_bytes, map_after_launch=map_after_launch)
+    runtime = types.SimpleNamespace(rank_worker=worker)
     conn.send("ready")
     while True:
         message = conn.recv()
         if message == "stop":
             break
         plan, writes, checks = message
-        try:
-            worker.before_step(plan)
+
+        def forward(_scheduler_output) -> None:
+            order.launched = plan.step
             for block_id, value in writes:
                 assert pool.is_mapped(cache.group_of_block(block_id)), f"write to unmapped block {block_id}"
                 for view in views:
@@ -74,12 +107,14 @@ def rank_main(conn, folder: str, rank: int, limit_groups, cpu_bytes, layers: int
                 assert pool.is_mapped(cache.group_of_block(block_id)), f"read of unmapped block {block_id}"
                 for view in views:
                     assert bool((view[:, block_id] == value + rank).all()), f"block {block_id} lost its data"
-            worker.after_step(plan)
-            # a report step's execute_model reply (patches/worker_execute_model.py); None otherwise
-            launched = reply_with_report(None, worker.take_report()) if plan.report else None
-            conn.send(("ok", pool.stats().mapped_bytes, launched))
+            return None  # vLLM's "forward launched"
+
+        try:
+            # a report step's execute_model reply carries the report; None otherwise
+            launched = _execute(runtime, forward, None, (types.SimpleNamespace(kvelastic_plan=plan),), {})
+            conn.send(("ok", pool.stats().mapped_bytes, launched, (*order.take(plan), worker.maps_kept_in_order)))
         except AssertionError as exc:
-            conn.send(("error", str(exc), None))
+            conn.send(("error", str(exc), None, None))
     worker.close()
     pool.close()
     conn.send("closed")
@@ -91,17 +126,20 @@ RANK_START_S = 240
 class RankProcesses:
     """The ranks, spawned on ``folder``; each step reaches them as vLLM's broadcast would carry it."""
 
-    def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3), shape=(N, PAGE), devices=None):
+    def __init__(self, folder, limits=(None, None), cpu_bytes=None, layers=(3, 3), shape=(N, PAGE), devices=None,
+                 map_after_launch: bool = True):
         """``layers``: each rank's KV layers (equal under TP; a pipeline stage's own under PP), one entry
         per rank; ``shape``: every rank's blocks and page bytes; ``devices``: each rank's device name
-        (default: all on the one host-memory device)."""
+        (default: all on the one host-memory device); ``map_after_launch``: the ranks' setting."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs, self.world = [], [], len(layers)
+        self.map_after_launch = map_after_launch
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], cpu_bytes,
                                                        layers[rank], shape, self.world,
-                                                       devices[rank] if devices else None), daemon=True)
+                                                       devices[rank] if devices else None, map_after_launch),
+                               daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -109,6 +147,9 @@ class RankProcesses:
             assert conn.poll(RANK_START_S) and conn.recv() == "ready"
         self.mapped_bytes = [0] * self.world
         self.launched: list = []  # the last step's execute_model replies (reports on a report step)
+        self.maps_before_launch = 0  # the plans' MAPs every rank ran in front of their step's forward
+        self.maps_after_launch = 0   # ... and behind its launch
+        self.maps_kept_in_order = [0] * self.world  # MAPs a later command of their plan touched (each rank)
 
     def send(self, plan, writes=(), checks=(), live=None) -> list:
         """One step: the plan and the forward pass's writes and checks; returns each rank's mapped bytes."""
@@ -118,12 +159,24 @@ class RankProcesses:
         replies, self.launched = [], []
         for r in ranks:
             assert self.conns[r].poll(30), f"rank {r} did not answer"
-            status, value, launched = self.conns[r].recv()
+            status, value, launched, order = self.conns[r].recv()
             assert status == "ok", f"rank {r}: {value}"
+            self.maps_before_launch += order[0]
+            self.maps_after_launch += order[1]
+            self.maps_kept_in_order[r] = order[2]
             self.mapped_bytes[r] = value
             replies.append(value)
             self.launched.append(launched)
         return replies
+
+    def check_map_order(self) -> None:
+        """Every plan's MAPs ran where the ranks' setting puts them, and none had to stay in front of the
+        forward because a later command of its plan touched its groups (the scheduler never sends that)."""
+        assert self.maps_kept_in_order == [0] * self.world, "a plan touched the groups of its own MAP"
+        if self.map_after_launch:
+            assert self.maps_before_launch == 0, "a MAP ran in front of its step's forward pass"
+        else:
+            assert self.maps_after_launch == 0, "a MAP waited for the forward with the setting off"
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
@@ -136,9 +189,9 @@ class RankProcesses:
 class Cluster(RankProcesses):
     """The scheduler side plus two rank processes."""
 
-    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None, layers=(3, 3)):
+    def __init__(self, tmp_path, limits=(None, None), cpu_bytes=None, layers=(3, 3), map_after_launch=True):
         self.folder = tmp_path / "engine"
-        super().__init__(self.folder, limits, cpu_bytes, layers)
+        super().__init__(self.folder, limits, cpu_bytes, layers, map_after_launch=map_after_launch)
         self.connection = RankConnection(self.folder, [shm.read_info(self.folder, r) for r in range(WORLD)])
         self.cache, self.mapper = self.connection.cache, self.connection.mapper
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)

@@ -53,7 +53,9 @@ def drive_ranks(scheduler, ranks: RankProcesses, waves: list[list]) -> list:
     def forward(s, out) -> None:
         ranks.send(out.kvelastic_plan, *_forward(s, out))
 
-    return drive(scheduler, waves, max_steps=3000, forward=forward)
+    trace = drive(scheduler, waves, max_steps=3000, forward=forward)
+    ranks.check_map_order()
+    return trace
 
 
 @pytest.fixture
@@ -62,11 +64,12 @@ def tp_engine(tmp_path, monkeypatch):
     made: list = []
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
-             cpu_load: str = "sync", split: str = "tensor"):
+             cpu_load: str = "sync", split: str = "tensor", map_after_launch: bool = True):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
-        layers, with ``KVELASTIC_PIPELINE=allow``."""
+        layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting."""
         layers = RANK_LAYERS[split]
-        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes, layers)
+        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes, layers,
+                              map_after_launch=map_after_launch)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
         stages = WORLD if split == "pipeline" else 1
@@ -124,7 +127,9 @@ def drive_ranks_step(scheduler, ranks: RankProcesses, waves: list[list], reports
         reports[-1] = getattr(sampled, STEP_ATTR)
         return {STEP_ATTR: reports[-1]}
 
-    return drive(scheduler, waves, max_steps=3000, forward=forward)
+    trace = drive(scheduler, waves, max_steps=3000, forward=forward)
+    ranks.check_map_order()
+    return trace
 
 
 def test_every_block_holds_its_tokens_data_on_both_ranks(tp_engine):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import types
 
 import pytest
 
-from kvelastic.tp.report_merger import (RANK_ATTR, ReportMerger, attach_rank_report, reply_with_report,
-                                        step_report_of)
+from kvelastic.tp.report_merger import RANK_ATTR, ReportMerger, attach_rank_report, step_report_of
 from kvelastic.tp.step_report import CommandTally, RankReport, StepReport, split_map
 
 WORLD = 2
@@ -79,25 +79,28 @@ def rank_main(conn, folder: str, rank: int, limit_groups) -> None:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     from kvelastic.tp.worker_side import start_rank
+    from patches.worker_execute_model import _execute
     from tests.kv_fixtures import build_cache
 
     pool, views, cache = build_cache(limit_groups)
     worker = start_rank(cache, Path(folder), rank, WORLD, None, None)
+    runtime = types.SimpleNamespace(rank_worker=worker)
     conn.send("ready")
     while True:
         message = conn.recv()
         if message == "stop":
             break
         plan, writes = message
-        worker.before_step(plan)
-        for block_id in writes:
-            assert pool.is_mapped(cache.group_of_block(block_id)), f"write to unmapped block {block_id}"
-            for view in views:
-                view[:, block_id].fill_(rank + 1)
-        worker.after_step(plan)
-        # as patches/worker_execute_model.py replies: the report in place of execute_model's None,
-        # then sample_tokens' output (here vLLM's empty one)
-        launched = reply_with_report(None, worker.take_report()) if plan.report else None
+
+        def forward(_scheduler_output) -> None:  # the step's writes as its forward pass is launched
+            for block_id in writes:
+                assert pool.is_mapped(cache.group_of_block(block_id)), f"write to unmapped block {block_id}"
+                for view in views:
+                    view[:, block_id].fill_(rank + 1)
+
+        # through patches/worker_execute_model.py: the report in place of execute_model's None, then
+        # sample_tokens' output (here vLLM's empty one)
+        launched = _execute(runtime, forward, None, (types.SimpleNamespace(kvelastic_plan=plan),), {})
         conn.send((launched, EMPTY_MODEL_RUNNER_OUTPUT))
     worker.close()
     pool.close()

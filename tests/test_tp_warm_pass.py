@@ -97,6 +97,7 @@ def test_a_warm_burst_waits_for_no_group_and_none_is_given_back_between_bursts(g
         ranks.send(out.kvelastic_plan, _forward(s, out)[0])  # each rank checks every block written is mapped
 
     trace = drive(scheduler, two_passes(), max_steps=1000, forward=forward)
+    ranks.check_map_order()  # every map behind its step's forward launch, and the same steps as before
     vanilla = steps_per_pass(drive(make_scheduler(BLOCKS, **BATCH), two_passes(), max_steps=1000))
     cold, warm = steps_per_pass(trace)
     assert warm == vanilla[1], f"warm pass: {warm} steps, vanilla {vanilla[1]}: requests waited for groups"

@@ -2,14 +2,16 @@
 
 Commands are numbered by one counter per engine; every rank applies them in
 that order, so "unmap g" then "map g" can never be swapped, and a spill copy
-always runs before the unmap of the group it reads from. They are plain tuples
-so that pickling them with the step costs next to nothing.
+always runs before the unmap of the group it reads from. The one exception is
+a MAP that no later command of its plan touches: a rank may apply it after the
+step's forward pass is launched (:func:`maps_after_launch`). They are plain
+tuples so that pickling them with the step costs next to nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 MAP = "map"          # (seq, MAP, groups)
 UNMAP = "unmap"      # (seq, UNMAP, groups)
@@ -47,6 +49,37 @@ def wait_command(seq: int) -> Command:
 
 def reserve_command(seq: int, pages: int) -> Command:
     return (seq, RESERVE, int(pages))
+
+
+def maps_after_launch(commands: Sequence[Command], group_of_block: Callable[[int], int]) -> frozenset[int]:
+    """The seqs of the MAP commands a rank may apply after launching the step's forward pass.
+
+    A MAP backs no block of its own step: the scheduler hands out blocks only from
+    groups every rank has confirmed, and a rank confirms a group only once it has
+    mapped it. So a MAP may move behind the forward pass, and behind the plan's later
+    commands, unless one of those touches its groups: a later UNMAP, a STORE or
+    LOAD of one of their blocks, or another MAP of them (kept in order with it).
+    The scheduler never sends such a plan while every rank is alive (it asks to map
+    only unmapped groups not already asked for, and frees, spills and loads blocks
+    only of confirmed ones); a rank found dead turns the groups still pending into
+    UNMAPs that can follow their MAP in one plan. Such a MAP stays in its place.
+    """
+    first = next((i for i, command in enumerate(commands) if command[1] == MAP), None)
+    if first is None:
+        return frozenset()
+    touched: set[int] = set()  # groups the commands after the one being looked at touch
+    later: list[int] = []
+    for command in reversed(commands[first:]):
+        kind = command[1]
+        if kind == MAP:
+            if touched.isdisjoint(command[2]):
+                later.append(command[0])
+            touched.update(command[2])
+        elif kind == UNMAP:
+            touched.update(command[2])
+        elif kind in (STORE, LOAD):
+            touched.update(group_of_block(block_id) for block_id in command[2])
+    return frozenset(later)
 
 
 @dataclass(frozen=True)

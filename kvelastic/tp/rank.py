@@ -3,9 +3,13 @@
 Commands arrive with each step (``RankWorker.before_step``, called before the
 forward pass) or, while the engine is idle, as files in the engine's folder
 (picked up by a daemon thread). Both paths apply commands in number order
-under one lock, each at most once. A rank never waits for another rank or for
-the scheduler: a map it cannot make is reported as refused on its board and
-the scheduler turns that into a scheduling miss.
+under one lock, each at most once. The exception: a step's MAPs wait until its
+forward pass is launched (``after_step``), when the GPU computes and the CPU is
+free, unless a later command of the plan touches their groups
+(:func:`~kvelastic.tp.protocol.maps_after_launch` says why that is exact). A rank
+never waits for another rank or for the scheduler: a map it cannot make is
+reported as refused on its board and the scheduler turns that into a
+scheduling miss.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan
+from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan,
+                                   maps_after_launch)
 from kvelastic.tp.step_report import RankReport
 
 if TYPE_CHECKING:
@@ -39,9 +44,11 @@ class RankWorker:
     """Applies page-group and copy commands on one rank's elastic KV cache."""
 
     def __init__(self, cache: ElasticKVCache, folder: Path, info: shm.RankInfo,
-                 copier: "BlockCopier | None" = None):
-        """``copier``: this rank's share of the host tier (None without one; then no store or load comes)."""
+                 copier: "BlockCopier | None" = None, map_after_launch: bool = True):
+        """``copier``: this rank's share of the host tier (None without one; then no store or load comes).
+        ``map_after_launch``: a step's MAPs wait for its forward pass's launch (``KVELASTIC_TP_MAP_AFTER_LAUNCH``)."""
         self.cache = cache
+        self.map_after_launch = map_after_launch
         self.folder = folder
         self.info = info
         self.copier = copier
@@ -59,6 +66,9 @@ class RankWorker:
         self._unreported: list[tuple[int, int]] = []  # (seq, groups mapped) of MAPs not yet in a report
         self._loads: list[tuple[int, Fence]] = []  # asynchronous LOADs (seq, copy) not yet reported done
         self._first_step: list[Callable[[], None]] | None = []  # run once, at the first step (None after)
+        self._handled = self.applied  # the last command run or left for after the launch (the board: run)
+        self._deferred: list[Command] = []  # this step's MAPs, left for after its forward pass's launch
+        self.maps_kept_in_order = 0  # MAPs a later command of their plan touched: run before the forward
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -71,18 +81,26 @@ class RankWorker:
             self._first_step.append(callback)
 
     def before_step(self, plan: StepPlan) -> None:
-        """Apply what the step carries (after any idle commands it depends on), before the forward."""
+        """Apply what the step carries (after any idle commands it depends on), before the forward; the MAPs
+        that may wait are left for :meth:`after_step`."""
         if self._first_step is not None:
             callbacks, self._first_step = self._first_step, None
             for callback in callbacks:
                 callback()
         with self._lock:
-            if plan.idle_upto > self.applied:
+            if self._deferred:  # the last step's forward failed before its maps ran: they still come first
+                self._apply_deferred()
+            if plan.idle_upto > self._handled:
                 self._apply_idle_files()
-            self._apply(plan.commands)
+            self._apply(plan.commands, later=self._maps_to_defer(plan.commands))
 
     def after_step(self, plan: StepPlan) -> None:
-        """The step's forward pass is queued: any later unmap is fenced behind it."""
+        """The step's forward pass is launched: apply the MAPs left for now (the GPU computes meanwhile, and
+        none of its blocks is in their groups), then mark the step run (a later unmap is fenced behind it).
+        Confirmations (board, report) follow the maps, so no group is confirmed before it is mapped."""
+        with self._lock:
+            if self._deferred:
+                self._apply_deferred()
         self.board.set(shm.STEPS_DONE, plan.step)
 
     def take_report(self) -> RankReport:
@@ -127,7 +145,7 @@ class RankWorker:
                 log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
 
     def _apply_idle_files(self) -> None:
-        applied = self.applied
+        applied = self._handled
         for _, last, path in shm.idle_files(self.folder):
             if last > applied:
                 try:
@@ -140,36 +158,69 @@ class RankWorker:
                         log.error("kvelastic: rank %d cannot read idle commands: %s", self.info.rank, error)
                     return
                 self._apply(commands)
-                applied = self.applied
+                applied = self._handled
 
     # -------------------------------------------------------------- commands
-    def _apply(self, commands: Sequence[Command]) -> None:
-        """Run the commands not applied yet, in order; with none new, nothing else happens either."""
-        applied = start = self.applied
+    def _maps_to_defer(self, commands: Sequence[Command]) -> frozenset[int]:
+        """The plan's MAPs to apply after the forward pass's launch (none with ``map_after_launch`` off)."""
+        if not self.map_after_launch:
+            return frozenset()
+        later = maps_after_launch(commands, self.cache.group_of_block)
+        kept = sum(1 for c in commands if c[1] == MAP and c[0] > self._handled and c[0] not in later)
+        if kept:
+            self.maps_kept_in_order += kept
+            log.debug("kvelastic: rank %d maps %d groups' commands before the forward: a later command of "
+                      "the plan touches them", self.info.rank, kept)
+        return later
+
+    def _apply(self, commands: Sequence[Command], later: frozenset[int] = frozenset()) -> None:
+        """Run the commands not handled yet, in order, but leave those in ``later`` (MAPs) for
+        :meth:`_apply_deferred`: the board's applied mark stops before the first of them, so it never
+        claims a map not made. With no new command, nothing else happens either."""
+        start = self._handled
         for command in commands:
-            seq, kind = command[0], command[1]
-            if seq <= applied:
+            seq = command[0]
+            if seq <= self._handled:
                 continue
-            if kind == MAP:
-                self._map(seq, command[2])
-            elif kind == UNMAP:
-                self._unmap(command[2])
-            elif kind == STORE:
-                self._copies.append(self._copier().store(command[2], command[3], block_compute=command[4]))
-            elif kind == LOAD:
-                copy = self._copier().load(command[2], command[3], block_compute=command[4])
-                if not command[4]:
-                    self._loads.append((seq, copy))
-            elif kind == WAIT:
-                self._copier().fence_compute()
-            elif kind == RESERVE:
-                self.reserve_pages = command[2]
+            if seq in later:
+                self._deferred.append(command)
             else:
-                raise ValueError(f"unknown kvelastic command {kind!r}")
-            applied = seq
-            self.board.set(shm.APPLIED, seq)
-        if applied == start:
-            return  # most decode steps: no pool statistics or driver calls before the forward
+                self._run_command(command)
+                if not self._deferred:
+                    self.board.set(shm.APPLIED, seq)
+            self._handled = seq
+        if self._handled != start and not self._deferred:
+            self._settle()  # most decode steps: no pool statistics or driver calls before the forward
+
+    def _apply_deferred(self) -> None:
+        """The MAPs left for after the launch, in order; then the applied mark covers every command handled."""
+        deferred, self._deferred = self._deferred, []
+        for command in deferred:
+            self._map(command[0], command[2])
+        self.board.set(shm.APPLIED, self._handled)
+        self._settle()
+
+    def _run_command(self, command: Command) -> None:
+        seq, kind = command[0], command[1]
+        if kind == MAP:
+            self._map(seq, command[2])
+        elif kind == UNMAP:
+            self._unmap(command[2])
+        elif kind == STORE:
+            self._copies.append(self._copier().store(command[2], command[3], block_compute=command[4]))
+        elif kind == LOAD:
+            copy = self._copier().load(command[2], command[3], block_compute=command[4])
+            if not command[4]:
+                self._loads.append((seq, copy))
+        elif kind == WAIT:
+            self._copier().fence_compute()
+        elif kind == RESERVE:
+            self.reserve_pages = command[2]
+        else:
+            raise ValueError(f"unknown kvelastic command {kind!r}")
+
+    def _settle(self) -> None:
+        """After commands ran: forget finished copies, trim the warm reserve, publish memory."""
         self._copies = [f for f in self._copies if not f.is_done()]
         self._fit_reserve(grow=False)
         self._report_memory(force=True)

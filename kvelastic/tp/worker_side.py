@@ -49,7 +49,8 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
     rank, world = rank_and_world(runner)
     settings = runtime.settings
     worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, runtime.limit_bytes, settings.cpu_bytes,
-                        copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start")
+                        copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start",
+                        map_after_launch=settings.tp_map_after_launch)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
              os.getppid(), worker.folder)
@@ -57,8 +58,10 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
 
 
 def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False) -> RankWorker:
-    """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker."""
+               cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False,
+               map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
+    """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker
+    (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
         copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
@@ -67,7 +70,7 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
                         limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
                         gpu_id=gpu_id, gpu_total=gpu_total or 0)
-    worker = RankWorker(cache, folder, info, copier)
+    worker = RankWorker(cache, folder, info, copier, map_after_launch=map_after_launch)
     if memory is not None:
         board = worker.board
         memory.watch(lambda ready, settled: host_supply.publish(board, ready, settled))
