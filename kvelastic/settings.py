@@ -116,8 +116,9 @@ class Settings:
     limit_bytes: int | None = None
     reserve_bytes: int = 256 * MIB
     #: Most bytes the warm reserve grows to, while busy and nobody else waits, to cover the longest host-tier
-    #: run reloaded in the last minute (0: off). Off until a GPU run shows it pays (docs/offload.md, item 6).
-    reserve_host_runs_bytes: int = 0
+    #: run reloaded in the last minute (0: off). On an H100 it took a busy engine's 16k-token 8B reload from
+    #: 84 to 64 ms (docs/offload.md, item 6).
+    reserve_host_runs_bytes: int = 2048 * MIB
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
@@ -161,6 +162,10 @@ class Settings:
     #: maps and confirms as a tensor-parallel rank does; 8B PP=2 on 2 x H200 token-identical to vanilla,
     #: 2026-11-27: docs/tensor-parallel.md), or ``refuse`` start-up.
     pipeline: str = "allow"
+    #: vLLM's Ray executor (``--distributed-executor-backend ray``): ``allow`` its V2 executor on one host (the
+    #: engine core hands each rank its folder over ``collective_rpc``: docs/tp-step-protocol.md, "Ray"), or
+    #: ``refuse`` start-up. ``refuse`` until a GPU run has shown it.
+    ray: str = "refuse"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -270,6 +275,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("board", "step")),
     "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
     "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
+    "ray": ("KVELASTIC_RAY", _choice("refuse", "allow")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),

@@ -205,8 +205,9 @@ def test_the_reserve_for_reloads_is_given_back_when_idle_and_when_the_run_ages_o
     close(engine)
 
 
-def test_off_by_default_the_reserve_keeps_its_usual_size_after_a_long_reload():
-    assert Settings().reserve_host_runs_bytes == 0
+def test_on_by_default_and_zero_keeps_the_reserve_at_its_usual_size_after_a_long_reload():
+    assert Settings().reserve_host_runs_bytes == 2 << 30
+    assert Settings.from_env({"KVELASTIC_RESERVE_HOST_RUNS": "0"}).reserve_host_runs_bytes == 0
     engine = make_engine(cap_bytes=0)
     assert _reload_reserve(engine.manager, engine.cache, engine.settings) is None
     reclaimer = upkeep(engine)
