@@ -145,6 +145,8 @@ class RankWorker:
                 log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
 
     def _apply_idle_files(self) -> None:
+        if self._deferred:  # idle commands come after the step's MAPs: the maps go first, as numbered
+            self._apply_deferred()
         applied = self._handled
         for _, last, path in shm.idle_files(self.folder):
             if last > applied:
