@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
+#   bash benchmarks/gpu_session.sh ray      # issue 19: `tp` through Ray's V2 executor (a bundle with ray)
 #   bash benchmarks/gpu_session.sh tp4      # issue 19: TP=4 8B on a 4-GPU machine: identical outputs, memory
 #   bash benchmarks/gpu_session.sh tp-accounts  # issue 19: a TP=2 engine is a member of both GPUs' accounts
 #   bash benchmarks/gpu_session.sh tp-sharing   # issue 19: a TP=2 engine and a 1-GPU engine share GPU 0's account
@@ -55,6 +56,12 @@ tp-step-spill)  # `tp-spill`'s TP=2 run, host hits loaded beside compute: the ra
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 KVELASTIC_TP_CONFIRM=step \
         KVELASTIC_CPU_LOAD=async --summary "$W/tp-step-spill/summary.json" --extra --passes 3 --prompts 48 \
         2>&1 | tee "$W/tp-step-spill.log" ;;
+ray)  # issue 19: `tp` through Ray's V2 executor (KVELASTIC_RAY=allow) against vanilla Ray TP=2: identical outputs
+    # needs ray in the staged bundle: ../shared/gpu/make-vllm-bundle 0.25.0 ray==X (docs/tp-step-protocol.md, "Ray")
+    python3 -c 'import ray' 2>/dev/null || { echo "no ray in the staged vLLM bundle: build one with ray" >&2; exit 2; }
+    e2e --model scripts/models/llama-8b --outdir "$W/ray" --matrix ray-tp2 --label=-ray \
+        --kve-env KVELASTIC_CACHE_TTL=2 KVELASTIC_RAY=allow --summary "$W/ray/summary.json" \
+        --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/ray.log" ;;
 pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, both GPUs' memory rising and falling
     e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \

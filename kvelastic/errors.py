@@ -65,6 +65,10 @@ class PatchError(KvelasticError):
     """vLLM cannot be patched: unsupported version or a target that moved."""
 
 
+class EngineFolderError(PatchError):
+    """A worker rank cannot tell which engine's folder is its own (an executor that hands it none,
+    or an engine core on another host): the rank stops rather than serve a scheduler it cannot reach."""
+
 
 class UnsupportedOperation(KvelasticError, RuntimeError):
     """A vLLM operation that would do something other than it says while kvelastic backs the KV cache."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
     admission_check,
+    engine_folder_handover,
     executor_step_report,
     hisparse_refusal,
     kv_layout_preference,
@@ -48,6 +49,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
     executor_step_report.PATCH,
+    engine_folder_handover.PATCH,
     scheduler_block_pool.PATCH,
     admission_check.PATCH,
     v1_single_backing.PATCH,

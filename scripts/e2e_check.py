@@ -31,6 +31,7 @@ CONFIGS = {
     "tp4": ["--tp", "4"],       # a 4-GPU machine
     "v1-tp2": ["--v1", "--tp", "2"],
     "pp2": ["--pp", "2"],       # two pipeline stages
+    "ray-tp2": ["--tp", "2", "--executor", "ray"],  # Ray's executor (V2 by default from vLLM 0.21): needs ray
     # vLLM's own offload connectors (issue 17); vllm_run.py counts the blocks each stores and loads
     "simple-eager": ["--connector", "simple-eager"],
     "simple-lazy": ["--connector", "simple-lazy"],

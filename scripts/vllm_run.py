@@ -97,6 +97,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     p.add_argument("--mp", action="store_true", help="multiprocess executor even at TP=1 (worker in a child)")
+    p.add_argument("--executor", choices=("mp", "ray"), default="mp",
+                   help="the executor of a run with several workers: vLLM's multiprocess one or Ray's")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--min-len", type=int, default=50)
     p.add_argument("--max-len", type=int, default=1500)
@@ -129,7 +131,7 @@ def build_llm(args: argparse.Namespace):
     if args.pp > 1:
         kwargs["pipeline_parallel_size"] = args.pp
     if args.mp or args.tp > 1 or args.pp > 1:
-        kwargs["distributed_executor_backend"] = "mp"
+        kwargs["distributed_executor_backend"] = args.executor
     if args.offload:
         from vllm.config import KVTransferConfig
 

@@ -90,11 +90,12 @@ def test_installed_version_is_read_without_importing_vllm_and_is_supported():
 def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     version = installed_vllm_version()
     result = gate.check(ALL_PATCHES, version)
-    assert len(ALL_PATCHES) == 17
+    assert len(ALL_PATCHES) == 18
     assert result.patches == CLAIMED
     names = {p.name for p in CLAIMED}
     one_backing = version >= Version(0, 29)
-    assert {"worker_capacity", "worker_execute_model", "executor_step_report", "scheduler_block_pool"} <= names
+    assert {"worker_capacity", "worker_execute_model", "executor_step_report", "engine_folder_handover",
+            "scheduler_block_pool"} <= names
     for runner in ("v1", "v2"):  # each runner's KV path exactly once: per-layer tensors, or the one backing
         assert (f"{runner}_allocate_kv_cache" in names, f"{runner}_single_backing" in names) == \
             (not one_backing, one_backing)
@@ -105,7 +106,7 @@ def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
 
 def test_patch_names_are_unique():
     names = [patch.name for patch in ALL_PATCHES]
-    assert len(set(names)) == len(names) == 17
+    assert len(set(names)) == len(names) == 18
 
 
 @pytest.mark.parametrize("target", present_targets(), ids=lambda t: t.path)

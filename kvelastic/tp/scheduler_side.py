@@ -199,7 +199,8 @@ def _wait_for_ranks(folder: Path, world: int, wait_s: float) -> list[shm.RankInf
             raise PatchError(
                 f"kvelastic: the scheduler found no elastic KV cache in its process and worker ranks "
                 f"{missing} of {world} did not describe theirs in {folder}. The executor is not one "
-                f"kvelastic supports (use the default uniprocess or multiprocess executor, not Ray), or "
+                f"kvelastic supports (the uniprocess or multiprocess executor, or Ray's V2 executor on one "
+                f"host with KVELASTIC_RAY=allow), or "
                 f"the workers run without KVELASTIC=1; or set KVELASTIC=0 for this engine")
         time.sleep(0.05)
 

@@ -1,4 +1,4 @@
-"""Set up a worker rank whose scheduler runs in another process (TP, multiprocess executor).
+"""Set up a worker rank whose scheduler runs in another process (TP or PP: multiprocess executor, Ray V2).
 
 Runs right after the rank has published its elastic KV cache: describes it in
 the engine's folder, allocates this rank's share of the host tier (pinned in
@@ -20,6 +20,7 @@ from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp import host_supply
+from kvelastic.tp.engine_folder import rank_folder
 from kvelastic.tp.rank import RankWorker
 
 if TYPE_CHECKING:
@@ -31,8 +32,9 @@ log = logging.getLogger("vllm.kvelastic")
 
 
 def scheduler_elsewhere(runner: Any) -> bool:
-    """True when this worker's scheduler lives in the parent process (vLLM's multiprocess executor)."""
-    return runner.vllm_config.parallel_config.distributed_executor_backend == "mp"
+    """True when this worker's scheduler lives in another process: its parent (vLLM's multiprocess
+    executor) or, under Ray, the engine core that handed it the folder (:mod:`kvelastic.tp.engine_folder`)."""
+    return runner.vllm_config.parallel_config.distributed_executor_backend in ("mp", "ray")
 
 
 def rank_and_world(runner: Any) -> tuple[int, int]:
@@ -48,12 +50,13 @@ def rank_and_world(runner: Any) -> tuple[int, int]:
 def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> RankWorker:
     rank, world = rank_and_world(runner)
     settings = runtime.settings
-    worker = start_rank(cache, shm.engine_dir(os.getppid()), rank, world, runtime.limit_bytes, settings.cpu_bytes,
+    engine = rank_folder(runner.vllm_config.parallel_config.distributed_executor_backend)
+    worker = start_rank(cache, engine.folder, rank, world, runtime.limit_bytes, settings.cpu_bytes,
                         copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start",
                         map_after_launch=settings.tp_map_after_launch)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
-             os.getppid(), worker.folder)
+             engine.engine_pid, worker.folder)
     return worker
 
 

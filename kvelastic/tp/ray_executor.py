@@ -1,0 +1,75 @@
+"""The engine core's side of vLLM's Ray executor: refuse it where it cannot work, else hand over the folder.
+
+Runs in front of ``Executor.initialize_from_config`` (the wrap in
+``kvelastic.patches.engine_folder_handover``), before any rank initialises its
+KV cache and so before any rank looks for its engine's folder. Under the
+multiprocess executor (and the uniprocess one) nothing happens: the ranks are
+this process's children and find the folder from their parent, as always.
+
+Under Ray only the V2 executor (``RayExecutorV2``, a ``MultiprocExecutor``
+subclass: vLLM 0.20+, the default from 0.21, the only one in 0.33) can carry
+the protocol: its workers run vLLM's ``WorkerProc`` busy loop, hence the
+``Worker.execute_model`` where each rank applies its step's commands. Ray v1
+(``RayDistributedExecutor``, a compiled DAG) calls the model runner directly,
+past that hook, and under pipeline parallelism stage k's reply never reaches
+the scheduler; it is refused with what to use instead. A rank on another host
+refuses the hand-over itself (:func:`kvelastic.tp.engine_folder.receive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from kvelastic.errors import PatchError
+from kvelastic.tp.engine_folder import host_identity, receive
+
+log = logging.getLogger("vllm.kvelastic")
+
+RAY = "ray"
+
+
+def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
+    """Why this engine's Ray executor cannot run with kvelastic (``setting``: ``KVELASTIC_RAY``); None if it can."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # declared in the patch module
+
+    if setting != "allow":
+        return ("kvelastic: vLLM's Ray executor (--distributed-executor-backend ray) is refused: "
+                "KVELASTIC_RAY=refuse, the default until a GPU run has shown it. Set KVELASTIC_RAY=allow "
+                "to run Ray's V2 executor on one host, use the multiprocess executor "
+                "(--distributed-executor-backend mp), or set KVELASTIC=0")
+    if isinstance(executor, MultiprocExecutor):
+        return None
+    stages = int(parallel.pipeline_parallel_size)
+    pipeline = (f"; and with {stages} pipeline stages, stage k's reply would never reach the scheduler"
+                if stages > 1 else "")
+    return (f"kvelastic: vLLM's Ray executor v1 ({type(executor).__name__}, a compiled DAG) runs each step "
+            f"through the model runner directly, past the Worker.execute_model where a rank applies "
+            f"kvelastic's commands{pipeline}. Use Ray's V2 executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1: "
+            f"vLLM 0.20 and later, the default from 0.21), the multiprocess executor, or set KVELASTIC=0")
+
+
+def hand_over_folder(executor: Any, ray_setting: str) -> None:
+    """Under Ray: refuse (PatchError) or tell every rank this engine's folder; otherwise nothing."""
+    parallel = executor.vllm_config.parallel_config  # fields declared in patches/engine_config.py
+    if parallel.distributed_executor_backend != RAY:
+        return
+    refusal = ray_refusal(ray_setting, executor, parallel)
+    if refusal is not None:
+        raise PatchError(refusal)
+    from kvelastic.tp.board import engine_dir
+
+    folder = engine_dir(os.getpid())
+    pids = executor.collective_rpc(receive, args=(str(folder), os.getpid(), host_identity()))
+    log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s", pids, folder)
+
+
+def wrap_initialize(ray_setting: str) -> Any:
+    """The wrapper of ``Executor.initialize_from_config``: the hand-over first, then vLLM's own call."""
+
+    def initialize_from_config(wrapped: Any, executor: Any, args: tuple, kwargs: dict) -> Any:
+        hand_over_folder(executor, ray_setting)
+        return wrapped(*args, **kwargs)
+
+    return initialize_from_config

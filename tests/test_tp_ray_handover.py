@@ -1,0 +1,221 @@
+"""Under Ray a rank is not its engine core's child: the engine's folder reaches it over vLLM's collective_rpc.
+
+The engine core is this test process. A launcher process starts the ranks and
+stays their parent, as the raylet is a Ray actor's, so ``os.getppid()`` names
+the wrong engine. vLLM's real ``MultiprocExecutor`` (the base of Ray's V2
+executor) drives them, patched by ``engine_folder_handover``: only its message
+queues are stood in for, by pipes to the ranks, which run each call the way
+vLLM's ``WorkerProc`` does (``run_method`` for a pickled callable). Checked: a
+rank finds its engine's folder through the hand-over (the scheduler reads its
+description there), fails with a clear error without it, refuses an engine
+core on another host; the multiprocess path is left as it was; the refusals.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm.v1.executor.multiproc_executor", reason="needs vllm installed")
+
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc  # noqa: E402
+
+from kvelastic.errors import EngineFolderError, PatchError  # noqa: E402
+from kvelastic.patches import engine_folder_handover  # noqa: E402
+from kvelastic.patching.apply import Patcher  # noqa: E402
+from kvelastic.patching.gate import check_target  # noqa: E402
+from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
+from kvelastic.settings import Settings  # noqa: E402
+from kvelastic.tp import board as shm  # noqa: E402
+from kvelastic.tp import engine_folder  # noqa: E402
+from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
+
+WORLD = 2
+TIMEOUT_S = 120
+
+
+# ------------------------------------------------------------------ the ranks (other processes)
+def _describe(rank: int) -> tuple[str, int, int]:
+    """What a rank does in ``initialize_from_config``: find its folder (as ``serve_as_rank``), describe itself."""
+    from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout
+
+    found = engine_folder.rank_folder("ray")
+    layout = KVGroupLayout([BlockRuns(0, 4096, ((0, 8),))], num_blocks=8, page_bytes=8192, blocks_per_group=2)
+    shm.write_info(found.folder, shm.RankInfo(rank=rank, world=WORLD, pid=os.getpid(), layout=layout,
+                                              group_bytes=8192, page_bytes=8192, limit_bytes=None, host_slots=0,
+                                              slot_bytes=0))
+    return str(found.folder), found.engine_pid, os.getppid()
+
+
+def _rank_main(rank: int, inbox, outbox) -> None:
+    """Answer the executor's calls as vLLM's WorkerProc does: success and result, or failure and the error."""
+    from vllm.v1.serial_utils import run_method
+
+    calls = {"initialize_from_config": lambda: _describe(rank),
+             "compile_or_warm_up_model": lambda: SimpleNamespace(language_model=0.0, encoder=0.0)}
+    while True:
+        item = inbox.recv()
+        if item is None:
+            return
+        method, args, kwargs, _ = item
+        try:
+            result = calls[method]() if isinstance(method, str) else run_method(object(), method, args, kwargs)
+            outbox.send((WorkerProc.ResponseStatus.SUCCESS, result))
+        except Exception as error:  # noqa: BLE001 - sent back, as vLLM's worker does
+            outbox.send((WorkerProc.ResponseStatus.FAILURE, f"{type(error).__name__}: {error}"))
+
+
+def _launcher(pipes) -> None:
+    """The ranks' parent, standing for the raylet: not the engine core."""
+    ranks = [multiprocessing.get_context("spawn").Process(target=_rank_main, args=(r, *pipes[r]))
+             for r in range(WORLD)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join()
+
+
+# ------------------------------------------------------------------ the engine core (this process)
+class Broadcast:
+    def __init__(self, pipes) -> None:
+        self.pipes = pipes
+
+    def enqueue(self, item: tuple) -> None:
+        for pipe in self.pipes:
+            pipe.send(item)
+
+
+class Replies:
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+
+    def dequeue(self, timeout=None, **_):
+        if not self.pipe.poll(TIMEOUT_S if timeout is None else timeout):
+            raise TimeoutError("no reply from the rank")
+        return self.pipe.recv()
+
+
+def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> MultiprocExecutor:
+    ex = object.__new__(MultiprocExecutor)  # no worker processes of vLLM's: the pipes stand for its queues
+    ex.rpc_broadcast_mq, ex.response_mqs = Broadcast(to_ranks), [Replies(p) for p in from_ranks]
+    ex.futures_queue, ex.is_failed, ex.output_rank = deque(), False, 0
+    ex.kv_output_aggregator = ex.ec_output_aggregator = None
+    parallel = SimpleNamespace(distributed_executor_backend=backend, pipeline_parallel_size=stages,
+                               enable_fault_tolerance=False)
+    ex.vllm_config = SimpleNamespace(parallel_config=parallel, compilation_config=SimpleNamespace())
+    return ex
+
+
+@pytest.fixture
+def ranks(tmp_path, monkeypatch):
+    """WORLD rank processes, grandchildren of this one, and vLLM's executor wired to them."""
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))  # inherited by the launcher and the ranks
+    context = multiprocessing.get_context("spawn")
+    inboxes = [context.Pipe() for _ in range(WORLD)]
+    outboxes = [context.Pipe() for _ in range(WORLD)]
+    pipes = [(inboxes[r][1], outboxes[r][0]) for r in range(WORLD)]
+    launcher = context.Process(target=_launcher, args=(pipes,))
+    launcher.start()
+    to_ranks, from_ranks = [i[0] for i in inboxes], [o[1] for o in outboxes]
+    try:
+        yield to_ranks, from_ranks, launcher.pid
+    finally:
+        for pipe in to_ranks:
+            pipe.send(None)
+        launcher.join(TIMEOUT_S)
+        if launcher.is_alive():
+            launcher.kill()
+
+
+@pytest.fixture
+def patched():
+    version = installed_vllm_version()
+    problems = [p for p in (check_target(t, version) for t in engine_folder_handover.TARGETS) if p]
+    assert not problems, problems
+    patcher = Patcher(version, engine_folder_handover.TARGETS)
+    engine_folder_handover.PATCH.apply(patcher, SimpleNamespace(settings=Settings(ray="allow")))
+    try:
+        yield
+    finally:
+        patcher.revert()
+
+
+def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_hand_over(ranks, patched):
+    to_ranks, from_ranks, launcher_pid = ranks
+    executor = _executor(to_ranks, from_ranks)
+    executor.initialize_from_config([])  # patched: the hand-over, then vLLM's own calls to the ranks
+    folder = shm.engine_dir(os.getpid())
+    infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks (connect_ranks)
+    assert all(info is not None for info in infos), "the ranks did not describe themselves in the engine's folder"
+    assert {info.pid for info in infos}.isdisjoint({os.getpid(), launcher_pid})
+
+
+def test_without_the_hand_over_a_ray_rank_fails_with_a_clear_error(ranks):
+    to_ranks, from_ranks, launcher_pid = ranks
+    executor = _executor(to_ranks, from_ranks)
+    with pytest.raises(RuntimeError, match="EngineFolderError.*handed no engine folder") as caught:
+        executor.collective_rpc("initialize_from_config")  # vLLM's call, no kvelastic wrap in front
+    assert f"its parent (pid {launcher_pid}) is not its engine core" in str(caught.value)
+    assert "KVELASTIC_RAY=allow" in str(caught.value)
+    assert shm.read_info(shm.engine_dir(os.getpid()), 0) is None
+
+
+def test_the_multiprocess_path_hands_nothing_over_and_names_the_parent(patched):
+    executor = object.__new__(MultiprocExecutor)
+    executor.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="mp"),
+                                           compilation_config=SimpleNamespace())
+    calls: list = []
+    executor.collective_rpc = lambda method, *a, **k: calls.append(method) or []
+    executor.initialize_from_config([])  # patched: vLLM's own calls only
+    assert calls and all(isinstance(method, str) for method in calls)
+    here = engine_folder.rank_folder("mp")  # a multiprocess rank: its parent is its engine core
+    assert here.engine_pid == os.getppid() and here.folder == shm.engine_dir(os.getppid())
+
+
+def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    folder = str(shm.engine_dir(os.getpid()))
+    with pytest.raises(EngineFolderError, match="not on the engine core's host"):
+        engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836")
+    with pytest.raises(EngineFolderError, match="same KVELASTIC_SHARED_DIR"):
+        engine_folder.receive(None, "/elsewhere/engine-1-2-3", os.getpid(), engine_folder.host_identity())
+    try:
+        assert engine_folder.receive(None, folder, os.getpid(), engine_folder.host_identity()) == os.getpid()
+        assert engine_folder.rank_folder("ray").folder == shm.engine_dir(os.getpid())
+    finally:
+        engine_folder.forget()
+
+
+def test_ray_is_refused_by_default_and_ray_v1_always():
+    parallel = SimpleNamespace(pipeline_parallel_size=1)
+    v2 = object.__new__(MultiprocExecutor)
+    assert "KVELASTIC_RAY=refuse" in ray_refusal(Settings().ray, v2, parallel)
+    assert ray_refusal("allow", v2, parallel) is None
+    v1 = SimpleNamespace()
+    message = ray_refusal("allow", v1, parallel)
+    assert "Ray executor v1" in message and "VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1" in message
+    assert "pipeline" not in message
+    assert "stage k's reply would never reach the scheduler" in ray_refusal("allow", v1,
+                                                                           SimpleNamespace(pipeline_parallel_size=2))
+
+
+def test_the_refusal_stops_start_up_before_the_ranks_hear_anything():
+    sent: list = []
+    for setting, executor in (("refuse", object.__new__(MultiprocExecutor)), ("allow", SimpleNamespace())):
+        executor.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+            distributed_executor_backend="ray", pipeline_parallel_size=1))
+        executor.collective_rpc = lambda *a, **k: sent.append(a)
+        with pytest.raises(PatchError, match="Ray executor"):
+            hand_over_folder(executor, setting)
+    assert sent == []
+
+
+def test_the_setting_is_refuse_unless_allowed():
+    assert Settings().ray == "refuse"
+    assert Settings.from_env({"KVELASTIC_RAY": "Allow"}).ray == "allow"
+    with pytest.raises(Exception, match="KVELASTIC_RAY='yes' is not one of: refuse, allow"):
+        Settings.from_env({"KVELASTIC_RAY": "yes"})
