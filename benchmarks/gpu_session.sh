@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh demo     # issue 5: two 1B servers on one GPU via the launcher
 #   bash benchmarks/gpu_session.sh startup  # issue 16: start-up with a 48 GiB host tier vs vanilla and the connector (1B)
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
+#   bash benchmarks/gpu_session.sh reload-idle-busy  # issue 16: the same reload of an idle and of a busy engine
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
 #   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes
 #   bash benchmarks/gpu_session.sh spill-async   # the same with KVELASTIC_CPU_LOAD=async: identical outputs
@@ -139,6 +140,12 @@ startup)  # about 5 min: 7 engine starts, vanilla between the others
 reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 ${RELOAD_ARGS:-} \
         2>&1 | tee "$W/reload.log" ;;
+reload-idle-busy)  # issue 16: about 8 min: the 16k reload of an idle engine, then of a busy one, each against the connector
+    for mode in idle busy; do
+        busy=""; [ $mode = busy ] && busy="--busy-before 0.6"
+        python3 scripts/bench_reload.py --outdir "$W/reload-$mode" --json "$W/reload-$mode/reload.json" --reps 3 \
+            --configs kvelastic offload-arc $busy ${RELOAD_ARGS:-} 2>&1 | tee "$W/reload-$mode.log" || break
+    done ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
 rc=$?
