@@ -6,6 +6,9 @@ half of 2 KiB per layer; 64 KiB pages hold 32 blocks, so a group is 6 pages.
 
 from __future__ import annotations
 
+import time
+import types
+
 import torch
 
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
@@ -20,6 +23,24 @@ PAGE = 32 * HALF                   # 64 KiB pages: 32 blocks per group
 BLOCKS_PER_GROUP = 32
 GROUP_PAGES = 2 * LAYERS           # K and V page of every layer
 GROUP_BYTES = GROUP_PAGES * PAGE
+
+
+class Clock:
+    """The real monotonic clock plus an offset a test moves (a queue's own stamps stay real)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class Engine(types.SimpleNamespace):
+    """A test's pieces of one engine; never printed whole (a failure report would read KV views over
+    unmapped pages)."""
+
+    def __repr__(self) -> str:
+        return "<Engine>"
 
 
 class StandInRequest:

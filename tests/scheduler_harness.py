@@ -7,8 +7,10 @@ single-process and tensor-parallel real-scheduler tests.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
+from typing import Any, Iterator
 
 from tests.kv_fixtures import BS, D, H, N
 
@@ -213,6 +215,25 @@ def scheduler_patcher():
     from kvelastic.patching.apply import Patcher
 
     return Patcher.for_gate(_scheduler_gate())
+
+
+@contextlib.contextmanager
+def applied_patch(patch_module: Any, runtime: Any) -> Iterator[Any]:
+    """``patch_module``'s patch applied for ``runtime`` on the installed vLLM, its contacts checked first;
+    reverted on leaving. Yields the Patcher."""
+    from kvelastic.patching.apply import Patcher
+    from kvelastic.patching.gate import check_target
+    from kvelastic.patching.versions import installed_vllm_version
+
+    version = installed_vllm_version()
+    problems = [p for p in (check_target(t, version) for t in patch_module.TARGETS) if p]
+    assert not problems, problems
+    patcher = Patcher(version, patch_module.TARGETS)
+    patch_module.PATCH.apply(patcher, runtime)
+    try:
+        yield patcher
+    finally:
+        patcher.revert()
 
 
 def build_patched(runtime, build):

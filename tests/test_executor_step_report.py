@@ -23,12 +23,10 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc  #
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 
 from kvelastic.patches import executor_step_report  # noqa: E402
-from kvelastic.patching.apply import Patcher  # noqa: E402
-from kvelastic.patching.gate import check_target  # noqa: E402
-from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 from kvelastic.tp.protocol import StepPlan  # noqa: E402
 from kvelastic.tp.report_merger import reply_with_report, step_report_of  # noqa: E402
 from kvelastic.tp.step_report import CommandTally, RankReport  # noqa: E402
+from tests.scheduler_harness import applied_patch  # noqa: E402
 
 WORLD = 2
 
@@ -57,20 +55,13 @@ class RankReplies:
 
 @pytest.fixture
 def executor():
-    version = installed_vllm_version()
-    problems = [p for p in (check_target(t, version) for t in executor_step_report.TARGETS) if p]
-    assert not problems, problems
-    patcher = Patcher(version, executor_step_report.TARGETS)
-    executor_step_report.PATCH.apply(patcher, None)
-    ex = object.__new__(MultiprocExecutor)  # no worker processes: the queues below stand for them
-    ex.rpc_broadcast_mq, ex.response_mqs = Broadcast(), [RankReplies() for _ in range(WORLD)]
-    ex.futures_queue, ex.is_failed, ex.output_rank = deque(), False, 0
-    ex.kv_output_aggregator = ex.ec_output_aggregator = None
-    ex.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(enable_fault_tolerance=False))
-    try:
+    with applied_patch(executor_step_report, None):
+        ex = object.__new__(MultiprocExecutor)  # no worker processes: the queues below stand for them
+        ex.rpc_broadcast_mq, ex.response_mqs = Broadcast(), [RankReplies() for _ in range(WORLD)]
+        ex.futures_queue, ex.is_failed, ex.output_rank = deque(), False, 0
+        ex.kv_output_aggregator = ex.ec_output_aggregator = None
+        ex.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(enable_fault_tolerance=False))
         yield ex
-    finally:
-        patcher.revert()
     assert "kvelastic" not in repr(MultiprocExecutor.execute_model), "the class wrap outlived revert()"
 
 

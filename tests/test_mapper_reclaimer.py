@@ -22,8 +22,7 @@ from kvelastic.hooks.scheduler import LOCKED_METHODS, attach_scheduler
 from kvelastic.pool import PagePool
 from kvelastic.settings import Settings
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, HALF, LAYERS, PAGE, N,  # noqa: F401
-                                StandInRequest,
-                                build_cache)
+                                Clock, Engine, StandInRequest, build_cache)
 from tests.scheduler_harness import scheduler_patcher
 
 TTL = 100.0
@@ -192,19 +191,6 @@ def test_the_worker_survives_a_failed_command(cache_and_pool, monkeypatch, kv_lo
 
 # ------------------------------------------------- upkeep: reclaiming memory, the warm reserve
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.offset
-
-
-class Engine(types.SimpleNamespace):
-    def __repr__(self) -> str:  # never let a failure report print KV views over unmapped pages
-        return "<Engine>"
 
 
 @pytest.fixture

@@ -26,30 +26,14 @@ from kvelastic.scheduler.reclaimer import CacheReclaim, WarmReserve
 from kvelastic.scheduler.reload_reserve import ReloadReserve
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.settings import Settings
-from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, PAGE, N, StandInRequest, build_cache
+from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, PAGE, N, Clock, Engine,
+                                StandInRequest, build_cache)
 from tests.scheduler_harness import scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 TTL = 100.0
 RUN = 2 * BLOCKS_PER_GROUP + 5  # a run over three groups
-
-
-class Clock:
-    """The real monotonic clock plus an offset the test moves (the queue's own stamps stay real)."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        import time
-
-        return time.monotonic() + self.offset
-
-
-class Engine(types.SimpleNamespace):
-    def __repr__(self) -> str:  # never print KV views over unmapped pages
-        return "<Engine>"
 
 
 def make_engine(*, cap_bytes: int = 8 * GROUP_BYTES, limit_groups: int | None = None, wrap_device=None) -> Engine:
@@ -106,6 +90,13 @@ def spill_again_and_give_back(engine: Engine) -> None:
     engine.pool.trim_reserve(0)
 
 
+def a_run_reloaded_and_given_back(engine: Engine) -> None:
+    """A long run spilled, reloaded exactly, then spilled again with its pages given back: what the
+    upkeep's next tick sizes the reserve from."""
+    reload(engine, spill_a_run(engine))
+    spill_again_and_give_back(engine)
+
+
 def close(engine: Engine) -> None:
     engine.bp.free_blocks(engine.held)
     engine.pool.close()
@@ -143,8 +134,7 @@ def test_the_reserve_grows_to_a_reloaded_run_while_busy_and_the_next_reload_crea
 def test_the_reserve_for_reloads_stays_within_the_limit():
     engine = make_engine()
     reclaimer = upkeep(engine)
-    reload(engine, spill_a_run(engine))
-    spill_again_and_give_back(engine)
+    a_run_reloaded_and_given_back(engine)
     engine.pool.set_limit(engine.pool.stats().held_bytes + 2 * GROUP_BYTES)  # room for two of the run's three groups
     reclaimer.tick()
     stats = engine.pool.stats()
@@ -160,8 +150,7 @@ def test_the_reserve_for_reloads_stays_within_the_shared_accounts_room(tmp_path,
         other = account.join("b")
         engine = make_engine(wrap_device=lambda source: SharedBudgetSource(source, member))
         reclaimer = upkeep(engine)
-        reload(engine, spill_a_run(engine))
-        spill_again_and_give_back(engine)
+        a_run_reloaded_and_given_back(engine)
         grant = budget - engine.pool.stats().held_bytes - GROUP_BYTES  # another engine takes all but a group
         assert other.acquire(grant)
         reclaimer.tick()
@@ -175,8 +164,7 @@ def test_the_reserve_for_reloads_goes_first_when_other_engines_wait():
     engine = make_engine()
     pressure = types.SimpleNamespace(pressure_bytes=0)
     reclaimer = upkeep(engine, account=pressure)
-    reload(engine, spill_a_run(engine))
-    spill_again_and_give_back(engine)
+    a_run_reloaded_and_given_back(engine)
     reclaimer.tick()
     assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
     pressure.pressure_bytes = PAGE
@@ -191,8 +179,7 @@ def test_the_reserve_for_reloads_goes_first_when_other_engines_wait():
 def test_the_reserve_for_reloads_is_given_back_when_idle_and_when_the_run_ages_out():
     engine = make_engine()
     reclaimer = upkeep(engine)
-    reload(engine, spill_a_run(engine))
-    spill_again_and_give_back(engine)
+    a_run_reloaded_and_given_back(engine)
     reclaimer.tick()
     assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
     engine.bp.free_blocks(engine.bp.get_new_blocks(1))  # busy again, just now
@@ -211,8 +198,7 @@ def test_on_by_default_and_zero_keeps_the_reserve_at_its_usual_size_after_a_long
     engine = make_engine(cap_bytes=0)
     assert _reload_reserve(engine.manager, engine.cache, engine.settings) is None
     reclaimer = upkeep(engine)
-    reload(engine, spill_a_run(engine))
-    spill_again_and_give_back(engine)
+    a_run_reloaded_and_given_back(engine)
     reclaimer.tick()
     assert engine.pool.stats().reserve_bytes == PAGE
     close(engine)

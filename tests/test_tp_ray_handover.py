@@ -26,13 +26,11 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc  #
 
 from kvelastic.errors import EngineFolderError, PatchError  # noqa: E402
 from kvelastic.patches import engine_folder_handover  # noqa: E402
-from kvelastic.patching.apply import Patcher  # noqa: E402
-from kvelastic.patching.gate import check_target  # noqa: E402
-from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp import engine_folder  # noqa: E402
 from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
+from tests.scheduler_harness import applied_patch  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -133,15 +131,8 @@ def ranks(tmp_path, monkeypatch):
 
 @pytest.fixture
 def patched():
-    version = installed_vllm_version()
-    problems = [p for p in (check_target(t, version) for t in engine_folder_handover.TARGETS) if p]
-    assert not problems, problems
-    patcher = Patcher(version, engine_folder_handover.TARGETS)
-    engine_folder_handover.PATCH.apply(patcher, SimpleNamespace(settings=Settings(ray="allow")))
-    try:
+    with applied_patch(engine_folder_handover, SimpleNamespace(settings=Settings(ray="allow"))):
         yield
-    finally:
-        patcher.revert()
 
 
 def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_hand_over(ranks, patched):
