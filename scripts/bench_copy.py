@@ -15,6 +15,10 @@ copies ending at chunk starts). The multi-turn A/B of 2026-11-27 found the tier
 shows whether the buffer is why.
 
     python scripts/bench_copy.py --host torch tier --json $OUT/bench_copy.json
+
+``--paths direct fused`` sets the fused path (one Triton kernel per batch,
+issue #16) beside the direct one; ``--fused-tiles 4096x4 8192x8`` measures it
+once per chunk size (bytes one program copies of a piece) and warp count.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import time
 
 import torch
 
+from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.fused_copy import CHUNK_BYTES as FUSED_CHUNK_BYTES, NUM_WARPS, FusedCopy
 from kvelastic.offload.host_memory import CHUNK_BYTES, CudaPinner, HostMemory
 from kvelastic.offload.host_tier import allocate_slots
 from kvelastic.pool import PagePool
@@ -61,6 +67,7 @@ def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, bat
 
 
 HOSTS = ("torch", "tier", "tier-one", "tier-4k")
+DEFAULT_TILE = f"{FUSED_CHUNK_BYTES}x{NUM_WARPS}"
 
 
 def host_buffer(kind: str, slots: int, slot_bytes: int) -> HostMemory:
@@ -78,10 +85,25 @@ def host_buffer(kind: str, slots: int, slot_bytes: int) -> HostMemory:
     return memory
 
 
+def copiers(views: list[torch.Tensor], memory: HostMemory, path: str, tiles: list[str]):
+    """(label, copier) per variant of ``path``: one per ``CHUNKxWARPS`` tile for ``fused``, else just one."""
+    copier = BlockCopier(views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
+    if path != "fused":
+        yield path, copier
+        return
+    for tile in tiles:
+        chunk, warps = (int(n) for n in tile.split("x"))
+        copier.mover = FusedCopy(BlockColumns.of(views, memory.buffer), memory.buffer, copier.device,
+                                 chunk_bytes=chunk, num_warps=warps)
+        yield f"fused:{tile}" if tiles != [DEFAULT_TILE] else "fused", copier
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--paths", nargs="+", default=["staged", "direct"], choices=["staged", "direct"])
+    p.add_argument("--paths", nargs="+", default=["staged", "direct", "fused"], choices=["staged", "direct", "fused"])
+    p.add_argument("--fused-tiles", nargs="+", default=[DEFAULT_TILE], metavar="CHUNKxWARPS",
+                   help=f"fused kernel variants: bytes per program and warps (default {DEFAULT_TILE})")
     p.add_argument("--host", nargs="+", default=["torch"], choices=HOSTS)
     p.add_argument("--host-gib", type=float, default=0,
                    help="host buffer size (default: twice the largest batch); scattered slots span all of it")
@@ -93,7 +115,7 @@ def main() -> None:
     torch.cuda.init()
     random.seed(0)
     rows = []
-    print(f"{'host':>8} {'shape':>5} {'path':>7} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
+    print(f"{'host':>8} {'shape':>5} {'path':>14} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
           f"{'reload GB/s':>12} {'reload ms':>10} {'exact':>6}")
     for shape in args.shapes:
         layers, run_kib = SHAPES[shape]
@@ -108,15 +130,14 @@ def main() -> None:
         capacity = max(2 * max(args.batches), int(args.host_gib * 1024 * MIB) // (len(views) * run))
         for kind in args.host:
             memory = host_buffer(kind, capacity, len(views) * run)
-            for path in args.paths:
-                copier = BlockCopier(views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
+            for label, copier in (c for path in args.paths for c in copiers(views, memory, path, args.fused_tiles)):
                 for layout in ("runs", "scattered"):
                     for batch in args.batches:
                         slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
-                        row = {"host": kind, "shape": shape, "path": path, "slots": layout,
+                        row = {"host": kind, "shape": shape, "path": label, "slots": layout,
                                **measure(copier, views, args.blocks, batch, slots, args.reps)}
                         rows.append(row)
-                        print(f"{kind:>8} {shape:>5} {path:>7} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
+                        print(f"{kind:>8} {shape:>5} {label:>14} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
                               f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
                               f"{str(row['exact']):>6}")
                 del copier
