@@ -57,9 +57,8 @@ def _build_tp(shared: str) -> tuple[Any, Any, Any]:
     from kvelastic.settings import Settings
     from kvelastic.startup.runtime import Runtime
     from kvelastic.tp import board as shm
-    from tests.kv_fixtures import HALF
+    from tests.kv_fixtures import HALF, WORLD, RankProcesses
     from tests.scheduler_harness import build_patched
-    from tests.test_tp_protocol import WORLD, RankProcesses
     from tests.test_tp_real_scheduler import _scheduler_with_world
 
     os.environ["KVELASTIC_SHARED_DIR"] = shared

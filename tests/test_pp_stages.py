@@ -5,7 +5,8 @@ other sizes than the other stage's, but the same blocks. vLLM broadcasts every
 step's output to every stage, and the stages map, confirm and unmap exactly as
 tensor-parallel ranks do: the protocol's own cases (maps confirmed by both, a
 stage out of memory, a killed stage, the sizes the scheduler counts) run for both
-splits in ``tests/test_tp_protocol.py``. Here each stage is a spawned process
+splits in ``tests/test_tp_protocol.py``, ``test_tp_rank_failures.py`` and
+``test_tp_host_tier.py``. Here each stage is a spawned process
 (one layer, then two) and every block a "forward pass" touches is checked on both,
 so a block handed out before both stages mapped it, or unmapped while in use, fails.
 """
@@ -17,8 +18,8 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
 from kvelastic.settings import Settings  # noqa: E402
+from tests.kv_fixtures import RANK_LAYERS, group_bytes  # noqa: E402
 from tests.scheduler_harness import make_requests  # noqa: E402
-from tests.test_tp_protocol import RANK_LAYERS, group_bytes  # noqa: E402
 from tests.test_tp_real_scheduler import drive_ranks, drive_ranks_step, tp_engine  # noqa: E402,F401 (a fixture)
 
 

@@ -26,10 +26,9 @@ from kvelastic.pool.host import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend  # noqa: E402
+from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend, RankProcesses  # noqa: E402
 from tests.scheduler_harness import build_patched, make_requests, model_output  # noqa: E402
 from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
-from tests.test_tp_protocol import RankProcesses  # noqa: E402
 from tests.test_tp_real_scheduler import _forward, _scheduler_with_world, close_engines  # noqa: E402
 
 BUDGET_GROUPS = 6

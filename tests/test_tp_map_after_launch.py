@@ -23,9 +23,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp.protocol import (StepPlan, load_command, map_command, maps_after_launch,  # noqa: E402
                                    reserve_command, store_command, unmap_command, wait_command)
-from tests.kv_fixtures import GROUP_BYTES  # noqa: E402
+from tests.kv_fixtures import BLOCKS_PER_GROUP, GROUP_BYTES, WORLD, allocate_within, cluster  # noqa: E402,F401 (a fixture)
 from tests.scheduler_harness import drive_async, make_requests  # noqa: E402
-from tests.test_tp_protocol import BLOCKS_PER_GROUP, WORLD, allocate_within, cluster  # noqa: E402,F401 (a fixture)
 from tests.test_tp_real_scheduler import _forward, drive_ranks, tp_engine  # noqa: E402,F401 (a fixture)
 
 BLOCKS = 4  # blocks per group in the rule's tests

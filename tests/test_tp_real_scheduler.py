@@ -22,9 +22,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import BS, GROUP_BYTES, N  # noqa: E402
+from tests.kv_fixtures import BS, GROUP_BYTES, N, RANK_LAYERS, WORLD, RankProcesses, group_bytes  # noqa: E402
 from tests.scheduler_harness import build_patched, drive, make_requests, make_scheduler, vllm_config  # noqa: E402
-from tests.test_tp_protocol import RANK_LAYERS, WORLD, RankProcesses, group_bytes  # noqa: E402
 
 
 def _value(tokens: list[int]) -> int:

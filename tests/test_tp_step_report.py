@@ -193,7 +193,7 @@ def step_cluster(tmp_path):
 
 
 def _allocate_within(c: StepCluster, n: int, steps: int = 5):
-    from tests.test_tp_protocol import allocate_within
+    from tests.kv_fixtures import allocate_within
 
     return allocate_within(c, n, steps)
 

@@ -27,9 +27,8 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import HALF  # noqa: E402
+from tests.kv_fixtures import HALF, WORLD, RankProcesses  # noqa: E402
 from tests.scheduler_harness import block_hasher, build_patched, drive, make_scheduler  # noqa: E402
-from tests.test_tp_protocol import WORLD, RankProcesses  # noqa: E402
 from tests.test_tp_real_scheduler import _forward, _scheduler_with_world  # noqa: E402
 
 BLOCKS = 32768  # 128 groups: room for both passes without a limit, as on the GPUs
