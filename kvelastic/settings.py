@@ -263,7 +263,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
-    "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged", "fused")),
+    "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged", "fused", "runs")),
     "cpu_store": ("KVELASTIC_CPU_STORE", _choice("eviction", "write-through")),
     "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),

@@ -19,6 +19,15 @@ shows whether the buffer is why.
 ``--paths direct fused`` sets the fused path (one Triton kernel per batch,
 issue #16) beside the direct one; ``--fused-tiles 4096x4 8192x8`` measures it
 once per chunk size (bytes one program copies of a piece) and warp count.
+
+``--paths direct runs`` sets the runs path (runs of consecutive blocks to
+consecutive slots on the copy engines, the rest direct) beside the direct one.
+Only the ``contiguous`` layout (consecutive block ids to consecutive slots, as a
+spilled prefix comes back) has runs; ``run_share`` in each row is the fraction of
+blocks that went as runs. ``--run-min-blocks 4 16 64`` measures the path once
+per shortest run (``run_copy.MIN_RUN_BLOCKS`` by default):
+
+    python scripts/bench_copy.py --paths direct runs --shapes 8b 1b --json $OUT/bench_copy_runs.json
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.fused_copy import CHUNK_BYTES as FUSED_CHUNK_BYTES, NUM_WARPS, FusedCopy
 from kvelastic.offload.host_memory import CHUNK_BYTES, CudaPinner, HostMemory
 from kvelastic.offload.host_tier import allocate_slots
+from kvelastic.offload.run_copy import MIN_RUN_BLOCKS, RunCopy
 from kvelastic.pool import PagePool
 from kvelastic.pool.cuda import CudaBackend
 
@@ -44,29 +54,44 @@ MIB = 1024 * 1024
 SHAPES = {"8b": (32, 32), "1b": (16, 16)}  # layers, KiB per K (or V) run of a block
 
 
+def pick_blocks(num_blocks: int, batch: int, contiguous: bool) -> list[int]:
+    """``batch`` random block ids, or ``batch`` consecutive ones from a random start."""
+    if not contiguous:
+        return random.sample(range(num_blocks), batch)
+    first = random.randrange(num_blocks - batch + 1)
+    return list(range(first, first + batch))
+
+
 def measure(copier: BlockCopier, views: list[torch.Tensor], num_blocks: int, batch: int, slots: list[int],
-            reps: int) -> dict:
+            reps: int, contiguous: bool = False) -> dict:
     nbytes = batch * copier.bytes_per_block
     spill, load, exact = [], [], True
+    moved = dict(getattr(copier.mover, "moved", {}))
     for _ in range(reps):
-        ids = random.sample(range(num_blocks), batch)
+        ids = pick_blocks(num_blocks, batch, contiguous)
         torch.cuda.synchronize()
         t = time.perf_counter()
         copier.store(ids, slots).wait()
         spill.append(time.perf_counter() - t)
         expect = torch.cat([v[ids[-1]] for v in views])
-        target = random.sample(range(num_blocks), batch)
+        target = pick_blocks(num_blocks, batch, contiguous)
         torch.cuda.synchronize()
         t = time.perf_counter()
         copier.load(target, slots).wait()
         load.append(time.perf_counter() - t)
         exact &= bool(torch.equal(torch.cat([v[target[-1]] for v in views]), expect))
-    return {"blocks": batch, "bytes": nbytes, "spill_gbps": nbytes / statistics.median(spill) / 1e9,
-            "reload_gbps": nbytes / statistics.median(load) / 1e9, "reload_ms": statistics.median(load) * 1e3,
-            "exact": exact}
+    row = {"blocks": batch, "bytes": nbytes, "spill_gbps": nbytes / statistics.median(spill) / 1e9,
+           "reload_gbps": nbytes / statistics.median(load) / 1e9, "reload_ms": statistics.median(load) * 1e3,
+           "exact": exact}
+    if moved:  # the runs path: which share of the blocks went to the copy engines
+        after = copier.mover.moved  # type: ignore[union-attr]
+        runs, direct = after["runs"] - moved["runs"], after["direct"] - moved["direct"]
+        row["run_share"] = runs / max(1, runs + direct)
+    return row
 
 
 HOSTS = ("torch", "tier", "tier-one", "tier-4k")
+LAYOUTS = ("runs", "scattered", "contiguous")
 DEFAULT_TILE = f"{FUSED_CHUNK_BYTES}x{NUM_WARPS}"
 
 
@@ -85,9 +110,16 @@ def host_buffer(kind: str, slots: int, slot_bytes: int) -> HostMemory:
     return memory
 
 
-def copiers(views: list[torch.Tensor], memory: HostMemory, path: str, tiles: list[str]):
-    """(label, copier) per variant of ``path``: one per ``CHUNKxWARPS`` tile for ``fused``, else just one."""
+def copiers(views: list[torch.Tensor], memory: HostMemory, path: str, tiles: list[str], min_runs: list[int]):
+    """(label, copier) per variant of ``path``: one per ``CHUNKxWARPS`` tile for ``fused``, one per shortest
+    run for ``runs``, else just one."""
     copier = BlockCopier(views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
+    if path == "runs":
+        for min_blocks in min_runs:
+            copier.mover = RunCopy(BlockColumns.of(views, memory.buffer), memory.buffer, copier.device,
+                                   memory.breaks, min_blocks=min_blocks)
+            yield f"runs:{min_blocks}" if min_runs != [MIN_RUN_BLOCKS] else "runs", copier
+        return
     if path != "fused":
         yield path, copier
         return
@@ -101,9 +133,15 @@ def copiers(views: list[torch.Tensor], memory: HostMemory, path: str, tiles: lis
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--paths", nargs="+", default=["staged", "direct", "fused"], choices=["staged", "direct", "fused"])
+    p.add_argument("--paths", nargs="+", default=["staged", "direct", "fused", "runs"],
+                   choices=["staged", "direct", "fused", "runs"])
     p.add_argument("--fused-tiles", nargs="+", default=[DEFAULT_TILE], metavar="CHUNKxWARPS",
                    help=f"fused kernel variants: bytes per program and warps (default {DEFAULT_TILE})")
+    p.add_argument("--run-min-blocks", nargs="+", type=int, default=[MIN_RUN_BLOCKS], metavar="N",
+                   help=f"runs path variants: the shortest run sent to the copy engines (default {MIN_RUN_BLOCKS})")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="runs: consecutive slots, random blocks; scattered: neither; contiguous: consecutive "
+                        "block ids to consecutive slots (the only one with runs for the runs path)")
     p.add_argument("--host", nargs="+", default=["torch"], choices=HOSTS)
     p.add_argument("--host-gib", type=float, default=0,
                    help="host buffer size (default: twice the largest batch); scattered slots span all of it")
@@ -115,7 +153,7 @@ def main() -> None:
     torch.cuda.init()
     random.seed(0)
     rows = []
-    print(f"{'host':>8} {'shape':>5} {'path':>14} {'slots':>9} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
+    print(f"{'host':>8} {'shape':>5} {'path':>14} {'slots':>10} {'blocks':>7} {'MiB':>7} {'spill GB/s':>11} "
           f"{'reload GB/s':>12} {'reload ms':>10} {'exact':>6}")
     for shape in args.shapes:
         layers, run_kib = SHAPES[shape]
@@ -130,16 +168,18 @@ def main() -> None:
         capacity = max(2 * max(args.batches), int(args.host_gib * 1024 * MIB) // (len(views) * run))
         for kind in args.host:
             memory = host_buffer(kind, capacity, len(views) * run)
-            for label, copier in (c for path in args.paths for c in copiers(views, memory, path, args.fused_tiles)):
-                for layout in ("runs", "scattered"):
+            for label, copier in (c for path in args.paths
+                                  for c in copiers(views, memory, path, args.fused_tiles, args.run_min_blocks)):
+                for layout in args.layouts:
                     for batch in args.batches:
-                        slots = list(range(batch)) if layout == "runs" else random.sample(range(capacity), batch)
+                        slots = random.sample(range(capacity), batch) if layout == "scattered" else list(range(batch))
                         row = {"host": kind, "shape": shape, "path": label, "slots": layout,
-                               **measure(copier, views, args.blocks, batch, slots, args.reps)}
+                               **measure(copier, views, args.blocks, batch, slots, args.reps, layout == "contiguous")}
                         rows.append(row)
-                        print(f"{kind:>8} {shape:>5} {label:>14} {layout:>9} {batch:>7} {row['bytes'] / MIB:>7.0f} "
+                        print(f"{kind:>8} {shape:>5} {label:>14} {layout:>10} {batch:>7} {row['bytes'] / MIB:>7.0f} "
                               f"{row['spill_gbps']:>11.1f} {row['reload_gbps']:>12.1f} {row['reload_ms']:>10.2f} "
-                              f"{str(row['exact']):>6}")
+                              f"{str(row['exact']):>6}"
+                              + (f" {row['run_share']:>5.0%} runs" if "run_share" in row else ""))
                 del copier
             torch.cuda.synchronize()
             memory.free()

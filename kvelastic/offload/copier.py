@@ -2,14 +2,17 @@
 
 A block is scattered over every layer's tensor (and, for some attention
 backends, over a K run and a V run of each), tens of kilobytes per piece, far
-too small for one DMA call each. Two paths move whole batches instead:
+too small for one DMA call each. These paths move whole batches instead:
 
 - ``staged``: gather on the device into a small staging buffer laid out like
   host rows, then DMA each run of consecutive host slots (``staged_copy``);
 - ``direct``: gather/scatter kernels that read and write the pinned host rows
   themselves, no staging memory (``direct_copy``);
 - ``fused``: one Triton kernel per batch that moves every piece of every block
-  between the views and the pinned host rows, 16 bytes per access (``fused_copy``).
+  between the views and the pinned host rows, 16 bytes per access (``fused_copy``);
+- ``runs``: runs of blocks whose ids and slots both go up by one move on the copy
+  engines (one strided transfer per piece), the rest as ``direct`` (``run_copy``):
+  the driver's map calls are held up beside SM copy kernels, not beside the engines.
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
@@ -33,6 +36,7 @@ from kvelastic.offload.copy_clock import CopyClock, Direction
 from kvelastic.offload.direct_copy import DirectCopy
 from kvelastic.offload.fences import EventFence
 from kvelastic.offload.fused_copy import FusedCopy
+from kvelastic.offload.run_copy import RunCopy
 from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import Copier
@@ -40,7 +44,7 @@ from kvelastic.settings import Settings
 
 __all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH"]
 
-CopyPath = Literal["staged", "direct", "fused"]
+CopyPath = Literal["staged", "direct", "fused", "runs"]
 #: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
 DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
@@ -61,15 +65,17 @@ class BlockCopier(Copier):
         self.path = path
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self.clock = CopyClock() if self.cuda else None
-        self.mover: StagedCopy | DirectCopy | FusedCopy
+        self.mover: StagedCopy | DirectCopy | FusedCopy | RunCopy
         if path == "staged":
             self.mover = StagedCopy(columns, host, self.device, staging_bytes, breaks)
         elif path == "direct":
             self.mover = DirectCopy(columns, host, self.device)
         elif path == "fused":
             self.mover = FusedCopy(columns, host, self.device)
+        elif path == "runs":
+            self.mover = RunCopy(columns, host, self.device, breaks)
         else:
-            raise ValueError(f"unknown copy path {path!r}: use 'staged', 'direct' or 'fused'")
+            raise ValueError(f"unknown copy path {path!r}: use 'staged', 'direct', 'fused' or 'runs'")
 
     def _indices(self, values: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor(list(values), dtype=torch.int64)
