@@ -13,6 +13,8 @@ core on another host; the multiprocess path is left as it was; the refusals.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing
 import os
 from collections import deque
@@ -25,11 +27,16 @@ pytest.importorskip("vllm.v1.executor.multiproc_executor", reason="needs vllm in
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc  # noqa: E402
 
 from kvelastic.errors import EngineFolderError, PatchError  # noqa: E402
-from kvelastic.patches import engine_folder_handover  # noqa: E402
+from kvelastic.patches import engine_folder_handover, executor_step_report  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from kvelastic.tp import engine_folder  # noqa: E402
+from kvelastic.tp import engine_folder, ray_executor  # noqa: E402
+from kvelastic.tp.protocol import MAP  # noqa: E402
 from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
+from kvelastic.tp.remote_mapper import STEP  # noqa: E402
+from kvelastic.tp.report_merger import step_report_of  # noqa: E402
+from kvelastic.tp.step_report import CommandTally  # noqa: E402
+from tests.kv_fixtures import BLOCKS_PER_GROUP  # noqa: E402
 from tests.scheduler_harness import applied_patch  # noqa: E402
 
 WORLD = 2
@@ -37,34 +44,65 @@ TIMEOUT_S = 120
 
 
 # ------------------------------------------------------------------ the ranks (other processes)
-def _describe(rank: int) -> tuple[str, int, int]:
-    """What a rank does in ``initialize_from_config``: find its folder (as ``serve_as_rank``), describe itself."""
-    from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout
+class _Worker:
+    """What a rank's vLLM worker does with the executor's calls: initialise its KV cache (find its engine's
+    folder, as ``serve_as_rank`` does, and describe itself there), then run each step through the
+    ``Worker.execute_model`` wrap, whose forward pass writes the step's blocks (each must be mapped)."""
 
-    found = engine_folder.rank_folder("ray")
-    layout = KVGroupLayout([BlockRuns(0, 4096, ((0, 8),))], num_blocks=8, page_bytes=8192, blocks_per_group=2)
-    shm.write_info(found.folder, shm.RankInfo(rank=rank, world=WORLD, pid=os.getpid(), layout=layout,
-                                              group_bytes=8192, page_bytes=8192, limit_bytes=None, host_slots=0,
-                                              slot_bytes=0))
-    return str(found.folder), found.engine_pid, os.getppid()
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.runtime = SimpleNamespace(rank_worker=None)
+        self.pool = self.views = self.cache = None
+
+    def initialize_from_config(self, *_) -> None:
+        from kvelastic.tp.worker_side import start_rank
+        from tests.kv_fixtures import build_cache
+
+        found = engine_folder.rank_folder("ray")
+        self.pool, self.views, self.cache = build_cache()
+        self.runtime.rank_worker = start_rank(self.cache, found.folder, self.rank, WORLD, None, None)
+
+    def compile_or_warm_up_model(self) -> SimpleNamespace:
+        return SimpleNamespace(language_model=0.0, encoder=0.0)
+
+    def execute_model(self, scheduler_output) -> object:
+        from patches.worker_execute_model import _execute
+
+        def forward(_scheduler_output) -> None:  # "launched": the step's writes, on this rank's shard
+            for block_id in scheduler_output.writes:
+                assert self.pool.is_mapped(self.cache.group_of_block(block_id)), f"write to unmapped {block_id}"
+                for view in self.views:
+                    view[:, block_id].fill_(self.rank + 1)
+
+        return _execute(self.runtime, forward, self, (scheduler_output,), {})
+
+    def sample_tokens(self, _grammar_output) -> SimpleNamespace:
+        return SimpleNamespace(rank=self.rank)  # the step's output (only the output rank's reaches the engine)
+
+    def close(self) -> None:
+        if self.runtime.rank_worker is not None:
+            self.runtime.rank_worker.close()
+            self.pool.close()
 
 
 def _rank_main(rank: int, inbox, outbox) -> None:
-    """Answer the executor's calls as vLLM's WorkerProc does: success and result, or failure and the error."""
+    """Answer the executor's calls as vLLM's WorkerProc does: ``run_method`` on the worker, then success and
+    result, or failure and the error, sent only by the rank the call asks to reply (every rank if none)."""
     from vllm.v1.serial_utils import run_method
 
-    calls = {"initialize_from_config": lambda: _describe(rank),
-             "compile_or_warm_up_model": lambda: SimpleNamespace(language_model=0.0, encoder=0.0)}
+    worker = _Worker(rank)
     while True:
         item = inbox.recv()
         if item is None:
+            worker.close()
             return
-        method, args, kwargs, _ = item
+        method, args, kwargs, reply_rank = item
         try:
-            result = calls[method]() if isinstance(method, str) else run_method(object(), method, args, kwargs)
-            outbox.send((WorkerProc.ResponseStatus.SUCCESS, result))
+            answer = (WorkerProc.ResponseStatus.SUCCESS, run_method(worker, method, args, kwargs))
         except Exception as error:  # noqa: BLE001 - sent back, as vLLM's worker does
-            outbox.send((WorkerProc.ResponseStatus.FAILURE, f"{type(error).__name__}: {error}"))
+            answer = (WorkerProc.ResponseStatus.FAILURE, f"{type(error).__name__}: {error}")
+        if reply_rank is None or reply_rank == rank:
+            outbox.send(answer)
 
 
 def _launcher(pipes) -> None:
@@ -108,6 +146,25 @@ def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> Mu
     return ex
 
 
+def _scheduler_side(settings: Settings):
+    """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``), in front of
+    vLLM's BlockPool made page-aware: (connection, block pool, queue)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvelastic.hooks.block_pool import make_page_aware
+    from kvelastic.tp.scheduler_side import connect_ranks
+    from tests.kv_fixtures import BS, N
+    from tests.scheduler_harness import scheduler_patcher
+
+    parallel = SimpleNamespace(world_size=WORLD, pipeline_parallel_size=1, distributed_executor_backend="ray")
+    connection = connect_ranks(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)),
+                               SimpleNamespace(settings=settings), contextlib.nullcontext(), wait_s=TIMEOUT_S)
+    pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    queue = make_page_aware(pool, connection.cache, connection.mapper, patcher=scheduler_patcher(),
+                            max_ahead_groups=2)
+    return connection, pool, queue
+
+
 @pytest.fixture
 def ranks(tmp_path, monkeypatch):
     """WORLD rank processes, grandchildren of this one, and vLLM's executor wired to them."""
@@ -122,6 +179,7 @@ def ranks(tmp_path, monkeypatch):
     try:
         yield to_ranks, from_ranks, launcher.pid
     finally:
+        ray_executor.forget(shm.engine_dir(os.getpid()))
         for pipe in to_ranks:
             pipe.send(None)
         launcher.join(TIMEOUT_S)
@@ -143,6 +201,48 @@ def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_han
     infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks (connect_ranks)
     assert all(info is not None for info in infos), "the ranks did not describe themselves in the engine's folder"
     assert {info.pid for info in infos}.isdisjoint({os.getpid(), launcher_pid})
+
+
+def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_engines_children(ranks):
+    """KVELASTIC_TP_CONFIRM=step under Ray's V2 executor: a report step makes vLLM's executor hear every rank,
+    the ranks' reports reach the scheduler on the step's output, and a group's blocks are handed out only
+    once both ranks' word on it was adopted from there. No board is read."""
+    from tests.test_tp_step_report import _NoBoard
+
+    to_ranks, from_ranks, _ = ranks
+    settings = Settings(ray="allow", tp_confirm="step")
+    with applied_patch(engine_folder_handover, SimpleNamespace(settings=settings)), \
+            applied_patch(executor_step_report, None):
+        with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step .* without that hand-over"):
+            _scheduler_side(settings)  # no folder handed over yet: the executor could be anything
+        executor = _executor(to_ranks, from_ranks)
+        executor.initialize_from_config([])  # patched: the hand-over, then vLLM's own calls to the ranks
+        connection, pool, queue = _scheduler_side(settings)
+        mapper, adopt = connection.mapper, connection.reply_hook()
+        assert mapper.confirm == STEP and adopt is not None
+        mapper.boards = [_NoBoard() for _ in range(WORLD)]
+        confirmed = set(mapper.mapped_groups)
+        want = 3 * BLOCKS_PER_GROUP
+        assert pool.get_num_free_blocks() < want
+        queue.want_blocks(want)  # vLLM's scheduling miss
+        plan = mapper.take_plan()
+        maps = {c[0]: c[2] for c in plan.commands if c[1] == MAP}
+        assert plan.report and maps, "a step carrying maps must ask every rank for its report"
+        assert executor.execute_model(SimpleNamespace(kvelastic_plan=plan, writes=[])) is None
+        output = executor.sample_tokens(None)
+        report = step_report_of(output)
+        assert report is not None and sorted(r.rank for r in report.ranks) == list(range(WORLD))
+        assert pool.get_num_free_blocks() < want, "groups were adopted before the step's replies were"
+        adopt(output)  # as update_from_output does
+        for seq, done in CommandTally(WORLD).add(report).items():
+            confirmed.update(maps[seq][:done])
+        assert pool.get_num_free_blocks() >= want, "the groups both ranks reported mapped were not adopted"
+        blocks = pool.get_new_blocks(want)
+        assert {connection.cache.group_of_block(b.block_id) for b in blocks} <= confirmed
+        writes = dataclasses.replace(mapper.take_plan(), report=True)  # every rank answers: each checks its writes
+        assert executor.execute_model(SimpleNamespace(kvelastic_plan=writes, writes=[b.block_id for b in blocks])) \
+            is None
+        adopt(executor.sample_tokens(None))
 
 
 def test_without_the_hand_over_a_ray_rank_fails_with_a_clear_error(ranks):

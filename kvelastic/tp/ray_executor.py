@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from kvelastic.errors import PatchError
@@ -28,6 +29,9 @@ from kvelastic.tp.engine_folder import host_identity, receive
 log = logging.getLogger("vllm.kvelastic")
 
 RAY = "ray"
+
+#: The engine folders this process handed to the ranks of a Ray V2 executor (one per engine core).
+_handed_over: set[Path] = set()
 
 
 def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
@@ -62,7 +66,19 @@ def hand_over_folder(executor: Any, ray_setting: str) -> None:
 
     folder = engine_dir(os.getpid())
     pids = executor.collective_rpc(receive, args=(str(folder), os.getpid(), host_identity()))
+    _handed_over.add(folder)
     log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s", pids, folder)
+
+
+def handed_over(folder: Path) -> bool:
+    """Whether this process handed ``folder`` to a Ray executor's ranks: then that executor is Ray's V2, a
+    ``MultiprocExecutor`` (any other was refused first), which gathers every rank's reply as ``mp`` does."""
+    return folder in _handed_over
+
+
+def forget(folder: Path) -> None:
+    """Forget a hand-over (an engine core that shut down; tests)."""
+    _handed_over.discard(folder)
 
 
 def wrap_initialize(ray_setting: str) -> Any:

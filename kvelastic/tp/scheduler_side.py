@@ -52,8 +52,8 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
         raise PatchError("kvelastic: pipeline parallelism is refused (KVELASTIC_PIPELINE=refuse). Unset it "
                          "or set KVELASTIC_PIPELINE=allow (each stage maps and confirms its own layers' page "
                          "groups), run with pipeline_parallel_size=1, or set KVELASTIC=0")
-    confirm = _confirmations(runtime.settings.tp_confirm, parallel)
     folder = shm.engine_dir(os.getpid())
+    confirm = _confirmations(runtime.settings.tp_confirm, parallel, folder)
     infos = _wait_for_ranks(folder, world, wait_s)
     connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
     atexit.register(_remove_idle_files, folder)
@@ -62,17 +62,23 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     return connection
 
 
-def _confirmations(setting: str, parallel: Any) -> str:
-    """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs vLLM's multiprocess executor, whose
-    replies :mod:`kvelastic.patches.executor_step_report` gathers; PatchError for any other."""
+def _confirmations(setting: str, parallel: Any, folder: Path) -> str:
+    """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs a ``MultiprocExecutor``, whose replies
+    :mod:`kvelastic.patches.executor_step_report` gathers: vLLM's multiprocess executor, or Ray's V2
+    executor, known by the hand-over of ``folder`` (which refused any other Ray executor before the
+    ranks made their KV caches); PatchError for any other."""
     if setting != STEP:
         return BOARD
+    from kvelastic.tp.ray_executor import RAY, handed_over
+
     backend = parallel.distributed_executor_backend
-    if backend != "mp":
-        raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
-                         f"(distributed_executor_backend='mp'), not {backend!r}; unset it to confirm "
-                         "through shared memory on this host")
-    return STEP
+    if backend == "mp" or (backend == RAY and handed_over(folder)):
+        return STEP
+    raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
+                     f"(distributed_executor_backend='mp') or Ray's V2 executor with KVELASTIC_RAY=allow (its "
+                     f"ranks handed this engine's folder), not {backend!r}"
+                     f"{' without that hand-over' if backend == RAY else ''}; unset it to confirm through "
+                     "shared memory on this host")
 
 
 class RankConnection(CacheConnection):
