@@ -8,8 +8,10 @@ initialise their KV caches inside it) the engine core refuses Ray unless
 ``KVELASTIC_RAY=allow`` and the executor is Ray's V2 (a ``MultiprocExecutor``),
 then sends every rank the folder with ``collective_rpc`` and a callable:
 vLLM pickles it by reference and its workers call it with their worker first
-(``run_method``). Any other backend passes straight through: the multiprocess
-path is unchanged. See ``kvelastic.tp.ray_executor``.
+(``run_method``). After vLLM's own call (the ranks made their KV caches) a
+second such call brings every rank's description back on its reply, for the
+scheduler. Any other backend passes straight through: the multiprocess path is
+unchanged. See ``kvelastic.tp.ray_executor``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ INITIALIZE = Target(
     kind="method",
     shapes=(Signature(ALL, ("self", "kv_cache_configs")),),
 )
-COLLECTIVE_RPC = Target(  # called with a callable; only on a MultiprocExecutor (Ray V2 is one)
+COLLECTIVE_RPC = Target(  # called with a callable (twice: the folder, the descriptions); only on a MultiprocExecutor
     module=_MP,
     qualname="MultiprocExecutor.collective_rpc",
     kind="method",
@@ -59,5 +61,6 @@ def apply(patcher: Any, runtime: Any) -> None:
     patcher.wrap(INITIALIZE, wrap_initialize(runtime.settings.ray))
 
 
-PATCH = Patch("engine_folder_handover", "Executor: Ray refused or accepted; each rank handed its engine's folder",
+PATCH = Patch("engine_folder_handover", "Executor: Ray refused or accepted; each rank handed its engine's folder, "
+              "its description handed back",
               ALL, TARGETS, apply)

@@ -32,6 +32,7 @@ from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp import engine_folder, ray_executor  # noqa: E402
 from kvelastic.tp.protocol import MAP  # noqa: E402
+from kvelastic.tp.rank_files import RankInfo, encode_info  # noqa: E402
 from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
 from kvelastic.tp.remote_mapper import STEP  # noqa: E402
 from kvelastic.tp.report_merger import step_report_of  # noqa: E402
@@ -146,9 +147,10 @@ def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> Mu
     return ex
 
 
-def _scheduler_side(settings: Settings):
-    """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``), in front of
-    vLLM's BlockPool made page-aware: (connection, block pool, queue)."""
+def _scheduler_side(settings: Settings, wait_s: float = TIMEOUT_S):
+    """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``, which waits
+    ``wait_s`` for description files), in front of vLLM's BlockPool made page-aware: (connection, block
+    pool, queue)."""
     from vllm.v1.core.block_pool import BlockPool
 
     from kvelastic.hooks.block_pool import make_page_aware
@@ -158,7 +160,7 @@ def _scheduler_side(settings: Settings):
 
     parallel = SimpleNamespace(world_size=WORLD, pipeline_parallel_size=1, distributed_executor_backend="ray")
     connection = connect_ranks(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)),
-                               SimpleNamespace(settings=settings), contextlib.nullcontext(), wait_s=TIMEOUT_S)
+                               SimpleNamespace(settings=settings), contextlib.nullcontext(), wait_s=wait_s)
     pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(pool, connection.cache, connection.mapper, patcher=scheduler_patcher(),
                             max_ahead_groups=2)
@@ -198,9 +200,11 @@ def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_han
     executor = _executor(to_ranks, from_ranks)
     executor.initialize_from_config([])  # patched: the hand-over, then vLLM's own calls to the ranks
     folder = shm.engine_dir(os.getpid())
-    infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks (connect_ranks)
+    infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks without a hand-over
     assert all(info is not None for info in infos), "the ranks did not describe themselves in the engine's folder"
     assert {info.pid for info in infos}.isdisjoint({os.getpid(), launcher_pid})
+    sent = ray_executor.described(folder)  # and what they sent back over collective_rpc, read first
+    assert sent is not None and [encode_info(i) for i in sent] == [encode_info(i) for i in infos]
 
 
 def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_engines_children(ranks):
@@ -216,8 +220,10 @@ def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_e
         with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step .* without that hand-over"):
             _scheduler_side(settings)  # no folder handed over yet: the executor could be anything
         executor = _executor(to_ranks, from_ranks)
-        executor.initialize_from_config([])  # patched: the hand-over, then vLLM's own calls to the ranks
-        connection, pool, queue = _scheduler_side(settings)
+        executor.initialize_from_config([])  # patched: the hand-over, vLLM's own calls, the descriptions
+        for rank in range(WORLD):  # the scheduler must take the descriptions from the ranks' replies
+            (shm.engine_dir(os.getpid()) / f"rank{rank}.info").unlink()
+        connection, pool, queue = _scheduler_side(settings, wait_s=0.0)
         mapper, adopt = connection.mapper, connection.reply_hook()
         assert mapper.confirm == STEP and adopt is not None
         mapper.boards = [_NoBoard() for _ in range(WORLD)]
@@ -265,6 +271,27 @@ def test_the_multiprocess_path_hands_nothing_over_and_names_the_parent(patched):
     assert calls and all(isinstance(method, str) for method in calls)
     here = engine_folder.rank_folder("mp")  # a multiprocess rank: its parent is its engine core
     assert here.engine_pid == os.getppid() and here.folder == shm.engine_dir(os.getppid())
+
+
+def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_path, monkeypatch):
+    from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout
+
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    folder = shm.engine_dir(os.getpid())
+    layout = KVGroupLayout([BlockRuns(0, 4096, ((0, 8),))], num_blocks=8, page_bytes=8192, blocks_per_group=2)
+
+    def sent(rank: int) -> bytes:
+        return encode_info(RankInfo(rank=rank, world=WORLD, pid=100 + rank, layout=layout, group_bytes=8192,
+                                    page_bytes=8192, limit_bytes=None, host_slots=0, slot_bytes=0))
+
+    try:
+        for replies, kept in (([sent(1), sent(0)], [100, 101]), ([sent(0), None], None), ([sent(1), sent(1)], None)):
+            ray_executor.forget(folder)
+            ray_executor.collect_descriptions(SimpleNamespace(collective_rpc=lambda method, **_: replies), folder)
+            found = ray_executor.described(folder)
+            assert (found and [info.pid for info in found]) == kept  # in rank order, or none: the files decide
+    finally:
+        ray_executor.forget(folder)
 
 
 def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):

@@ -9,7 +9,10 @@ That channel is the one every step travels on: ordered, already authenticated
 by vLLM, and independent of which environment a Ray cluster started elsewhere
 passes on to its actors. :func:`receive` runs on the rank; it refuses an engine
 core on another machine or pid namespace (the folder lives in this host's
-shared memory) and a folder the rank's own settings would put elsewhere.
+shared memory) and a folder the rank's own settings would put elsewhere. Once
+vLLM's call returned (the ranks made their KV caches), the engine core asks
+each rank for its description the same way (:func:`describe`), so the
+scheduler reads it from the replies rather than from ``rank<r>.info``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvelastic.errors import EngineFolderError
+
+if TYPE_CHECKING:
+    from kvelastic.tp.rank_files import RankInfo
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -33,6 +39,7 @@ class EngineFolder:
 
 
 _handed: EngineFolder | None = None
+_description: bytes | None = None  # this rank's description, as its rank<r>.info holds it
 
 
 def host_identity() -> str:
@@ -91,7 +98,23 @@ def rank_folder(backend: str) -> EngineFolder:
     return _handed
 
 
+def keep_description(info: "RankInfo") -> None:
+    """Keep this rank's description (written to its ``rank<r>.info`` too) for :func:`describe`."""
+    global _description
+    from kvelastic.tp.rank_files import encode_info
+
+    _description = encode_info(info)
+
+
+def describe(worker: Any) -> bytes | None:
+    """This rank's description, as bounded JSON (what its ``rank<r>.info`` holds), or None where it serves
+    no kvelastic cache; runs on each rank through ``collective_rpc`` once vLLM's ``initialize_from_config``
+    returned. ``worker``: vLLM's, unused."""
+    return _description
+
+
 def forget() -> None:
-    """Drop a folder handed over (a worker whose engine shut down; tests)."""
-    global _handed
+    """Drop a folder handed over and the description kept (a worker whose engine shut down; tests)."""
+    global _handed, _description
     _handed = None
+    _description = None

@@ -14,6 +14,9 @@ the protocol: its workers run vLLM's ``WorkerProc`` busy loop, hence the
 past that hook, and under pipeline parallelism stage k's reply never reaches
 the scheduler; it is refused with what to use instead. A rank on another host
 refuses the hand-over itself (:func:`kvelastic.tp.engine_folder.receive`).
+Once vLLM's own call returned, every rank's description comes back over the
+same channel (:func:`collect_descriptions`), where the scheduler, built next,
+reads it (:func:`described`).
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from kvelastic.errors import PatchError
-from kvelastic.tp.engine_folder import host_identity, receive
+from kvelastic.tp.engine_folder import describe, host_identity, receive
+from kvelastic.tp.rank_files import RankInfo
 
 log = logging.getLogger("vllm.kvelastic")
 
 RAY = "ray"
 
-#: The engine folders this process handed to the ranks of a Ray V2 executor (one per engine core).
-_handed_over: set[Path] = set()
+#: The engine folders this process handed to the ranks of a Ray V2 executor (one per engine core), with
+#: the descriptions the ranks sent back once their KV caches existed (None until then, or if any sent none).
+_handed_over: dict[Path, tuple[RankInfo, ...] | None] = {}
 
 
 def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
@@ -54,11 +59,11 @@ def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
             f"vLLM 0.20 and later, the default from 0.21), the multiprocess executor, or set KVELASTIC=0")
 
 
-def hand_over_folder(executor: Any, ray_setting: str) -> None:
-    """Under Ray: refuse (PatchError) or tell every rank this engine's folder; otherwise nothing."""
+def hand_over_folder(executor: Any, ray_setting: str) -> Path | None:
+    """Under Ray: refuse (PatchError) or tell every rank this engine's folder, and return it; otherwise None."""
     parallel = executor.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     if parallel.distributed_executor_backend != RAY:
-        return
+        return None
     refusal = ray_refusal(ray_setting, executor, parallel)
     if refusal is not None:
         raise PatchError(refusal)
@@ -66,8 +71,29 @@ def hand_over_folder(executor: Any, ray_setting: str) -> None:
 
     folder = engine_dir(os.getpid())
     pids = executor.collective_rpc(receive, args=(str(folder), os.getpid(), host_identity()))
-    _handed_over.add(folder)
+    _handed_over[folder] = None
     log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s", pids, folder)
+    return folder
+
+
+def collect_descriptions(executor: Any, folder: Path) -> None:
+    """After vLLM's ``initialize_from_config`` under Ray: ask every rank for its description over
+    ``collective_rpc`` and keep them for the scheduler (:func:`described`), checked as their files would
+    be. Kept only if ranks 0..world-1 each sent one; else the scheduler reads their files as before."""
+    from kvelastic.tp.rank_files import decode_info
+
+    replies = executor.collective_rpc(describe)
+    if not all(isinstance(reply, bytes) for reply in replies):
+        log.warning("kvelastic: %d of %d Ray workers sent no description; the scheduler looks for their files",
+                    sum(not isinstance(reply, bytes) for reply in replies), len(replies))
+        return
+    infos = sorted((decode_info(reply, f"the description Ray worker {i} sent") for i, reply in enumerate(replies)),
+                   key=lambda info: info.rank)
+    if [info.rank for info in infos] != list(range(len(infos))):
+        log.warning("kvelastic: the Ray workers described ranks %s; the scheduler looks for their files",
+                    [info.rank for info in infos])
+        return
+    _handed_over[folder] = tuple(infos)
 
 
 def handed_over(folder: Path) -> bool:
@@ -76,16 +102,25 @@ def handed_over(folder: Path) -> bool:
     return folder in _handed_over
 
 
+def described(folder: Path) -> tuple[RankInfo, ...] | None:
+    """The descriptions the ranks ``folder`` was handed to sent back, in rank order; None if none came."""
+    return _handed_over.get(folder)
+
+
 def forget(folder: Path) -> None:
     """Forget a hand-over (an engine core that shut down; tests)."""
-    _handed_over.discard(folder)
+    _handed_over.pop(folder, None)
 
 
 def wrap_initialize(ray_setting: str) -> Any:
-    """The wrapper of ``Executor.initialize_from_config``: the hand-over first, then vLLM's own call."""
+    """The wrapper of ``Executor.initialize_from_config``: the hand-over first, then vLLM's own call (the
+    ranks make and describe their KV caches), then under Ray their descriptions."""
 
     def initialize_from_config(wrapped: Any, executor: Any, args: tuple, kwargs: dict) -> Any:
-        hand_over_folder(executor, ray_setting)
-        return wrapped(*args, **kwargs)
+        folder = hand_over_folder(executor, ray_setting)
+        result = wrapped(*args, **kwargs)
+        if folder is not None:
+            collect_descriptions(executor, folder)
+        return result
 
     return initialize_from_config

@@ -54,7 +54,7 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
                          "groups), run with pipeline_parallel_size=1, or set KVELASTIC=0")
     folder = shm.engine_dir(os.getpid())
     confirm = _confirmations(runtime.settings.tp_confirm, parallel, folder)
-    infos = _wait_for_ranks(folder, world, wait_s)
+    infos = _rank_infos(folder, world, wait_s)
     connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
     atexit.register(_remove_idle_files, folder)
     log.info("kvelastic: scheduler drives %d worker ranks through %s (mapped groups confirmed %s)", world,
@@ -192,6 +192,17 @@ def _remove_idle_files(folder: Path) -> None:
         folder.rmdir()  # the ranks remove their own files; the last one out removes the folder
     except OSError:
         pass
+
+
+def _rank_infos(folder: Path, world: int, wait_s: float) -> list[shm.RankInfo]:
+    """The ranks' descriptions: those Ray's ranks sent back over ``collective_rpc`` after the folder's
+    hand-over (:func:`~kvelastic.tp.ray_executor.described`), else their files in ``folder``."""
+    from kvelastic.tp.ray_executor import described
+
+    sent = described(folder)
+    if sent is not None and len(sent) == world:
+        return list(sent)
+    return _wait_for_ranks(folder, world, wait_s)
 
 
 def _wait_for_ranks(folder: Path, world: int, wait_s: float) -> list[shm.RankInfo]:

@@ -20,7 +20,7 @@ from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
 from kvelastic.tp import host_supply
-from kvelastic.tp.engine_folder import rank_folder
+from kvelastic.tp.engine_folder import keep_description, rank_folder
 from kvelastic.tp.rank import RankWorker
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
                         limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
                         gpu_id=gpu_id, gpu_total=gpu_total or 0)
     worker = RankWorker(cache, folder, info, copier, map_after_launch=map_after_launch)
+    keep_description(info)  # under Ray the engine core asks for it over collective_rpc
     if memory is not None:
         board = worker.board
         memory.watch(lambda ready, settled: host_supply.publish(board, ready, settled))
