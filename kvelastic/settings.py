@@ -123,7 +123,9 @@ class Settings:
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
-    copy_path: str = "direct"  # chosen from bench_copy.py on an H100: docs/gpu-results.md
+    #: ``auto``: the copy engines for runs of blocks where a block's pieces are 32 KiB or wider, the direct
+    #: kernels otherwise (copier.RUNS_MIN_PIECE_BYTES; bench_copy.py and bench_reload.py on an H100, 2026-11-28)
+    copy_path: str = "auto"
     #: How the host tier's memory is pinned: ``background`` (one mmap registered chunk by chunk while the
     #: engine serves) or ``at-start`` (one torch pinned allocation before it serves, as before 2026-11-26):
     #: the multi-turn A/B of 2026-11-27 found the tier 9 % slower than a tree that used torch's allocation.
@@ -263,7 +265,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
-    "copy_path": ("KVELASTIC_COPY_PATH", _choice("direct", "staged", "fused", "runs")),
+    "copy_path": ("KVELASTIC_COPY_PATH", _choice("auto", "direct", "staged", "fused", "runs")),
     "cpu_store": ("KVELASTIC_CPU_STORE", _choice("eviction", "write-through")),
     "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),

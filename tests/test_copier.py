@@ -40,6 +40,20 @@ def test_unknown_path_is_refused():
         BlockCopier([torch.zeros((4, 8), dtype=torch.int8)], torch.zeros((2, 8), dtype=torch.int8), path="dma")
 
 
+def test_auto_takes_the_copy_engines_only_for_wide_pieces_on_cuda():
+    from kvelastic.offload.copier import RUNS_MIN_PIECE_BYTES, auto_path
+
+    wide, narrow = RUNS_MIN_PIECE_BYTES, RUNS_MIN_PIECE_BYTES // 2
+    assert auto_path([wide, wide], on_cuda=True) == "runs"  # 8B: 32 KiB K and V runs
+    assert auto_path([wide, narrow], on_cuda=True) == "direct"  # 1B (16 KiB), or a TP=2 shard of 8B
+    assert auto_path([wide, wide], on_cuda=False) == "direct"
+
+
+def test_auto_is_direct_on_a_cpu():
+    copier = round_trip("cpu", "auto", [64 * 1024, 64 * 1024], staging_bytes=1)
+    assert copier.path == "direct"
+
+
 def test_slot_runs():
     assert list(slot_runs([])) == []
     assert list(slot_runs([3])) == [(0, 3, 1)]

@@ -129,10 +129,10 @@ def test_fused_without_triton_is_a_config_error(monkeypatch):
         kernel_for(torch.device("cuda", 0))
 
 
-def test_settings_accept_fused_and_keep_direct_the_default():
-    assert Settings().copy_path == "direct"
+def test_settings_accept_fused_beside_the_auto_default():
+    assert Settings().copy_path == "auto"
     assert Settings.from_env({"KVELASTIC_COPY_PATH": " Fused "}).copy_path == "fused"
-    with pytest.raises(ConfigError, match="is not one of: direct, staged, fused"):
+    with pytest.raises(ConfigError, match="is not one of: auto, direct, staged, fused, runs"):
         Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
 
 

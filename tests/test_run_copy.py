@@ -347,10 +347,10 @@ def test_the_copiers_runs_path_moves_long_runs_and_leaves_the_rest_to_direct():
         assert torch.equal(torch.cat([v[target] for v in views]), row), f"block {target}"
 
 
-def test_settings_accept_runs_and_keep_direct_the_default():
+def test_settings_accept_runs_beside_the_auto_default():
     from kvelastic.settings import Settings
 
-    assert Settings().copy_path == "direct"
+    assert Settings().copy_path == "auto"
     assert Settings.from_env({"KVELASTIC_COPY_PATH": "runs"}).copy_path == "runs"
 
 

@@ -238,12 +238,12 @@ def test_settings_are_immutable():
 
 
 def test_host_tier_policy_and_copy_path_are_choices():
-    assert (Settings().cpu_policy, Settings().copy_path) == ("arc", "direct")
+    assert (Settings().cpu_policy, Settings().copy_path) == ("arc", "auto")
     settings = Settings.from_env({"KVELASTIC_CPU_POLICY": " LRU ", "KVELASTIC_COPY_PATH": "staged"})
     assert (settings.cpu_policy, settings.copy_path) == ("lru", "staged")
     with pytest.raises(ConfigError, match=r"KVELASTIC_CPU_POLICY='fifo' is not one of: arc, lru"):
         Settings.from_env({"KVELASTIC_CPU_POLICY": "fifo"})
-    with pytest.raises(ConfigError, match=r"KVELASTIC_COPY_PATH='dma' is not one of: direct, staged"):
+    with pytest.raises(ConfigError, match=r"KVELASTIC_COPY_PATH='dma' is not one of: auto, direct, staged, fused, runs"):
         Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
     assert Settings().cpu_pin == "background"
     assert Settings.from_env({"KVELASTIC_CPU_PIN": "at-start"}).cpu_pin == "at-start"

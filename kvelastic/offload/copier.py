@@ -12,7 +12,9 @@ too small for one DMA call each. These paths move whole batches instead:
   between the views and the pinned host rows, 16 bytes per access (``fused_copy``);
 - ``runs``: runs of blocks whose ids and slots both go up by one move on the copy
   engines (one strided transfer per piece), the rest as ``direct`` (``run_copy``):
-  the driver's map calls are held up beside SM copy kernels, not beside the engines.
+  the driver's map calls are held up beside SM copy kernels, not beside the engines;
+- ``auto`` (the default): ``runs`` where every piece of a block is at least
+  :data:`RUNS_MIN_PIECE_BYTES` wide, ``direct`` otherwise (:func:`resolve_path`).
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
@@ -31,6 +33,7 @@ from typing import AbstractSet, Any, Literal, Sequence
 
 import torch
 
+from kvelastic.errors import ConfigError
 from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.copy_clock import CopyClock, Direction
 from kvelastic.offload.direct_copy import DirectCopy
@@ -42,12 +45,31 @@ from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import Copier
 from kvelastic.settings import Settings
 
-__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH"]
+__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "auto_path", "resolve_path"]
 
-CopyPath = Literal["staged", "direct", "fused", "runs"]
+CopyPath = Literal["auto", "staged", "direct", "fused", "runs"]
 #: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
 DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
+#: ``auto`` sends runs to the copy engines only where every piece is at least this wide. On an H100
+#: (bench_copy.py, 2026-11-28) strided transfers of 32 KiB pieces (8B shape) beat the direct kernels
+#: at every batch size (1024 blocks: 51.3 / 50.3 against 49.3 / 47.3 GB/s each way) and let the
+#: driver map beside them (a 16k-token reload of an idle engine: 77.7 against 98.6 ms); transfers of
+#: 16 KiB pieces (1B shape, or an 8B shard under TP=2) were slower than the kernels at most sizes.
+RUNS_MIN_PIECE_BYTES = 32 * 1024
+
+
+def resolve_path(path: CopyPath, block_views: Sequence[torch.Tensor]) -> CopyPath:
+    """The path ``auto`` stands for with these views (one row of bytes per block); any other path as given."""
+    if path != "auto":
+        return path
+    return auto_path([v.shape[1] * v.element_size() for v in block_views], block_views[0].device.type == "cuda")
+
+
+def auto_path(piece_bytes: Sequence[int], on_cuda: bool) -> CopyPath:
+    """``runs`` where every piece is at least :data:`RUNS_MIN_PIECE_BYTES` on a CUDA device, else ``direct``
+    (off CUDA there are no copy engines to prefer)."""
+    return "runs" if on_cuda and min(piece_bytes) >= RUNS_MIN_PIECE_BYTES else "direct"
 
 
 class BlockCopier(Copier):
@@ -62,20 +84,29 @@ class BlockCopier(Copier):
         self.cuda = self.device.type == "cuda"
         self.host = host
         self.bytes_per_block = host.shape[1]
-        self.path = path
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self.clock = CopyClock() if self.cuda else None
-        self.mover: StagedCopy | DirectCopy | FusedCopy | RunCopy
+        self.path = resolve_path(path, block_views)
+        try:
+            self.mover = self._mover(self.path, columns, staging_bytes, breaks)
+        except ConfigError:
+            if path != "auto":
+                raise
+            self.path = "direct"  # a layout the copy engines cannot take: ``auto`` keeps the kernels
+            self.mover = self._mover(self.path, columns, staging_bytes, breaks)
+
+    def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
+               breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:
+        host = self.host
         if path == "staged":
-            self.mover = StagedCopy(columns, host, self.device, staging_bytes, breaks)
-        elif path == "direct":
-            self.mover = DirectCopy(columns, host, self.device)
-        elif path == "fused":
-            self.mover = FusedCopy(columns, host, self.device)
-        elif path == "runs":
-            self.mover = RunCopy(columns, host, self.device, breaks)
-        else:
-            raise ValueError(f"unknown copy path {path!r}: use 'staged', 'direct', 'fused' or 'runs'")
+            return StagedCopy(columns, host, self.device, staging_bytes, breaks)
+        if path == "direct":
+            return DirectCopy(columns, host, self.device)
+        if path == "fused":
+            return FusedCopy(columns, host, self.device)
+        if path == "runs":
+            return RunCopy(columns, host, self.device, breaks)
+        raise ValueError(f"unknown copy path {path!r}: use 'auto', 'staged', 'direct', 'fused' or 'runs'")
 
     def _indices(self, values: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor(list(values), dtype=torch.int64)

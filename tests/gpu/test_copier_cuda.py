@@ -23,6 +23,21 @@ def test_round_trip_is_exact_on_the_device(path, widths, staging_rows):
     round_trip("cuda", path, widths, staging_bytes=staging_rows * sum(widths))
 
 
+@pytest.mark.parametrize("piece_kib, path", [(32, "runs"), (16, "direct")])
+def test_auto_sends_wide_pieces_to_the_copy_engines_and_keeps_runs_exact(piece_kib, path):
+    raw = torch.randint(-128, 127, (128 * 2 * piece_kib * 1024,), dtype=torch.int8, device="cuda")
+    views = strided_views(raw, 128, [piece_kib * 1024, piece_kib * 1024], 2 * piece_kib * 1024)
+    host = torch.zeros((96, 2 * piece_kib * 1024), dtype=torch.int8, pin_memory=True)
+    copier = BlockCopier(views, host, path="auto")
+    assert copier.path == path
+    want = torch.stack([torch.cat([v[i] for v in views]) for i in range(10, 74)]).cpu()
+    copier.store(list(range(10, 74)), list(range(20, 84))).wait()  # one run of 64 blocks
+    assert torch.equal(host[20:84], want)
+    copier.load(list(range(40, 104)), list(range(20, 84))).wait()
+    got = torch.stack([torch.cat([v[i] for v in views]) for i in range(40, 104)]).cpu()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("path", ["staged", "direct"])
 def test_round_trip_over_vmm_pages(path):
     from kvelastic.pool.cuda import CudaBackend
