@@ -308,11 +308,11 @@ def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
         engine_folder.forget()
 
 
-def test_ray_is_refused_by_default_and_ray_v1_always():
+def test_ray_v2_is_allowed_by_default_refused_on_request_and_ray_v1_always():
     parallel = SimpleNamespace(pipeline_parallel_size=1)
     v2 = object.__new__(MultiprocExecutor)
-    assert "KVELASTIC_RAY=refuse" in ray_refusal(Settings().ray, v2, parallel)
-    assert ray_refusal("allow", v2, parallel) is None
+    assert ray_refusal(Settings().ray, v2, parallel) is None
+    assert "KVELASTIC_RAY=refuse" in ray_refusal("refuse", v2, parallel)
     v1 = SimpleNamespace()
     message = ray_refusal("allow", v1, parallel)
     assert "Ray executor v1" in message and "VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1" in message
@@ -332,8 +332,8 @@ def test_the_refusal_stops_start_up_before_the_ranks_hear_anything():
     assert sent == []
 
 
-def test_the_setting_is_refuse_unless_allowed():
-    assert Settings().ray == "refuse"
-    assert Settings.from_env({"KVELASTIC_RAY": "Allow"}).ray == "allow"
-    with pytest.raises(Exception, match="KVELASTIC_RAY='yes' is not one of: refuse, allow"):
+def test_the_setting_is_allow_unless_refused():
+    assert Settings().ray == "allow"
+    assert Settings.from_env({"KVELASTIC_RAY": "Refuse"}).ray == "refuse"
+    with pytest.raises(Exception, match="KVELASTIC_RAY='yes' is not one of: allow, refuse"):
         Settings.from_env({"KVELASTIC_RAY": "yes"})

@@ -45,7 +45,7 @@ def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
 
     if setting != "allow":
         return ("kvelastic: vLLM's Ray executor (--distributed-executor-backend ray) is refused: "
-                "KVELASTIC_RAY=refuse, the default until a GPU run has shown it. Set KVELASTIC_RAY=allow "
+                "KVELASTIC_RAY=refuse. Unset it (or set KVELASTIC_RAY=allow) "
                 "to run Ray's V2 executor on one host, use the multiprocess executor "
                 "(--distributed-executor-backend mp), or set KVELASTIC=0")
     if isinstance(executor, MultiprocExecutor):
