@@ -60,3 +60,10 @@ class BlockColumns:
 
     def pieces(self) -> list[tuple[torch.Tensor, int, int]]:
         return [(view, c0, c1) for view, (c0, c1) in zip(self.views, self.spans)]
+
+
+def check_range(values: Sequence[int], limit: int, what: str) -> None:
+    """Refuse ids outside ``0..limit-1`` before a copy that writes through raw addresses
+    (a kernel or a 2D transfer would corrupt memory, not raise)."""
+    if values and not (0 <= min(values) and max(values) < limit):
+        raise IndexError(f"{what}s {min(values)}..{max(values)} outside 0..{limit - 1}")

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvelastic.errors import ConfigError
-from kvelastic.offload.block_columns import BlockColumns
+from kvelastic.offload.block_columns import BlockColumns, check_range
 
 Indices = Callable[[Sequence[int]], torch.Tensor]
 #: Bytes one program copies of one piece: 8 KiB is 4 accesses of 16 bytes for each of 128 threads,
@@ -117,8 +117,8 @@ class FusedCopy:
 
     def _copy(self, block_ids: Sequence[int], slots: Sequence[int], indices: Indices, *, to_host: bool) -> None:
         # The kernel writes through raw addresses: an id out of range would corrupt memory, not raise.
-        _check_range(block_ids, self.num_blocks, "block id")
-        _check_range(slots, self.host.shape[0], "host slot")
+        check_range(block_ids, self.num_blocks, "block id")
+        check_range(slots, self.host.shape[0], "host slot")
         if len(block_ids) != len(slots):
             raise ValueError(f"{len(block_ids)} blocks but {len(slots)} host slots")
         self._launch(indices(block_ids), indices(slots), len(block_ids), to_host)
@@ -156,8 +156,3 @@ def _check_rows(tensor: torch.Tensor, what: str) -> None:
     if tensor.dim() != 2 or (tensor.shape[1] > 1 and tensor.stride(1) != 1):
         raise ConfigError(f"{_REFUSED} copies rows of contiguous bytes, and {what} has shape "
                           f"{tuple(tensor.shape)}, strides {tensor.stride()}; use KVELASTIC_COPY_PATH=direct")
-
-
-def _check_range(values: Sequence[int], limit: int, what: str) -> None:
-    if values and not (0 <= min(values) and max(values) < limit):
-        raise IndexError(f"{what}s {min(values)}..{max(values)} outside 0..{limit - 1}")

@@ -39,7 +39,7 @@ from typing import AbstractSet, Any, Callable, Protocol, Sequence
 import torch
 
 from kvelastic.errors import ConfigError, DriverError
-from kvelastic.offload.block_columns import BlockColumns
+from kvelastic.offload.block_columns import BlockColumns, check_range
 from kvelastic.offload.direct_copy import DirectCopy
 
 Indices = Callable[[Sequence[int]], torch.Tensor]
@@ -272,8 +272,8 @@ class RunCopy:
         the runs and then the rest, all on the current stream."""
         split = split_runs(block_ids, slots, min_blocks=self.min_blocks, breaks=self.breaks)
         # A 2D copy writes through raw addresses: an id out of range would corrupt memory, not raise.
-        _check_range(block_ids, self.num_blocks, "block id")
-        _check_range(slots, self.num_slots, "host slot")
+        check_range(block_ids, self.num_blocks, "block id")
+        check_range(slots, self.num_slots, "host slot")
         self.transfers.move(split.runs, to_host)
         if split.rest:
             rest_blocks = [block_ids[i] for i in split.rest]
@@ -281,8 +281,3 @@ class RunCopy:
             (self.direct.store if to_host else self.direct.load)(rest_blocks, rest_slots, indices)
         self.moved["runs"] += split.run_blocks()
         self.moved["direct"] += len(split.rest)
-
-
-def _check_range(values: Sequence[int], limit: int, what: str) -> None:
-    if values and not (0 <= min(values) and max(values) < limit):
-        raise IndexError(f"{what}s {min(values)}..{max(values)} outside 0..{limit - 1}")
