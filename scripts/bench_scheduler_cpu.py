@@ -21,10 +21,11 @@ time over the repeats, what a machine shared with other work distorts least::
         --repeat 3 --json sched-cpu.json
 
 ``--profile FILE`` writes a cProfile of the measured rounds (without ``--trees``). A tree named
-``vanilla`` runs vLLM's scheduler without kvelastic. ``--tp`` runs issue #19's TP=2 model instead
-(``sched_cpu_tp.py``: a cold and a warm burst, vLLM's scheduler in front of two rank processes)::
+``vanilla`` runs vLLM's scheduler without kvelastic. ``--tp`` runs issue #19's TP model instead
+(``sched_cpu_tp.py``: a cold and a warm burst, vLLM's scheduler in front of ``--world`` rank processes,
+2 by default)::
 
-    python scripts/bench_scheduler_cpu.py --tp --trees vanilla=.venv/bin/python new=.venv/bin/python --repeat 3
+    python scripts/bench_scheduler_cpu.py --tp --world 4 --trees vanilla=.venv/bin/python new=.venv/bin/python --repeat 3
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ WORKLOAD = {  # passed to every tree: name, default, help
     "limit-blocks": (4096, "physical limit (2 GiB on the H100)"), "cpu-blocks": (32768, "host tier (16 GiB on the H100)"),
     "cpu-policy": ("arc", ""), "chunk-mib": (2, ""), "layers": (1, ""), "heads": (4, ""), "head-size": (64, ""),
     "max-num-seqs": (256, ""), "max-batched-tokens": (8192, ""), "max-model-len": (8192, ""),
-    "tp-prompts": (256, "with --tp: prompts per burst"), "tp-out-len": (128, "with --tp: output tokens"),
+    "tp-prompts": (256, "with --tp: prompts per burst"), "world": (2, "with --tp: rank processes (the TP size)"), "tp-out-len": (128, "with --tp: output tokens"),
 }
 
 
@@ -159,7 +160,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--trees", nargs="+", metavar="NAME=PYTHON", help="run each interpreter's kvelastic in turn")
     p.add_argument("--repeat", type=int, default=1, help="with --trees: how many turns each tree gets")
     p.add_argument("--config", choices=("kvelastic", "vanilla"), default="kvelastic")
-    p.add_argument("--tp", action="store_true", help="issue #19's TP=2 model (sched_cpu_tp.py) instead of "
+    p.add_argument("--tp", action="store_true", help="issue #19's TP model (sched_cpu_tp.py) instead of "
                    "the multi-turn workload on one cache")
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--json", default="bench_scheduler_cpu.json")

@@ -1,4 +1,4 @@
-"""The scheduler's CPU per step under TP=2 on the CPU: vLLM's real Scheduler in front of two rank processes.
+"""The scheduler's CPU per step under TP on the CPU: vLLM's real Scheduler in front of spawned rank processes.
 
 Issue #19's CPU model: the GPU run's shape (``tests/test_tp_warm_pass.py`` at full
 size: 256 prompts of 50-1250 tokens, a quarter behind one 700-token prefix, 128
@@ -52,19 +52,25 @@ def burst(tag: str, count: int, max_tokens: int) -> list:
                     params, None, block_hasher=block_hasher()) for i in range(count)]
 
 
-def _build_tp(shared: str) -> tuple[Any, Any, Any]:
-    """kvelastic's patched scheduler over two spawned ranks; its ranks and patcher."""
+def spawn_ranks(folder: Path, world: int) -> Any:
+    """``world`` spawned rank processes (the tests' harness) on ``folder``, each with a full-size cache."""
+    from tests.kv_fixtures import HALF, RankProcesses
+
+    return RankProcesses(folder, limits=(None,) * world, layers=(3,) * world, shape=(BLOCKS, GROUP_BLOCKS * HALF))
+
+
+def _build_tp(shared: str, world: int, make_ranks: Any = spawn_ranks) -> tuple[Any, Any, Any]:
+    """kvelastic's patched scheduler over ``world`` ranks (``make_ranks(folder, world)``); its ranks and patcher."""
     from kvelastic.settings import Settings
     from kvelastic.startup.runtime import Runtime
     from kvelastic.tp import board as shm
-    from tests.kv_fixtures import HALF, WORLD, RankProcesses
     from tests.scheduler_harness import build_patched
     from tests.test_tp_real_scheduler import _scheduler_with_world
 
     os.environ["KVELASTIC_SHARED_DIR"] = shared
-    ranks = RankProcesses(shm.engine_dir(os.getpid()), shape=(BLOCKS, GROUP_BLOCKS * HALF))
+    ranks = make_ranks(shm.engine_dir(os.getpid()), world)
     runtime = Runtime(Settings(enabled=True, cache_ttl_s=600.0))
-    scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, num_blocks=BLOCKS, **BATCH))
+    scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(world, num_blocks=BLOCKS, **BATCH))
     return scheduler, ranks, patcher
 
 
@@ -104,8 +110,10 @@ def _passes(scheduler: Any, ranks: Any, args: argparse.Namespace, probes: Any, t
     return rounds
 
 
-def run_tp(args: argparse.Namespace) -> dict:
-    """One configuration, cold pass then warm, in this process (the ranks in two spawned ones)."""
+def run_tp(args: argparse.Namespace, make_ranks: Any = spawn_ranks) -> dict:
+    """One configuration, cold pass then warm, in this process (the ranks, ``args.world`` of them, in
+    spawned ones, made by ``make_ranks(folder, world)``: ``bench_rank_step_cpu.py`` passes ranks that time
+    themselves)."""
     import kvelastic
     from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -116,7 +124,7 @@ def run_tp(args: argparse.Namespace) -> dict:
     shared = tempfile.mkdtemp(prefix="kvelastic-shared-")
     atexit.register(shutil.rmtree, shared, True)  # registered first: runs after kvelastic's own exit work
     if args.config == "kvelastic":
-        scheduler, ranks, patcher = _build_tp(shared)
+        scheduler, ranks, patcher = _build_tp(shared, getattr(args, "world", 2), make_ranks)
     else:
         scheduler = make_scheduler(BLOCKS, **BATCH)
     freeze_gc_heap()
@@ -143,6 +151,7 @@ def run_tp(args: argparse.Namespace) -> dict:
             patcher.revert()
             ranks.close()
     return {"config": args.config, "tree": str(Path(kvelastic.__file__).resolve().parents[1]),
+            "world": getattr(args, "world", 2),
             "rounds": rounds, "steps": probes.steps, "ticks": probes.ticks, "gc": probes.gc, "process_cpu_s": 0.0,
             "other_threads_cpu_s": sum(threads.values()), "thread_cpu_s": threads,
             "trace_hash": trace.hexdigest()[:16],

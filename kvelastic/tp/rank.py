@@ -27,6 +27,7 @@ from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
+from kvelastic.tp.folder_watch import FolderWatch
 from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan,
                                    maps_after_launch)
 from kvelastic.tp.step_report import RankReport
@@ -69,6 +70,9 @@ class RankWorker:
         self._handled = self.applied  # the last command run or left for after the launch (the board: run)
         self._deferred: list[Command] = []  # this step's MAPs, left for after its forward pass's launch
         self.maps_kept_in_order = 0  # MAPs a later command of their plan touched: run before the forward
+        self._watch = FolderWatch(folder)  # the idle thread lists the folder only when it may have changed
+        self._fitted: int | None = None  # the last command handled when the idle thread last fitted the reserve
+        self._reserve_short = True  # that fit left the reserve below its target: try again next tick
         self._report_memory(force=True)
         shm.write_info(folder, info)
 
@@ -87,6 +91,9 @@ class RankWorker:
             callbacks, self._first_step = self._first_step, None
             for callback in callbacks:
                 callback()
+        if not plan.commands and not self._deferred and plan.idle_upto <= self._handled:
+            return  # most decode steps: nothing to run. Only this thread defers maps, and the idle
+            # thread advances _handled past a command only once it ran, so no lock is needed to know
         with self._lock:
             if self._deferred:  # the last step's forward failed before its maps ran: they still come first
                 self._apply_deferred()
@@ -98,9 +105,10 @@ class RankWorker:
         """The step's forward pass is launched: apply the MAPs left for now (the GPU computes meanwhile, and
         none of its blocks is in their groups), then mark the step run (a later unmap is fenced behind it).
         Confirmations (board, report) follow the maps, so no group is confirmed before it is mapped."""
-        with self._lock:
-            if self._deferred:
-                self._apply_deferred()
+        if self._deferred:  # only this thread adds to it: seen empty, it is empty
+            with self._lock:
+                if self._deferred:
+                    self._apply_deferred()
         self.board.set(shm.STEPS_DONE, plan.step)
 
     def take_report(self) -> RankReport:
@@ -136,13 +144,26 @@ class RankWorker:
             _use_device_of(self.copier)
         while not self._stop.wait(IDLE_POLL_S):
             try:
-                with self._lock:
-                    self._apply_idle_files()
-                self.cache.pool.collect()
-                self._fit_reserve(grow=True)
-                self._report_memory()
+                self._tick()
             except Exception:  # noqa: BLE001 - the rank must keep serving steps
+                self._watch.forget()  # the next tick does all of it again
+                self._fitted = None
                 log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
+
+    def _tick(self) -> None:
+        """One idle tick. It shares the GIL with the worker's thread, which launches the steps, so it does
+        only what may have become due: the folder's listing when the folder changed (:class:`FolderWatch`),
+        the reserve's fit when commands ran, fenced unmaps finished or the last fit fell short (the pool
+        changes only then); ``pool.collect`` and the throttled memory report as ever."""
+        with self._lock:
+            if self._deferred or self._watch.should_look():
+                self._apply_idle_files()
+        finished = self.cache.pool.collect()
+        handled = self._handled
+        if finished or self._reserve_short or handled != self._fitted:
+            self._fitted = handled
+            self._reserve_short = self._fit_reserve(grow=True)
+        self._report_memory()
 
     def _apply_idle_files(self) -> None:
         if self._deferred:  # idle commands come after the step's MAPs: the maps go first, as numbered
@@ -248,14 +269,17 @@ class RankWorker:
                                  "give every process of the engine the same KVELASTIC_CPU_BYTES")
         return self.copier
 
-    def _fit_reserve(self, *, grow: bool) -> None:
-        """Give back warm pages beyond the target; create missing ones only off the step path."""
+    def _fit_reserve(self, *, grow: bool) -> bool:
+        """Give back warm pages beyond the target; create missing ones only off the step path.
+        True if growing fell short of the target (the device or the limit had no room yet)."""
         pool = self.cache.pool
         have = pool.stats().reserve_bytes // pool.page_bytes
         if have > self.reserve_pages:
             pool.trim_reserve(self.reserve_pages)
         elif grow:
-            pool.grow_reserve(max(0, self.reserve_pages - have))  # which also parks recycled pages
+            missing = max(0, self.reserve_pages - have)
+            return pool.grow_reserve(missing) < missing  # which also parks recycled pages
+        return False
 
     def _report_memory(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -93,6 +93,7 @@ class RemoteMapper(Mapper):
         self._seq = max([b.get(shm.APPLIED) for b in self.boards] + [START_SEQ])
         self._steps = 0
         self._idle_upto = 0
+        self._idle_written: list[tuple[int, Path]] = []  # idle files written here and not yet removed (last, path)
         self._next_liveness = 0.0
         self.dead_ranks: set[int] = set()
         self.backoff_until = 0.0
@@ -199,7 +200,7 @@ class RemoteMapper(Mapper):
         self._clean_idle_files()
         if not self._outbox or not self.no_step_in_flight():
             return False
-        shm.write_idle_commands(self.folder, self._outbox)
+        self._idle_written.append((self._outbox[-1][0], shm.write_idle_commands(self.folder, self._outbox)))
         self._idle_upto = self._outbox[-1][0]
         self._outbox = []
         return True
@@ -353,8 +354,14 @@ class RemoteMapper(Mapper):
                           "confirmed, so no new KV memory is handed out", rank, pid)
 
     def _clean_idle_files(self) -> None:
+        """Remove the idle files every rank has applied. This mapper is the folder's only writer of them
+        (the folder is its engine's), so it removes from its own list: no listing of the folder on every
+        reclaimer tick, under the scheduler's lock, for nothing (engine exit still lists it)."""
+        if not self._idle_written:
+            return
         applied = min(b.get(shm.APPLIED) for b in self.boards)
-        for _, last, path in shm.idle_files(self.folder):
+        for last, path in self._idle_written:
             if last <= applied:
                 path.unlink(missing_ok=True)
+        self._idle_written = [(last, path) for last, path in self._idle_written if last > applied]
 
