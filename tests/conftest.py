@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 
 import pytest
@@ -21,7 +23,6 @@ def host_pool():
 
 def pytest_configure(config):
     """In CI a missing vLLM is an error, never a silent skip of the integration tests."""
-    import importlib.util
     import os
 
     if os.environ.get("KVELASTIC_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
@@ -30,7 +31,13 @@ def pytest_configure(config):
 
 @pytest.fixture
 def kv_log(caplog):
-    """Records of kvelastic's logger, 'vllm.kvelastic': vLLM's 'vllm' logger does not pass them on to the root."""
+    """Records of kvelastic's logger, 'vllm.kvelastic': vLLM's 'vllm' logger does not pass them on to the root.
+
+    vLLM configures its loggers when ``vllm.logger`` is first imported, and that configuration
+    strips the handlers of every existing child of 'vllm': so it is imported before the handler
+    goes on, or a test whose code imports vLLM first (run alone, say) would record nothing."""
+    if importlib.util.find_spec("vllm") is not None:
+        importlib.import_module("vllm.logger")
     logger = logging.getLogger("vllm.kvelastic")
     caplog.set_level(logging.INFO, logger="vllm.kvelastic")
     logger.addHandler(caplog.handler)
