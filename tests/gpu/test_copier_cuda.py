@@ -64,19 +64,24 @@ def test_round_trip_over_vmm_pages(path):
         pool.close()
 
 
-def test_load_orders_later_compute_and_store_returns_before_the_copy_ends():
-    """The host thread never waits: store returns an unfinished fence; compute after a load sees the data."""
+@pytest.mark.parametrize("path", ["direct", "fused"])
+def test_load_orders_later_compute_and_store_returns_before_the_copy_ends(path):
+    """The host thread never waits: store returns an unfinished fence; compute after a load sees the data.
+    (``runs`` has its own, in test_run_copy_cuda.py: a warm-up first, and runs of blocks to load.)"""
     blocks = torch.randint(-128, 127, (2048, 512 * 1024), dtype=torch.int8, device="cuda")
     host = torch.zeros((2048, 512 * 1024), dtype=torch.int8, pin_memory=True)
-    copier = BlockCopier([blocks], host)
+    copier = BlockCopier([blocks], host, path=path)
     torch.cuda.synchronize()
     fence = copier.store(list(range(2048)), list(range(2048)))
     assert not fence.is_done(), "a 1 GiB store finished before store() returned: it blocked the host"
     fence.wait()
+    assert torch.equal(host[:16], blocks[:16].cpu()) and torch.equal(host[-16:], blocks[-16:].cpu())
     blocks.zero_()
     copier.load([5], [9])
     total = int(blocks[5].to(torch.int64).sum())  # on the default stream, after the load
     assert total == int(host[9].to(torch.int64).sum())
+    times = copier.copy_times()
+    assert times is not None and times["store_timed_bytes"] == 2048 * 512 * 1024
 
 
 @pytest.mark.parametrize("path", ["staged", "direct"])

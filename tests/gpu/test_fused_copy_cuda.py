@@ -1,4 +1,7 @@
-"""The fused copy path on a real GPU: byte for byte what the direct path moves, over VMM pages and tier memory.
+"""The fused copy path on a real GPU: byte for byte what the direct path moves, over VMM pages.
+
+Over the tier's own memory and for the host thread never waiting, it runs in the paths' shared tests
+(test_host_memory_cuda.py, test_copier_cuda.py).
 
     python -m pytest -q tests/gpu/test_fused_copy_cuda.py
 """
@@ -73,43 +76,3 @@ def test_fused_moves_the_same_bytes_as_direct_over_vmm_pages(layers, run_kib, sl
     finally:
         torch.cuda.synchronize()
         pool.close()
-
-
-def test_fused_over_background_pinned_tier_memory_across_a_chunk():
-    """The tier's own buffer (one mmap registered chunk by chunk): slots on both sides of a registration."""
-    from kvelastic.offload.host_memory import CudaPinner, HostMemory, chunk_plan
-
-    slot = 2 * MIB
-    memory = HostMemory(160, slot, pinner=CudaPinner())
-    try:
-        assert memory.wait(120) and memory.failure is None
-        boundary = chunk_plan(memory.slots, slot)[1][1]
-        slots = list(range(boundary - 4, boundary + 4))
-        kv = torch.randint(-128, 127, (32, slot), dtype=torch.int8, device="cuda")
-        copier = BlockCopier([kv], memory.buffer, path="fused", breaks=memory.breaks)
-        copier.store(list(range(8)), slots).wait()
-        assert torch.equal(memory.buffer[slots], kv[:8].cpu())
-        copier.load(list(range(24, 32)), slots).wait()
-        torch.cuda.synchronize()
-        assert torch.equal(kv[24:], kv[:8])
-        del copier
-    finally:
-        torch.cuda.synchronize()
-        memory.free()
-
-
-def test_a_fused_store_returns_before_the_copy_ends_and_a_load_orders_compute():
-    blocks = torch.randint(-128, 127, (2048, 512 * KIB), dtype=torch.int8, device="cuda")
-    host = torch.zeros((2048, 512 * KIB), dtype=torch.int8, pin_memory=True)
-    copier = BlockCopier([blocks], host, path="fused")
-    torch.cuda.synchronize()
-    fence = copier.store(list(range(2048)), list(range(2048)))
-    assert not fence.is_done(), "a 1 GiB store finished before store() returned: it blocked the host"
-    fence.wait()
-    assert torch.equal(host[:16], blocks[:16].cpu()) and torch.equal(host[-16:], blocks[-16:].cpu())
-    blocks.zero_()
-    copier.load([5], [9])
-    total = int(blocks[5].to(torch.int64).sum())  # on the default stream, after the load
-    assert total == int(host[9].to(torch.int64).sum())
-    times = copier.copy_times()
-    assert times is not None and times["store_timed_bytes"] == 2048 * 512 * KIB

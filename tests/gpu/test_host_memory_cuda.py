@@ -47,7 +47,7 @@ def test_constructor_returns_long_before_a_synchronous_pin(pinned_2gib):
     assert memory.ready_slots == memory.slots and memory.buffer.is_pinned()
 
 
-@pytest.mark.parametrize("path", ["direct", "staged"])
+@pytest.mark.parametrize("path", ["direct", "staged", "fused"])
 @pytest.mark.parametrize("where", ["last", "across"])
 def test_copies_into_background_pinned_slots_round_trip(pinned_2gib, path, where):
     memory = pinned_2gib[0]
