@@ -288,19 +288,23 @@ class Cluster(RankProcesses):
         return self.send(self.mapper.take_plan(), writes, checks, live)
 
     def allocate(self, n: int) -> list | None:
-        """vLLM's check, then its allocation; None is a scheduling miss (demand is recorded)."""
-        if n > self.bp.get_num_free_blocks():
-            self.queue.want_blocks(n)
-            return None
-        return self.bp.get_new_blocks(n)
+        return allocate_or_ask(self.bp, self.queue, n)
 
 
-@pytest.fixture
-def cluster(tmp_path):
+def allocate_or_ask(bp, queue, n: int) -> list | None:
+    """vLLM's check, then its allocation; None is a scheduling miss (the page-aware queue records the demand)."""
+    if n > bp.get_num_free_blocks():
+        queue.want_blocks(n)
+        return None
+    return bp.get_new_blocks(n)
+
+
+def closed_after(make_one):
+    """A fixture's body: yields a maker of harnesses (``make_one(**kw)``) and closes every one it made."""
     made = []
 
     def make(**kw):
-        made.append(Cluster(tmp_path, **kw))
+        made.append(make_one(**kw))
         return made[-1]
 
     yield make
@@ -308,7 +312,12 @@ def cluster(tmp_path):
         c.close()
 
 
-def allocate_within(c: Cluster, n: int, steps: int = 5) -> list:
+@pytest.fixture
+def cluster(tmp_path):
+    yield from closed_after(lambda **kw: Cluster(tmp_path, **kw))
+
+
+def allocate_within(c, n: int, steps: int = 5) -> list:
     """Allocate ``n`` blocks, running empty steps while the ranks map what the scheduler asked for."""
     for _ in range(steps):
         blocks = c.allocate(n)

@@ -16,6 +16,7 @@ import pytest
 
 from kvelastic.tp.report_merger import RANK_ATTR, ReportMerger, attach_rank_report, step_report_of
 from kvelastic.tp.step_report import CommandTally, RankReport, StepReport, split_map
+from tests.kv_fixtures import allocate_or_ask, allocate_within, closed_after
 
 WORLD = 2
 
@@ -167,10 +168,7 @@ class StepCluster:
             self.mapper.adopt(report or StepReport())
 
     def allocate(self, n: int):
-        if n > self.bp.get_num_free_blocks():
-            self.queue.want_blocks(n)
-            return None
-        return self.bp.get_new_blocks(n)
+        return allocate_or_ask(self.bp, self.queue, n)
 
     def close(self) -> None:
         for conn, proc in zip(self.conns, self.procs):
@@ -181,21 +179,7 @@ class StepCluster:
 
 @pytest.fixture
 def step_cluster(tmp_path):
-    made = []
-
-    def make(**kw):
-        made.append(StepCluster(tmp_path, **kw))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-
-
-def _allocate_within(c: StepCluster, n: int, steps: int = 5):
-    from tests.kv_fixtures import allocate_within
-
-    return allocate_within(c, n, steps)
+    yield from closed_after(lambda **kw: StepCluster(tmp_path, **kw))
 
 
 def test_blocks_are_handed_out_only_once_both_ranks_reported_them(step_cluster):
@@ -208,7 +192,7 @@ def test_blocks_are_handed_out_only_once_both_ranks_reported_them(step_cluster):
     assert c.mapper.pending_groups, "a group was adopted on one rank's word"
     from kvelastic.tp.remote_mapper import MAX_REPORTS_WAITED
 
-    blocks = _allocate_within(c, 3 * BLOCKS_PER_GROUP, steps=MAX_REPORTS_WAITED + 6)  # refused, then asked again
+    blocks = allocate_within(c, 3 * BLOCKS_PER_GROUP, steps=MAX_REPORTS_WAITED + 6)  # refused, then asked again
     c.step(writes=[b.block_id for b in blocks])  # each rank checks every block it writes is mapped
 
 
@@ -216,14 +200,14 @@ def test_a_rank_out_of_memory_is_a_scheduling_miss_and_the_other_gives_its_group
     from tests.kv_fixtures import BLOCKS_PER_GROUP
 
     c = step_cluster(limits=(None, 3))
-    got = _allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
+    got = allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
     assert c.allocate(4 * BLOCKS_PER_GROUP) is None
     c.step()  # rank 0 maps, rank 1 refuses: the least count wins
     assert c.allocate(4 * BLOCKS_PER_GROUP) is None
     assert c.mapper.refused or c.mapper.pending_commands, "the refused groups must be given back"
     c.step(writes=[b.block_id for b in got])
     c.bp.free_blocks(got)
-    assert _allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
+    assert allocate_within(c, 2 * BLOCKS_PER_GROUP - 1)
 
 
 def test_a_map_never_reported_by_every_rank_is_refused_in_the_end(step_cluster):
