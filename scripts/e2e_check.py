@@ -66,11 +66,20 @@ def summary(r: dict) -> dict:
            "out_tok_s": first["output_tokens"] / first["seconds"], "ttft_p50": ttft[len(ttft) // 2],
            "ready_gib": at_ready[-1] / 2**30, "peak_gib": max(m for _, m in memory) / 2**30,
            "end_gib": memory[-1][1] / 2**30}
+    if len(r["passes"]) > 1:  # the same prompts again: the cache is warm
+        row["warm_seconds"] = r["passes"][1]["seconds"]
     per_gpu = r.get("memory_per_gpu") or []
     if per_gpu and len(per_gpu[0][1]) > 1:  # several GPUs: each one's peak and its last sample
         row["peak_gib_per_gpu"] = [max(s[1][i] for s in per_gpu) / 2**30 for i in range(len(per_gpu[0][1]))]
         row["end_gib_per_gpu"] = [v / 2**30 for v in per_gpu[-1][1]]
     return row
+
+
+def warm_ratio(vanilla: dict, elastic: dict) -> str:
+    """kvelastic's speed on the second (warm) pass as a multiple of vanilla's ("-" with one pass)."""
+    if "warm_seconds" not in vanilla or "warm_seconds" not in elastic:
+        return "-"
+    return f"{vanilla['warm_seconds'] / elastic['warm_seconds']:.3f}"
 
 
 def compare(a: dict, b: dict) -> tuple[int, int]:
@@ -82,6 +91,29 @@ def compare(a: dict, b: dict) -> tuple[int, int]:
     return same, total
 
 
+def parse_variant(text: str, base: dict) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,...`` -> (``-NAME`` as a file and row suffix, the base settings plus these)."""
+    name, _, settings = text.partition(":")
+    if not name or not settings or "=" not in settings:
+        raise SystemExit(f"--kve-variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+    return f"-{name}", {**base, **dict(item.split("=", 1) for item in settings.split(","))}
+
+
+def compare_run(name: str, vanilla: dict, elastic: dict, suffix: str) -> dict | None:
+    """One table row: kvelastic's run against vanilla's (None, after printing why, if it failed)."""
+    if "error" in elastic:
+        print(f"== {name}{suffix} kvelastic FAILED: {elastic['error']}\n{elastic['log_tail']}")
+        return None
+    same, total = compare(vanilla, elastic)
+    counted = elastic.get("connector")
+    if counted is not None and not counted["loaded_blocks"]:
+        print(f"== {name}{suffix}: the connector loaded nothing on kvelastic: the workload did not exercise it")
+        return None
+    return {"config": name + suffix, "identical": same, "total": total,
+            "vanilla": summary(vanilla), "kvelastic": summary(elastic),
+            "connector": {"vanilla": vanilla.get("connector"), "kvelastic": elastic.get("connector")}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -89,37 +121,35 @@ def main() -> int:
     p.add_argument("--matrix", nargs="+", default=["v2"], choices=sorted(CONFIGS))
     p.add_argument("--label", default="", help="suffix for output file names")
     p.add_argument("--kve-env", nargs="*", default=[], help="KEY=VALUE set for the kvelastic runs only")
+    p.add_argument("--kve-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="another kvelastic run against the same vanilla run, with these settings added "
+                        "(A/Bs in one call: machines differ from call to call)")
     p.add_argument("--summary", default=None, help="write the table as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     rows, failed = [], False
+    kve_env = dict(item.split("=", 1) for item in args.kve_env)
+    variants = [("", kve_env)] + [parse_variant(text, kve_env) for text in args.kve_variant]
     for name in args.matrix:
         vanilla = run(name, False, args.model, outdir, args.extra, {}, args.label)
-        kve_env = dict(item.split("=", 1) for item in args.kve_env)
-        elastic = run(name, True, args.model, outdir, args.extra, kve_env, args.label)
-        for label, r in (("vanilla", vanilla), ("kvelastic", elastic)):
-            if "error" in r:
-                print(f"== {name} {label} FAILED: {r['error']}\n{r['log_tail']}")
-                failed = True
-        if "error" in vanilla or "error" in elastic:
-            continue
-        same, total = compare(vanilla, elastic)
-        failed |= same != total
-        counted = elastic.get("connector")
-        if counted is not None and not counted["loaded_blocks"]:
-            print(f"== {name}: the connector loaded nothing on kvelastic: the workload did not exercise it")
+        if "error" in vanilla:
+            print(f"== {name} vanilla FAILED: {vanilla['error']}\n{vanilla['log_tail']}")
             failed = True
-        rows.append({"config": name, "identical": same, "total": total,
-                     "vanilla": summary(vanilla), "kvelastic": summary(elastic),
-                     "connector": {"vanilla": vanilla.get("connector"), "kvelastic": elastic.get("connector")}})
+            continue
+        for suffix, env in variants:
+            row = compare_run(name, vanilla, run(name, True, args.model, outdir, args.extra, env,
+                                                 args.label + suffix), suffix)
+            failed |= row is None or row["identical"] != row["total"]
+            if row is not None:
+                rows.append(row)
     print(f"\n{'config':<12} {'identical':>9} {'tok/s van':>10} {'tok/s kve':>10} {'ratio':>6} "
-          f"{'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'GiB kve ready/peak/end':>23}")
+          f"{'warm ratio':>10} {'TTFT50 van':>11} {'TTFT50 kve':>11} {'peak GiB van':>13} {'GiB kve ready/peak/end':>23}")
     for row in rows:
         v, k = row["vanilla"], row["kvelastic"]
         print(f"{row['config']:<12} {row['identical']:>4}/{row['total']:<4} {v['tok_s']:>10.0f} {k['tok_s']:>10.0f} "
-              f"{k['tok_s'] / v['tok_s']:>6.3f} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
+              f"{k['tok_s'] / v['tok_s']:>6.3f} {warm_ratio(v, k):>10} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
               f"{v['peak_gib']:>13.1f} {k['ready_gib']:>9.1f} / {k['peak_gib']:.1f} / {k['end_gib']:.1f}")
     for row in rows:
         for label in ("vanilla", "kvelastic"):
