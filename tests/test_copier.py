@@ -49,9 +49,15 @@ def test_auto_takes_the_copy_engines_only_for_wide_pieces_on_cuda():
     assert auto_path([wide, wide], on_cuda=False) == "direct"
 
 
-def test_auto_is_direct_on_a_cpu():
-    copier = round_trip("cpu", "auto", [64 * 1024, 64 * 1024], staging_bytes=1)
+def test_auto_is_direct_on_a_cpu_and_says_so(kv_log):
+    copier = round_trip("cpu", "auto", [64 * 1024, 48 * 1024], staging_bytes=1)
     assert copier.path == "direct"
+    assert "copy path auto -> direct (narrowest piece of a block 48.00 KiB)" in kv_log.text
+
+
+def test_a_named_path_is_not_announced(kv_log):
+    round_trip("cpu", "direct", [64, 64], staging_bytes=1)
+    assert "copy path" not in kv_log.text
 
 
 def test_slot_runs():

@@ -29,6 +29,7 @@ same operations run synchronously.
 
 from __future__ import annotations
 
+import logging
 from typing import AbstractSet, Any, Literal, Sequence
 
 import torch
@@ -44,6 +45,9 @@ from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import Copier
 from kvelastic.settings import Settings
+from kvelastic.units import format_size
+
+log = logging.getLogger("vllm.kvelastic")
 
 __all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "auto_path", "resolve_path"]
 
@@ -94,6 +98,9 @@ class BlockCopier(Copier):
                 raise
             self.path = "direct"  # a layout the copy engines cannot take: ``auto`` keeps the kernels
             self.mover = self._mover(self.path, columns, staging_bytes, breaks)
+        if path == "auto":  # which path ``auto`` took cannot be read from the settings line
+            log.info("kvelastic: copy path auto -> %s (narrowest piece of a block %s)", self.path,
+                     format_size(min(v.shape[1] * v.element_size() for v in block_views)))
 
     def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
                breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:
