@@ -15,6 +15,7 @@ scheduling miss.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
+from kvelastic.tp import host_supply
 from kvelastic.tp.folder_watch import FolderWatch
 from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan,
                                    maps_after_launch)
@@ -51,12 +53,15 @@ class RankWorker:
         self.cache = cache
         self.map_after_launch = map_after_launch
         self.folder = folder
-        self.info = info
         self.copier = copier
         self.board = shm.RankBoard.of_rank(folder, info.rank, cache.num_groups, create=True)
         self.board.set(shm.PID, os.getpid())
-        for g in cache.pool.mapped_groups():
+        start_groups = sorted(cache.pool.mapped_groups())
+        for g in start_groups:
             self.board.groups[g] = START_SEQ
+        # the board's start, in the description too: a scheduler confirming on the steps' replies reads no board
+        self.info = dataclasses.replace(info, start_groups=tuple(start_groups), applied=self.applied)
+        self._pinned = (0, False)  # (host slots pinned, settled), as the pin threads last said
         self._copies: list[Fence] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,7 +79,7 @@ class RankWorker:
         self._fitted: int | None = None  # the last command handled when the idle thread last fitted the reserve
         self._reserve_short = True  # that fit left the reserve below its target: try again next tick
         self._report_memory(force=True)
-        shm.write_info(folder, info)
+        shm.write_info(folder, self.info)
 
     # ----------------------------------------------------------------- steps
     def at_first_step(self, callback: Callable[[], None]) -> None:
@@ -119,9 +124,18 @@ class RankWorker:
             self._loads = [(seq, copy) for seq, copy in self._loads if seq not in loads]
             free = self.cache.pool.backend.device_free_bytes()
             stats = self.cache.pool.stats()
+            ready, settled = self._pinned
             return RankReport(rank=self.info.rank, applied=self.applied, step=self.board.get(shm.STEPS_DONE),
                               maps=maps, loads=loads, device_free=-1 if free is None else free,
-                              held_bytes=stats.held_bytes, mapped_bytes=stats.mapped_bytes)
+                              held_bytes=stats.held_bytes, mapped_bytes=stats.mapped_bytes,
+                              host_ready=ready, host_settled=settled)
+
+    def pinned(self, ready_slots: int, settled: bool) -> None:
+        """The host-tier share's pin threads: ``ready_slots`` are pinned (``settled``: all there will be).
+        Published on the board (``board`` mode reads it there) and kept for the next report (``step``
+        mode), each as one store, so no reader sees a count without its "settled"."""
+        host_supply.publish(self.board, ready_slots, settled)
+        self._pinned = (ready_slots, settled)
 
     @property
     def applied(self) -> int:

@@ -40,11 +40,16 @@ class RankInfo:
     slot_bytes: int
     gpu_id: str = ""       # the rank's device, as its shared account names it ("": not said)
     gpu_total: int = 0     # the device's memory in bytes (0: unknown)
+    #: The rank's state before any scheduler existed, what its board held then: the groups it had mapped
+    #: (its board's ``START_SEQ`` entries) and its applied-command mark. In ``KVELASTIC_TP_CONFIRM=step``
+    #: the scheduler adopts them from here, so it needs no board (``kvelastic/tp/start_state.py``).
+    start_groups: tuple[int, ...] = ()
+    applied: int = 0
 
 
 _INFO = {"rank": int, "world": int, "pid": int, "group_bytes": int, "page_bytes": int,
          "limit_bytes": (int, type(None)), "host_slots": int, "slot_bytes": int, "layout": dict,
-         "gpu_id": str, "gpu_total": int}
+         "gpu_id": str, "gpu_total": int, "start_groups": list, "applied": int}
 _LAYOUT = {"num_blocks": int, "page_bytes": int, "blocks_per_group": int, "regions": list}
 _REGION = {"region": int, "block_stride": int, "runs": list}
 
@@ -57,6 +62,7 @@ def encode_info(info: RankInfo) -> bytes:
         "rank": info.rank, "world": info.world, "pid": info.pid, "group_bytes": info.group_bytes,
         "page_bytes": info.page_bytes, "limit_bytes": info.limit_bytes, "host_slots": info.host_slots,
         "slot_bytes": info.slot_bytes, "gpu_id": info.gpu_id, "gpu_total": info.gpu_total,
+        "start_groups": list(info.start_groups), "applied": info.applied,
         "layout": {"num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
                    "blocks_per_group": layout.blocks_per_group, "regions": regions}})
 
@@ -74,13 +80,25 @@ def decode_info(data: bytes, what: str) -> RankInfo:
     if record["limit_bytes"] is not None:
         _in_range(record["limit_bytes"], 0, MAX_VALUE, f"{what}: limit_bytes")
     _in_range(record["gpu_total"], 0, MAX_VALUE, f"{what}: gpu_total")
+    _in_range(record["applied"], 0, MAX_VALUE, f"{what}: applied")
     if record["gpu_id"] and not ACCOUNT_ID.match(record["gpu_id"]):
         raise BadSharedData(f"{what}: gpu_id {record['gpu_id'][:40]!r} is not an account id")
+    layout = _decode_layout(record["layout"], what)
     return RankInfo(rank=record["rank"], world=record["world"], pid=record["pid"],
-                    layout=_decode_layout(record["layout"], what), group_bytes=record["group_bytes"],
+                    layout=layout, group_bytes=record["group_bytes"],
                     page_bytes=record["page_bytes"], limit_bytes=record["limit_bytes"],
                     host_slots=record["host_slots"], slot_bytes=record["slot_bytes"],
-                    gpu_id=record["gpu_id"], gpu_total=record["gpu_total"])
+                    gpu_id=record["gpu_id"], gpu_total=record["gpu_total"],
+                    start_groups=_start_groups(record["start_groups"], layout.num_groups, what),
+                    applied=record["applied"])
+
+
+def _start_groups(value: list, num_groups: int, what: str) -> tuple[int, ...]:
+    """The groups a rank mapped before its scheduler existed: each a group of its layout, none twice."""
+    groups = int_list(value, f"{what}: start_groups", high=num_groups, max_len=num_groups)
+    if len(set(groups)) != len(groups):
+        raise BadSharedData(f"{what}: start_groups names a group twice")
+    return tuple(groups)
 
 
 def _decode_layout(record: dict, what: str) -> Any:

@@ -12,7 +12,10 @@ Confirmations come from one of two sources, chosen at construction: the
 ranks' boards in shared memory (``BOARD``, one host), or the reports every rank
 attaches to a step's reply (``STEP``, any host; :meth:`adopt`, fed by the
 scheduler's ``update_from_output``). Either way a group is adopted only on every
-rank's word.
+rank's word. In ``STEP`` mode the mapper opens no board to start (the start-up
+state comes in the ranks' descriptions: :mod:`kvelastic.tp.start_state`) and
+learns how far each rank has pinned its host-tier share from the reports too
+(:class:`~kvelastic.tp.host_supply.ReportedHostSupply`).
 
 While the engine is idle no step runs, so :meth:`deliver_idle` (called by the
 reclaimer) writes the outbox to the engine's folder for the ranks' idle
@@ -25,19 +28,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvelastic.errors import KvelasticError
-from kvelastic.cluster.errors import SharedBudgetExceeded
-from kvelastic.cluster.ledger import BudgetLedger
 from kvelastic.cluster.liveness import is_alive
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Mapper
+from kvelastic.shared.errors import SharedFileError
+from kvelastic.tp.gpu_charge import Charge, charge_all, release_all
 from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import (MAP, START_SEQ, Command, StepPlan, load_command, map_command, reserve_command,
+from kvelastic.tp.host_supply import ReportedHostSupply
+from kvelastic.tp.protocol import (MAP, Command, StepPlan, load_command, map_command, reserve_command,
                                    store_command, unmap_command, wait_command)
+from kvelastic.tp.start_state import StartState
 from kvelastic.tp.step_report import CommandTally, StepReport, held_by_rank, split_map
 
 log = logging.getLogger("vllm.kvelastic")
@@ -45,22 +49,10 @@ log = logging.getLogger("vllm.kvelastic")
 LIVENESS_PERIOD_S = 1.0
 REFUSAL_BACKOFF_S = 0.5  # after a rank refused a group, ask for no new group for this long
 MAX_REPORTS_WAITED = 8  # a MAP not decided by every rank after this many step reports is refused
+PIN_REPORT_PERIOD_S = 0.1  # while a rank still pins its host-tier share, a report step at most this often
 
 BOARD = "board"  # confirmations read off the ranks' shared-memory boards (one host)
 STEP = "step"    # confirmations carried on the steps' replies (any host, any multiprocess executor)
-
-
-@dataclass(frozen=True)
-class Charge:
-    """One GPU's shared account, as the ranks on it count: a group's bytes there, and how many ranks."""
-
-    ledger: BudgetLedger
-    group_bytes: int
-    ranks: int = 1
-
-    def bytes_for(self, groups: int, reserve_bytes: int = 0) -> int:
-        """``groups`` page groups and a warm reserve of ``reserve_bytes`` per rank, on this GPU."""
-        return groups * self.group_bytes + reserve_bytes * self.ranks
 
 
 class RemoteMapper(Mapper):
@@ -68,15 +60,21 @@ class RemoteMapper(Mapper):
 
     synchronous = False  # the queue must never wait for a map: it cannot be confirmed in the call
 
-    def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start_mapped: Iterable[int] = (),
-                 confirm: str = BOARD):
-        """``confirm``: ``BOARD`` or ``STEP``. Every rank (one per board) must confirm."""
+    def __init__(self, folder: Path, boards: Sequence[shm.RankBoard], start: StartState = StartState(),
+                 confirm: str = BOARD, *, world: int | None = None,
+                 open_boards: Callable[[], Sequence[shm.RankBoard]] | None = None):
+        """``confirm``: ``BOARD`` (one board per rank) or ``STEP`` (no board: ``world`` ranks; idle delivery,
+        which still goes through the engine's folder, opens them with ``open_boards`` when it first needs
+        them). ``start``: the groups to adopt and the command number to go on from. Every rank must confirm."""
         if confirm not in (BOARD, STEP):
             raise ValueError(f"confirmations come from {BOARD!r} or {STEP!r}, not {confirm!r}")
         self.folder = folder
         self.boards = list(boards)
         self.confirm = confirm
-        self.world = len(self.boards)
+        self.world = len(self.boards) if world is None else world
+        if confirm == BOARD and len(self.boards) != self.world:
+            raise ValueError(f"{len(self.boards)} boards for {self.world} ranks")
+        self._open_boards = open_boards
         self._tally = CommandTally(self.world)
         self._sent: dict[int, tuple[tuple[int, ...], int]] = {}  # MAP seq -> (groups, reports seen when sent)
         self._reports_seen = 0
@@ -89,8 +87,10 @@ class RemoteMapper(Mapper):
         self._refused: deque[int] = deque()
         self._outbox: list[Command] = []
         self._pending: dict[int, int] = {}  # group -> seq of the map command awaiting confirmation
-        self.mapped_groups: set[int] = set(start_mapped)
-        self._seq = max([b.get(shm.APPLIED) for b in self.boards] + [START_SEQ])
+        self.mapped_groups: set[int] = set(start.adopted)
+        self._seq = start.applied
+        self._pinning: ReportedHostSupply | None = None  # STEP mode with a host tier: the ranks' pinned slots
+        self._pin_report_at = 0.0  # when a report step is next due for them, while some rank still pins
         self._steps = 0
         self._idle_upto = 0
         self._idle_written: list[tuple[int, Path]] = []  # idle files written here and not yet removed (last, path)
@@ -99,6 +99,11 @@ class RemoteMapper(Mapper):
         self.backoff_until = 0.0
         self._seen_marks: tuple[int, ...] = ()
         self._charges: list[Charge] = []  # the GPUs' shared accounts, once the engine joined them
+
+    def follow_pinning(self, supply: ReportedHostSupply) -> None:
+        """Feed ``supply`` each report's pinned host slots (``STEP`` mode), and ask for a report step every
+        :data:`PIN_REPORT_PERIOD_S` while some rank still pins: the supply grows from reports alone."""
+        self._pinning = supply
 
     def charge_to(self, charges: Sequence["Charge"]) -> None:
         """From now on every group is charged to each GPU's ledger before its map is sent, and given
@@ -192,13 +197,15 @@ class RemoteMapper(Mapper):
         """The commands queued since the last step, for the step being sent now."""
         self._steps += 1
         report = self.wants_report
+        if report:
+            self._pin_report_at = time.monotonic() + PIN_REPORT_PERIOD_S  # any report step brings the counts
         commands, self._outbox = tuple(self._outbox), []
         return StepPlan(step=self._steps, commands=commands, idle_upto=self._idle_upto, report=report)
 
     def deliver_idle(self) -> bool:
         """Hand queued commands to idle ranks through files, if no step is in flight; True if sent."""
         self._clean_idle_files()
-        if not self._outbox or not self.no_step_in_flight():
+        if not self._outbox or not self._idle_boards() or not self.no_step_in_flight():
             return False
         self._idle_written.append((self._outbox[-1][0], shm.write_idle_commands(self.folder, self._outbox)))
         self._idle_upto = self._outbox[-1][0]
@@ -207,6 +214,18 @@ class RemoteMapper(Mapper):
 
     def no_step_in_flight(self) -> bool:
         return all(b.get(shm.STEPS_DONE) >= self._steps for b in self.boards)
+
+    def _idle_boards(self) -> list[shm.RankBoard]:
+        """The boards idle delivery reads (in ``STEP`` mode too: it still goes through the engine's folder),
+        opened at its first need in ``STEP`` mode; none where they cannot be: commands then wait for a step."""
+        if not self.boards and self._open_boards is not None:
+            opener, self._open_boards = self._open_boards, None
+            try:
+                self.boards = list(opener())
+            except (OSError, SharedFileError) as error:
+                log.warning("kvelastic: no idle delivery through %s (%s): commands queued while the engine "
+                            "idles wait for its next step", self.folder, error)
+        return self.boards
 
     @property
     def pending_commands(self) -> int:
@@ -261,6 +280,8 @@ class RemoteMapper(Mapper):
             if r.device_free >= 0:
                 self._rank_free[r.rank] = r.device_free
         self._rank_held = dict(enumerate(held_by_rank(report.ranks, self.world, self._rank_held)))
+        if self._pinning is not None:
+            self._pinning.take(report.ranks)
         self._count_loads(report)
         failed: list[int] = []
         for seq, done in self._tally.add(report).items():
@@ -291,9 +312,15 @@ class RemoteMapper(Mapper):
 
     @property
     def wants_report(self) -> bool:
-        """True while a MAP or an asynchronous load awaits some rank's word: the next step must bring every
+        """True while a MAP or an asynchronous load awaits some rank's word, or (every
+        :data:`PIN_REPORT_PERIOD_S`) while some rank still pins host slots: the next step must bring every
         rank's reply."""
-        return self.confirm == STEP and bool(self._sent or self._loads_out or any(c[1] == MAP for c in self._outbox))
+        if self.confirm != STEP:
+            return False
+        if self._sent or self._loads_out or any(c[1] == MAP for c in self._outbox):
+            return True
+        pinning = self._pinning
+        return pinning is not None and not pinning.settled and time.monotonic() >= self._pin_report_at
 
     def backing_off(self) -> bool:
         """True shortly after a refusal, or for good once a rank died: asking again would only fail."""
@@ -315,27 +342,10 @@ class RemoteMapper(Mapper):
 
     # ------------------------------------------------------------- helpers
     def _charge(self, groups: int, reserve_bytes: int = 0) -> bool:
-        """False if a GPU's shared account refuses ``groups`` more groups (or a rank's warm reserve
-        ``reserve_bytes`` more); what the other accounts granted is given back then."""
-        done: list[tuple[BudgetLedger, int, bool]] = []
-        for charge in self._charges:
-            nbytes = charge.bytes_for(groups, reserve_bytes)
-            try:
-                done.append((charge.ledger, nbytes, charge.ledger.charge(nbytes)))
-            except SharedBudgetExceeded:
-                for ledger, taken, _ in done:
-                    ledger.undo(taken)
-                return False
-        for ledger, nbytes, granted in done:
-            if granted:
-                ledger.made(nbytes)
-        return True
+        return charge_all(self._charges, groups, reserve_bytes)
 
     def _give_back(self, groups: int, reserve_bytes: int = 0) -> None:
-        for charge in self._charges:
-            nbytes = charge.bytes_for(groups, reserve_bytes)
-            if nbytes > 0:
-                charge.ledger.release(nbytes)
+        release_all(self._charges, groups, reserve_bytes)
 
     def _next(self) -> int:
         self._seq += 1

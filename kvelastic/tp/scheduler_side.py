@@ -23,6 +23,7 @@ from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
+from kvelastic.tp import start_state
 from kvelastic.tp.remote_mapper import BOARD, STEP, RemoteMapper
 from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from kvelastic.roles import AccountLink
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.startup.runtime import Runtime
+    from kvelastic.offload.host_memory import SlotSupply
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.settings import Settings
 
@@ -82,10 +84,13 @@ def _confirmations(setting: str, parallel: Any, folder: Path) -> str:
 
 
 class RankConnection(CacheConnection):
-    """The scheduler's side of KV caches sharded over worker ranks: commands out with each step, boards in.
+    """The scheduler's side of KV caches sharded over worker ranks: commands out with each step, confirmations
+    in (off the ranks' boards, or on the steps' replies).
 
     Groups mapped on every rank at start-up are adopted; a group mapped on
-    only some ranks is unmapped with the first step. ``limit_bytes`` (the
+    only some ranks is unmapped with the first step (read off the boards, or in
+    ``STEP`` mode from the ranks' descriptions, opening no board: :mod:`kvelastic.tp.start_state`).
+    ``limit_bytes`` (the
     user's) overrides the smallest limit the ranks profiled. Under pipeline
     parallelism the ranks hold different layers, so a group's bytes differ by
     stage: the scheduler counts each group at the largest (the stage that
@@ -103,12 +108,15 @@ class RankConnection(CacheConnection):
                != first.layout.blocks_per_group for i in infos):
             raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
                              "every rank must hold the same blocks")
-        groups = range(first.layout.num_groups)
-        boards = [shm.RankBoard.of_rank(folder, i.rank, first.layout.num_groups, create=False) for i in infos]
-        mapper = RemoteMapper(folder, boards, [g for g in groups if all(int(b.groups[g]) > 0 for b in boards)],
-                              confirm=confirm)
-        mapper.request_unmap([g for g in groups if g not in mapper.mapped_groups
-                              and any(int(b.groups[g]) > 0 for b in boards)])
+        open_boards = functools.partial(_open_boards, folder, infos)
+        if confirm == STEP:  # idle delivery opens the boards when it first needs them (the folder's row 2)
+            start = start_state.of_descriptions(infos)
+            mapper = RemoteMapper(folder, [], start, confirm, world=len(infos), open_boards=open_boards)
+        else:
+            boards = open_boards()
+            start = start_state.of_boards(boards, first.layout.num_groups)
+            mapper = RemoteMapper(folder, boards, start, confirm)
+        mapper.request_unmap(start.partial)
         limits = [i.limit_bytes for i in infos if i.limit_bytes]
         self.mapper = mapper
         self.infos = tuple(infos)
@@ -124,13 +132,18 @@ class RankConnection(CacheConnection):
         slot is handed out once every rank has pinned it."""
         from kvelastic.offload.host_tier import HostTier
         from kvelastic.offload.write_through import ahead_slots
-        from kvelastic.tp.host_supply import RankHostSupply
+        from kvelastic.tp.host_supply import RankHostSupply, ReportedHostSupply
 
         if not self.host_slots:
             raise PatchError("kvelastic: KVELASTIC_CPU_BYTES is set for the scheduler but the worker ranks "
                              "set up no host tier; give every process of the engine the same environment")
+        if self.mapper.confirm == STEP:  # the ranks' pinned counts come on the steps' replies
+            supply: "SlotSupply" = ReportedHostSupply(self.mapper.world)
+            self.mapper.follow_pinning(supply)
+        else:
+            supply = RankHostSupply(self.mapper.boards)
         tier = HostTier(self.host_slots * self.slot_bytes, self.slot_bytes, pin=False, allocate=False,
-                        policy=settings.cpu_policy, supply=RankHostSupply(self.mapper.boards),
+                        policy=settings.cpu_policy, supply=supply,
                         ahead_slots=ahead_slots(settings, self.host_slots, self.slot_bytes))
         return tier, RemoteCopier(self.mapper, self.slot_bytes)
 
@@ -155,7 +168,7 @@ class RankConnection(CacheConnection):
         from kvelastic.cluster.ledger import BudgetLedger
         from kvelastic.scheduler.cluster_link import join_shared_account
         from kvelastic.scheduler.link_group import LinkGroup
-        from kvelastic.tp.remote_mapper import Charge
+        from kvelastic.tp.gpu_charge import Charge
 
         pool, largest = self.cache.pool, self.cache.group_bytes
         charges, links = [], []
@@ -183,6 +196,11 @@ def _by_gpu(infos: Sequence[shm.RankInfo]) -> dict[str, list[shm.RankInfo]]:
     for info in infos:
         found.setdefault(info.gpu_id, []).append(info)
     return found
+
+
+def _open_boards(folder: Path, infos: Sequence[shm.RankInfo]) -> list[shm.RankBoard]:
+    """Every rank's board, read-only (FileNotFoundError or SharedFileError where one cannot be opened)."""
+    return [shm.RankBoard.of_rank(folder, i.rank, i.layout.num_groups, create=False) for i in infos]
 
 
 def _remove_idle_files(folder: Path) -> None:

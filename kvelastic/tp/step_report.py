@@ -23,6 +23,8 @@ class RankReport:
     ``maps``: ``(seq, done)`` for each MAP command run, where ``done`` of its
     groups were mapped (the rest refused). ``loads``: the asynchronous LOAD
     commands whose copies finished. ``device_free`` is -1 when unknown.
+    ``host_ready``: the slots of its host-tier share pinned so far (a prefix);
+    ``host_settled``: no more will come (:mod:`kvelastic.tp.host_supply`).
     """
 
     rank: int
@@ -33,6 +35,8 @@ class RankReport:
     device_free: int = -1
     held_bytes: int = 0
     mapped_bytes: int = 0
+    host_ready: int = 0
+    host_settled: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Runs right after the rank has published its elastic KV cache: describes it in
 the engine's folder, allocates this rank's share of the host tier (pinned in
-the background; the rank publishes its progress on its board and the
-scheduler hands out a slot once every rank has it) and starts
+the background; the rank publishes its progress on its board and in its step
+reports, and the scheduler hands out a slot once every rank has it) and starts
 the :class:`~kvelastic.tp.rank.RankWorker` that the patched
 ``Worker.execute_model`` feeds each step's commands.
 """
@@ -19,7 +19,6 @@ from kvelastic.cluster.device import device_identity
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
-from kvelastic.tp import host_supply
 from kvelastic.tp.engine_folder import keep_description, rank_folder
 from kvelastic.tp.rank import RankWorker
 
@@ -74,10 +73,9 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
                         limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
                         gpu_id=gpu_id, gpu_total=gpu_total or 0)
     worker = RankWorker(cache, folder, info, copier, map_after_launch=map_after_launch)
-    keep_description(info)  # under Ray the engine core asks for it over collective_rpc
+    keep_description(worker.info)  # with its start-up state; under Ray the engine core asks for it
     if memory is not None:
-        board = worker.board
-        memory.watch(lambda ready, settled: host_supply.publish(board, ready, settled))
+        memory.watch(worker.pinned)
         worker.at_first_step(memory.begin)  # not while vLLM captures CUDA graphs (HostMemory's docstring)
     worker.start()
     return worker
