@@ -137,6 +137,11 @@ class Mapper(Protocol):
     """
 
     synchronous: bool
+    #: Whether a group requested and not yet mapped already holds its room in the cache's headroom
+    #: (a mapper that charges a budget when it sends the command, as the ranks' does). Where False, the
+    #: pool takes the pages only when the group is mapped, so until then the room still counts it and
+    #: the queue must not request it twice over (``PageAwareFreeQueue._room_to_request``).
+    requests_hold_room: bool = True
     #: Groups mapped since the queue last looked, for it to adopt (it pops them). The queue reads this
     #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute
     #: where it can be (a property that first polls the ranks where it cannot).

@@ -46,10 +46,10 @@ def built():
     pool, views, cache = build_cache(backend=backend)
     made = []
 
-    def make(mapper_type=GroupMapper):
+    def make(mapper_type=GroupMapper, **options):
         blocks = [Block(i) for i in range(cache.num_blocks)]
         queue = PageAwareFreeQueue(cache, blocks, blocks[1:], lambda block: None, mapper_type(cache),
-                                   max_ahead_groups=1)
+                                   max_ahead_groups=1, **options)
         made.append(queue)
         return queue
 
@@ -195,3 +195,113 @@ def test_the_admission_check_of_0_19_maps_nothing(built):
     plain = type("Manager", (), {})()  # a manager kvelastic did not attach to: vLLM's call as is
     plain.coordinator = _coordinator(admission_check.ESTIMATE.shape(Version(0, 19, 0)).params)
     assert admission_check._can_fit(lambda request: "as is", plain, ("request",), {}) == "as is"
+
+
+# ------------------------------------------------------------ a burst up to the limit, as on the H100
+class LateWorker(GroupMapper):
+    """The mapper thread not woken yet: groups requested ahead wait in its queue until the scheduler's
+    own map (``map_now``) waits for everything asked before it, as the thread's queue runs in order."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        self.asked: list[tuple[str, list[int]]] = []
+
+    def start(self):
+        """No thread: what is sent runs inline (the thread's order, without its timing)."""
+
+    def request_map(self, groups):
+        self.asked.append(("map", list(groups)))
+
+    def request_unmap(self, groups, after=None):
+        self._send_asked()
+        super().request_unmap(groups, after=after)
+
+    def map_now(self, groups, *, force=False):
+        self._send_asked()
+        super().map_now(groups, force=force)
+
+    def _send_asked(self):
+        asked, self.asked = self.asked, []
+        for _, groups in asked:
+            super().request_map(groups)
+
+
+LIMIT_GROUPS = 16  # KVELASTIC_LIMIT=2GiB in groups of 128 MiB, the null group's included
+AHEAD_GROUPS = 8  # KVELASTIC_PREFETCH=1GiB
+PER_REQUEST = BLOCKS_PER_GROUP // 4  # 64 blocks of 256 a group
+
+
+def _burst(mapper_type, *, reserve_groups: int):
+    """64 requests admitted in one step that together need the whole limit, each through the guard."""
+    pool, views, cache = build_cache(limit_groups=LIMIT_GROUPS, num_blocks=64 * BLOCKS_PER_GROUP)
+    mapper = mapper_type(cache)
+    mapper.start()
+    blocks = [Block(i) for i in range(cache.num_blocks)]
+    queue = PageAwareFreeQueue(cache, blocks, blocks[1:], lambda block: None, mapper,
+                               max_ahead_groups=AHEAD_GROUPS)
+    guard = commit_guard.CommitGuard(queue)
+    pool.grow_reserve(reserve_groups * len(cache.layout.pages(1)))  # KVELASTIC_RESERVE(_HOST_RUNS), parked
+    try:
+        admitted = 0
+        for _ in range(64):
+            guard.secure(PER_REQUEST)
+            if queue.num_free_blocks >= PER_REQUEST:
+                queue.popleft_n(PER_REQUEST)
+                admitted += 1
+        guard.end_step()
+        return guard, queue, admitted
+    finally:
+        mapper.stop()
+        del views
+        pool.close()
+
+
+@pytest.mark.parametrize("reserve_groups", [0, 2, 7])
+def test_near_the_limit_the_prefetch_never_asks_for_a_group_twice_over(reserve_groups):
+    """The groups asked for ahead and not yet mapped are still in the pool's room: counted once more,
+    the worker mapped past the limit and the guard took the limit's refusal for the device's."""
+    guard, queue, admitted = _burst(LateWorker, reserve_groups=reserve_groups)
+    capacity = (LIMIT_GROUPS * BLOCKS_PER_GROUP - 1) // PER_REQUEST  # block 0 is vLLM's null block
+    assert admitted == capacity
+    assert queue.refused_groups == 0 and guard.refusals == 0
+
+
+def test_a_burst_up_to_the_limit_with_the_mapper_thread_is_never_refused():
+    """The same burst with the real worker thread (before the fix: one refusal in every run)."""
+    for _ in range(5):
+        guard, queue, _ = _burst(GroupMapper, reserve_groups=2)
+        assert queue.refused_groups == 0 and guard.refusals == 0
+
+
+def test_a_refusal_by_the_limit_is_logged_as_the_limits(built, caplog):
+    """The limit fell between the estimate and the map (the account's cap, ``kvelastic limit``): the
+    log line names the limit, not another process."""
+    make, _, pool = built
+    queue = make(clock=lambda: 0.0)  # a frozen clock: the room read below is not read again
+    guard = commit_guard.CommitGuard(queue)
+    needed = _mapped_free(queue) + 2 * BLOCKS_PER_GROUP
+    assert queue.num_free_blocks >= needed
+    pool.set_limit(pool.stats().held_bytes)  # nothing more may be mapped
+    with caplog.at_level("INFO", logger="vllm.kvelastic"):
+        guard.secure(needed)
+    assert guard.refusals == 1
+    assert "refused by this engine's limit (mapping" in caplog.text
+    assert "another process" not in caplog.text and "outside kvelastic" not in caplog.text
+
+
+def test_a_refusal_by_the_device_is_logged_as_the_devices(built, caplog):
+    make, backend, _ = built
+    queue = make()
+    guard = commit_guard.CommitGuard(queue)
+    backend.outsider = True
+    with caplog.at_level("INFO", logger="vllm.kvelastic"):
+        guard.secure(_mapped_free(queue) + 2 * BLOCKS_PER_GROUP)
+    assert "refused by the device: a process outside kvelastic's accounting took the memory" in caplog.text
+
+
+def test_a_refusal_by_the_shared_account_is_named_so():
+    from kvelastic.cluster.errors import SharedBudgetExceeded
+
+    refusal = SharedBudgetExceeded("instance 'a' may not map 8.00 MiB more")
+    assert commit_guard.refusal_reason(refusal).startswith("the GPU's shared account (instance 'a'")
+    assert commit_guard.refusal_reason(None) == "the pool (no reason recorded)"

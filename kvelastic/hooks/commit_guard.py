@@ -8,6 +8,10 @@ outside kvelastic's accounting takes the memory in between, mapping fails in
 ``popleft_n``, after the commit, where the only answer left is an exception
 that stops the engine.
 
+The same holds where the limit or the GPU's shared account moved in between
+(the account lowered this engine's cap, another engine took its grant): the
+log line of a refusal says which of them refused (:func:`refusal_reason`).
+
 vLLM asks ``coordinator.get_num_blocks_to_allocate(...)`` right before that
 check in every supported release. :func:`install` wraps it on the scheduler's
 coordinator instance: once vLLM knows how many blocks it wants, the queue maps
@@ -47,6 +51,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvelastic.cluster.errors import SharedBudgetExceeded
+from kvelastic.errors import DeviceOutOfMemory, PoolExhausted, PoolLimitExceeded
 from kvelastic.patches.admission_check import ESTIMATE, flag_index, is_admission_check
 
 if TYPE_CHECKING:
@@ -64,7 +70,7 @@ class CommitGuard:
     def __init__(self, queue: PageAwareFreeQueue):
         self.queue = queue
         self.admitting = 0  # depth of admission checks in progress (nothing to secure in them)
-        self.refusals = 0   # estimates the device proved wrong, for logs and tests
+        self.refusals = 0   # estimates the pool proved wrong (limit, account or device), for logs and tests
         self._next_log = 0.0
 
     def secure(self, blocks: int) -> None:
@@ -86,9 +92,9 @@ class CommitGuard:
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + LOG_EVERY_S
-            log.info("kvelastic: the device refused memory the free-block estimate promised (another "
-                     "process took it); an allocation of %d blocks waits as a scheduling miss "
-                     "(%d refusals so far)", blocks, self.refusals)
+            log.info("kvelastic: a page group the free-block estimate promised was refused by %s; an "
+                     "allocation of %d blocks waits as a scheduling miss (%d refusals so far)",
+                     refusal_reason(self.queue.cache.last_refusal), blocks, self.refusals)
 
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
@@ -101,6 +107,19 @@ class CommitGuard:
 
     def end_step(self) -> None:
         self.queue.hold.end_step()
+
+
+def refusal_reason(refusal: PoolExhausted | None) -> str:
+    """Who refused, in words: the estimate reads the limit, the shared account and the device, and
+    any of them can have moved since (a lowered limit or fair share, another engine's grant, a
+    process outside kvelastic), so the log must not blame the device for the others."""
+    if isinstance(refusal, PoolLimitExceeded):
+        return f"this engine's limit ({refusal})"
+    if isinstance(refusal, SharedBudgetExceeded):
+        return f"the GPU's shared account ({refusal})"
+    if isinstance(refusal, DeviceOutOfMemory):
+        return f"the device: a process outside kvelastic's accounting took the memory ({refusal})"
+    return f"the pool ({refusal or 'no reason recorded'})"
 
 
 def install(coordinator: Any, queue: PageAwareFreeQueue, patcher: Patcher) -> CommitGuard:

@@ -53,6 +53,9 @@ class GroupedBlocks(SchedulerCache):
     #: Told the bytes that waiting requests need beyond what a budget outside this process grants (the
     #: GPU's shared account), so the others give them back; None where there is no such budget.
     external_want: Callable[[int], None] | None = None
+    #: Why the pool last refused a map (the limit, the shared account or the device), for the commit
+    #: guard's log line; None until one is refused (and in views whose ranks report no reason).
+    last_refusal: PoolExhausted | None = None
 
     @property
     def blocks_per_group(self) -> int:
@@ -124,7 +127,8 @@ class ElasticKVCache(GroupedBlocks):
         for done, group in enumerate(groups):
             try:
                 self.map_groups([group], force=force)
-            except PoolExhausted:
+            except PoolExhausted as refusal:
+                self.last_refusal = refusal
                 return done
         return len(groups)
 

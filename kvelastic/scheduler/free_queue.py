@@ -250,7 +250,10 @@ class PageAwareFreeQueue:
         """Map now the groups that ``blocks`` more would need beyond the free mapped blocks.
 
         Only when the estimate says they can be had (otherwise vLLM's own
-        check declines). False if a map was refused: the estimate was wrong.
+        check declines). False if a map was refused and the blocks are not all
+        mapped: the estimate was wrong. A refusal of a group requested ahead
+        (the wait covers the worker's earlier commands) that leaves these
+        blocks mapped is no miss of this allocation.
         """
         short = blocks - self.mapped_free_blocks()
         if short <= 0:
@@ -261,7 +264,10 @@ class PageAwareFreeQueue:
             return True
         refused = self.refused_groups
         self._map_now(short)
-        return self.refused_groups == refused
+        if self.refused_groups == refused:
+            return True
+        self.cache.forget_device_free()  # whoever refused, the next estimate reads the device afresh
+        return self.mapped_free_blocks() >= blocks
 
     def note_shortfall(self, blocks: int) -> None:
         """A request needs ``blocks`` free blocks; if the pool cannot have them, say what it waits for.
@@ -314,6 +320,21 @@ class PageAwareFreeQueue:
                                             groups * cache.blocks_per_group))
             self._room_until = now + MAPPABLE_TTL_S
         return self._room_value
+
+    def _room_to_request(self) -> int:
+        """Groups the prefetch may still ask for: the pool's room less what is asked for already.
+
+        Where the pool takes a group's pages only once the worker maps it, the
+        groups requested ahead and not mapped yet are still in the room: asking
+        for the room again on top of them had the worker map past the limit
+        near it, and the refusal reached the commit guard inside the next
+        allocation's wait as if the device had refused that allocation (1B
+        multi-turn on an H100, ``KVELASTIC_LIMIT=2GiB``, 2026-11-28).
+        """
+        groups = self._room()[0]
+        if not self.mapper.requests_hold_room:
+            groups -= len(self._requested)
+        return max(0, groups)
 
     def _forget_mappable(self) -> None:
         self._room_until = 0.0
@@ -380,7 +401,7 @@ class PageAwareFreeQueue:
         empty = self.free.empty
         have = len(empty) + len(self._requested)
         if have < want:
-            groups = self.free.pop_unmapped(min(want - have, self._room()[0]), self._requested)
+            groups = self.free.pop_unmapped(min(want - have, self._room_to_request()), self._requested)
             if groups:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)

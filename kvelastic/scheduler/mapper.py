@@ -31,6 +31,7 @@ class GroupMapper(Mapper):
     """Executes map/unmap commands for one elastic cache in this process, inline or on a daemon thread."""
 
     synchronous = True  # map_now returns with the groups mapped (or refused)
+    requests_hold_room = False  # the pool takes pages when the worker maps a group, not when it is asked
 
     def __init__(self, cache: ElasticKVCache):
         self.cache = cache
