@@ -31,7 +31,7 @@ from kvelastic.patches import engine_folder_handover, executor_step_report  # no
 from kvelastic.settings import Settings  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp import engine_folder, ray_executor  # noqa: E402
-from kvelastic.tp.protocol import MAP  # noqa: E402
+from kvelastic.tp.protocol import MAP, START_SEQ, UNMAP  # noqa: E402
 from kvelastic.tp.rank_files import RankInfo, encode_info  # noqa: E402
 from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
 from kvelastic.tp.remote_mapper import STEP  # noqa: E402
@@ -42,6 +42,8 @@ from tests.scheduler_harness import applied_patch  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 120
+#: The groups each rank maps before it serves (the null group 0 aside): group 1 on both, group 2 on rank 0 only.
+START_GROUPS = ((1, 2), (1,))
 
 
 # ------------------------------------------------------------------ the ranks (other processes)
@@ -61,6 +63,7 @@ class _Worker:
 
         found = engine_folder.rank_folder("ray")
         self.pool, self.views, self.cache = build_cache()
+        self.cache.map_groups(START_GROUPS[self.rank])  # as vLLM's start-up may, before the scheduler exists
         self.runtime.rank_worker = start_rank(self.cache, found.folder, self.rank, WORLD, None, None)
 
     def compile_or_warm_up_model(self) -> SimpleNamespace:
@@ -210,8 +213,10 @@ def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_han
 def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_engines_children(ranks):
     """KVELASTIC_TP_CONFIRM=step under Ray's V2 executor: a report step makes vLLM's executor hear every rank,
     the ranks' reports reach the scheduler on the step's output, and a group's blocks are handed out only
-    once both ranks' word on it was adopted from there. No board is read."""
-    from tests.test_tp_step_report import _NoBoard
+    once both ranks' word on it was adopted from there. The scheduler connects with neither description
+    files nor boards: the start-up state comes in the descriptions sent back over collective_rpc (the group
+    both ranks mapped adopted, the one only rank 0 mapped unmapped with the first step)."""
+    from tests.test_tp_step_report import remove_boards
 
     to_ranks, from_ranks, _ = ranks
     settings = Settings(ray="allow", tp_confirm="step")
@@ -221,18 +226,21 @@ def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_e
             _scheduler_side(settings)  # no folder handed over yet: the executor could be anything
         executor = _executor(to_ranks, from_ranks)
         executor.initialize_from_config([])  # patched: the hand-over, vLLM's own calls, the descriptions
+        folder = shm.engine_dir(os.getpid())
         for rank in range(WORLD):  # the scheduler must take the descriptions from the ranks' replies
-            (shm.engine_dir(os.getpid()) / f"rank{rank}.info").unlink()
+            (folder / f"rank{rank}.info").unlink()
+        remove_boards(folder)  # ... and the start-up state too
         connection, pool, queue = _scheduler_side(settings, wait_s=0.0)
         mapper, adopt = connection.mapper, connection.reply_hook()
-        assert mapper.confirm == STEP and adopt is not None
-        mapper.boards = [_NoBoard() for _ in range(WORLD)]
+        assert mapper.confirm == STEP and adopt is not None and mapper.boards == []
+        assert mapper.mapped_groups == {0, 1}, "the groups both ranks mapped at start-up were not adopted"
         confirmed = set(mapper.mapped_groups)
         want = 3 * BLOCKS_PER_GROUP
-        assert pool.get_num_free_blocks() < want
+        assert pool.get_num_free_blocks() == 2 * BLOCKS_PER_GROUP - 1  # groups 0 and 1 but the null block
         queue.want_blocks(want)  # vLLM's scheduling miss
         plan = mapper.take_plan()
         maps = {c[0]: c[2] for c in plan.commands if c[1] == MAP}
+        assert plan.commands[0] == (START_SEQ + 1, UNMAP, (2,)), "rank 0's lone group 2 must go first"
         assert plan.report and maps, "a step carrying maps must ask every rank for its report"
         assert executor.execute_model(SimpleNamespace(kvelastic_plan=plan, writes=[])) is None
         output = executor.sample_tokens(None)
@@ -248,7 +256,9 @@ def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_e
         writes = dataclasses.replace(mapper.take_plan(), report=True)  # every rank answers: each checks its writes
         assert executor.execute_model(SimpleNamespace(kvelastic_plan=writes, writes=[b.block_id for b in blocks])) \
             is None
-        adopt(executor.sample_tokens(None))
+        after = step_report_of(executor.sample_tokens(None))
+        held = {r.rank: r.mapped_bytes for r in after.ranks}
+        assert held[0] == held[1], f"the ranks map different groups after the first step: {held}"
 
 
 def test_without_the_hand_over_a_ray_rank_fails_with_a_clear_error(ranks):

@@ -65,11 +65,18 @@ def tp_engine(tmp_path, monkeypatch):
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
              cpu_load: str = "sync", split: str = "tensor", map_after_launch: bool = True):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
-        layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting."""
+        layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting. With
+        ``confirm="step"`` the ranks' board files are removed before the scheduler connects: it starts
+        from their descriptions, its host tier grows from their reports, and no idle delivery happens."""
+        from tests.test_tp_step_report import remove_boards
+
         layers = RANK_LAYERS[split]
-        ranks = RankProcesses(shm.engine_dir(os.getpid()), (limit_groups, limit_groups), cpu_bytes, layers,
+        folder = shm.engine_dir(os.getpid())
+        ranks = RankProcesses(folder, (limit_groups, limit_groups), cpu_bytes, layers,
                               map_after_launch=map_after_launch)
         made.append(ranks)  # closed even if the scheduler cannot be built
+        if confirm == "step":
+            remove_boards(folder)
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
         stages = WORLD if split == "pipeline" else 1
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
@@ -171,7 +178,9 @@ def test_confirmations_on_the_steps_replies_keep_every_block_right_without_board
     assert "mapped groups confirmed on the steps' replies" in caplog.text
     filler = [make_requests(f"f{k}", 2 + 2 * k, 400, 0, seed=10 + k) for k in range(3)]  # growing demand
     waves = [make_requests("a", 2, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
-    at_start = set(scheduler.kv_cache_manager.block_pool.free_block_queue.mapper.mapped_groups)
+    mapper = scheduler.kv_cache_manager.block_pool.free_block_queue.mapper
+    assert mapper.boards == [], "the scheduler opened a board to connect in step mode"
+    at_start = set(mapper.mapped_groups)
     reports: list = []
     seen: set = set()
     trace = drive_ranks_step(scheduler, ranks, waves, reports, seen)
@@ -180,6 +189,9 @@ def test_confirmations_on_the_steps_replies_keep_every_block_right_without_board
     assert len(seen - at_start) >= 3, "groups the ranks mapped were never adopted from their reports"
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
     assert max(ranks.mapped_bytes) <= 7 * GROUP_BYTES  # within the limit (and one group in flight)
+    tier = scheduler.kvelastic_offload.tier
+    assert tier.stats().slots == tier.slots > 0, "the host tier did not grow to every slot from the reports"
+    assert all(r.host_settled for r in reports[-1].ranks)
 
 
 def test_step_confirmations_are_refused_for_an_executor_that_does_not_gather_replies(tmp_path, monkeypatch):

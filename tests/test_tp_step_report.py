@@ -2,12 +2,15 @@
 
 The last tests spawn two ranks with host-backed pools, as ``test_tp_protocol.py`` does. Each
 step's reply comes back pickled as a ``ModelRunnerOutput`` and is merged the way vLLM's
-multiprocess executor merges its ranks' replies. The scheduler side reads no board: a group
-is adopted only from the merged reports.
+multiprocess executor merges its ranks' replies. The scheduler side has no board: the ranks'
+board files are removed before it connects, so it starts from their descriptions and adopts a
+group only from the merged reports (the start-up state and the pinned host slots:
+``test_tp_step_start.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import pickle
 import types
@@ -73,24 +76,35 @@ def test_reports_ride_vllm_outputs_through_pickle_and_its_own_aggregator():
 
 
 # ----------------------------------------------------- two rank processes, no board
-def rank_main(conn, folder: str, rank: int, limit_groups) -> None:
-    """A worker rank: apply each plan; on a report step, answer execute_model with its report."""
+def rank_main(conn, folder: str, rank: int, limit_groups, start_groups=(), host_slots: int = 0) -> None:
+    """A worker rank: apply each plan; on a report step, answer execute_model with its report.
+
+    ``start_groups``: groups it maps before it serves (as vLLM's start-up may); ``host_slots``: its share of
+    a host tier, pinned chunk by chunk as the test says (``("pin", chunks, slots)``: answered once at least
+    ``slots`` are pinned), the driver's pinning being the one thing stood in for (:mod:`tests.host_pins`)."""
     from pathlib import Path
 
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     from kvelastic.tp.worker_side import start_rank
     from patches.worker_execute_model import _execute
+    from tests.host_pins import GatedHostShare
     from tests.kv_fixtures import build_cache
 
     pool, views, cache = build_cache(limit_groups)
-    worker = start_rank(cache, Path(folder), rank, WORLD, None, None)
+    cache.map_groups(start_groups)
+    gate = GatedHostShare() if host_slots else None
+    cpu_bytes = gate.cpu_bytes(cache, host_slots, WORLD) if gate else None
+    worker = start_rank(cache, Path(folder), rank, WORLD, None, cpu_bytes)
     runtime = types.SimpleNamespace(rank_worker=worker)
     conn.send("ready")
     while True:
         message = conn.recv()
         if message == "stop":
             break
+        if message[0] == "pin":
+            conn.send(("pinned", gate.pin(message[1], message[2])))
+            continue
         plan, writes = message
 
         def forward(_scheduler_output) -> None:  # the step's writes as its forward pass is launched
@@ -103,25 +117,26 @@ def rank_main(conn, folder: str, rank: int, limit_groups) -> None:
         # sample_tokens' output (here vLLM's empty one)
         launched = _execute(runtime, forward, None, (types.SimpleNamespace(kvelastic_plan=plan),), {})
         conn.send((launched, EMPTY_MODEL_RUNNER_OUTPUT))
+    if gate is not None:
+        gate.open()
     worker.close()
     pool.close()
 
 
-class _NoBoard:
-    """Fails any read: in STEP mode the scheduler must not look at a board."""
-
-    def get(self, field):
-        raise AssertionError("the scheduler read a board in STEP mode")
-
-    @property
-    def groups(self):
-        raise AssertionError("the scheduler read a board in STEP mode")
+def remove_boards(folder, world: int = WORLD) -> None:
+    """Take the ranks' board files away from the scheduler (each rank keeps writing its own mapping)."""
+    for rank in range(world):
+        (folder / f"rank{rank}.board").unlink()
 
 
 class StepCluster:
-    """The scheduler side in STEP mode plus two spawned ranks; replies merged as vLLM's executor would."""
+    """The scheduler side in STEP mode plus two spawned ranks; replies merged as vLLM's executor would.
 
-    def __init__(self, tmp_path, limits=(None, None)):
+    The ranks' boards are gone before the scheduler connects: it has only their descriptions and replies.
+    ``start_groups``: each rank's groups mapped before it serves; ``host_slots``: each rank's gated host
+    share (:meth:`pin`)."""
+
+    def __init__(self, tmp_path, limits=(None, None), start_groups=((), ()), host_slots: int = 0):
         from vllm.v1.core.block_pool import BlockPool
 
         from kvelastic.hooks.block_pool import make_page_aware
@@ -136,22 +151,29 @@ class StepCluster:
         self.conns, self.procs = [], []
         for rank in range(WORLD):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank]), daemon=True)
+            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, limits[rank], start_groups[rank],
+                                                       host_slots), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
         for conn in self.conns:
             assert conn.poll(240) and conn.recv() == "ready"
-        self.connection = RankConnection(folder, [shm.read_info(folder, r) for r in range(WORLD)], confirm=STEP)
+        self.folder = folder
+        self.infos = [shm.read_info(folder, r) for r in range(WORLD)]
+        remove_boards(folder)
+        self.connection = RankConnection(folder, self.infos, confirm=STEP)
         self.cache, self.mapper = self.connection.cache, self.connection.mapper
-        self.mapper.boards = [_NoBoard() for _ in range(WORLD)]
+        assert self.mapper.boards == [], "the scheduler opened a board in STEP mode"
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.queue = make_page_aware(self.bp, self.cache, self.mapper, patcher=scheduler_patcher(),
                                      max_ahead_groups=2)
 
-    def step(self, writes=(), deliver=range(WORLD)) -> None:
-        """One step; the replies of the ranks in ``deliver`` reach the merger (vLLM waits for all of them)."""
+    def step(self, writes=(), deliver=range(WORLD), report: bool = False) -> StepReport | None:
+        """One step; the replies of the ranks in ``deliver`` reach the merger (vLLM waits for all of them).
+        ``report``: make it a report step whatever the scheduler asked. Returns the report adopted, if any."""
         plan = self.mapper.take_plan()
+        if report:
+            plan = dataclasses.replace(plan, report=True)
         for conn in self.conns:
             conn.send((plan, list(writes)))
         replies = []
@@ -164,8 +186,18 @@ class StepCluster:
             if kept:
                 assert merger.aggregate([launched for launched, _ in kept], output_rank=0) is None
                 sampled = merger.aggregate([pickle.loads(pickle.dumps(out)) for _, out in kept], output_rank=0)
-            report = step_report_of(sampled) if kept else None
-            self.mapper.adopt(report or StepReport())
+            merged = step_report_of(sampled) if kept else None
+            self.mapper.adopt(merged or StepReport())
+            return merged
+        return None
+
+    def pin(self, rank: int, chunks: int, slots: int) -> tuple[int, bool]:
+        """Let rank ``rank`` pin ``chunks`` more chunks of its host share; (ready, settled) once ``slots`` are."""
+        self.conns[rank].send(("pin", chunks, slots))
+        assert self.conns[rank].poll(150), f"rank {rank} did not pin"
+        tag, state = self.conns[rank].recv()
+        assert tag == "pinned"
+        return state
 
     def allocate(self, n: int):
         return allocate_or_ask(self.bp, self.queue, n)
