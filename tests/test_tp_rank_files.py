@@ -43,6 +43,30 @@ def test_a_rank_description_round_trips_with_its_layout(folder):
         pool.close()
 
 
+def test_a_description_carries_the_start_up_state_and_refuses_a_group_outside_its_layout_or_twice():
+    """The groups a rank mapped before its scheduler existed and its applied mark (what step mode adopts
+    instead of reading the board) come back as written; a description naming a group the layout lacks,
+    or one twice, is refused like any malformed shared data."""
+    import dataclasses
+    import json
+
+    pool, _, cache, info = _info()
+    try:
+        described = dataclasses.replace(info, start_groups=(0, 2, 5), applied=7)
+        back = decode_info(encode_info(described), "x")
+        assert (back.start_groups, back.applied) == ((0, 2, 5), 7)
+        record = json.loads(encode_info(described))
+        for groups, complaint in (([cache.layout.num_groups], "start_groups"), ([1, 1], "twice"),
+                                  ([-1], "start_groups")):
+            bad = json.dumps({**record, "start_groups": groups}).encode()
+            with pytest.raises(BadSharedData, match=complaint):
+                decode_info(bad, "x")
+        with pytest.raises(BadSharedData, match="applied"):
+            decode_info(json.dumps({**record, "applied": -1}).encode(), "x")
+    finally:
+        pool.close()
+
+
 def test_commands_round_trip_exactly_as_the_protocol_builds_them(folder):
     commands = (map_command(2, [1, 2]), unmap_command(3, [4]), store_command(4, [5, 6], [0, 1], True),
                 load_command(5, [7], [2]), load_command(6, [8], [3], block_compute=False), reserve_command(7, 9))

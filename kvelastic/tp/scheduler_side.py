@@ -89,9 +89,9 @@ class RankConnection(CacheConnection):
 
     Groups mapped on every rank at start-up are adopted; a group mapped on
     only some ranks is unmapped with the first step (read off the boards, or in
-    ``STEP`` mode from the ranks' descriptions, opening no board: :mod:`kvelastic.tp.start_state`).
-    ``limit_bytes`` (the
-    user's) overrides the smallest limit the ranks profiled. Under pipeline
+    ``STEP`` mode from the ranks' descriptions, opening no board:
+    :mod:`kvelastic.tp.start_state`). ``limit_bytes`` (the user's) overrides
+    the smallest limit the ranks profiled. Under pipeline
     parallelism the ranks hold different layers, so a group's bytes differ by
     stage: the scheduler counts each group at the largest (the stage that
     reaches its limit first), and a host-tier slot holds every rank's share.
