@@ -273,7 +273,7 @@ def test_a_burst_up_to_the_limit_with_the_mapper_thread_is_never_refused():
         assert queue.refused_groups == 0 and guard.refusals == 0
 
 
-def test_a_refusal_by_the_limit_is_logged_as_the_limits(built, caplog):
+def test_a_refusal_by_the_limit_is_logged_as_the_limits(built, kv_log):
     """The limit fell between the estimate and the map (the account's cap, ``kvelastic limit``): the
     log line names the limit, not another process."""
     make, _, pool = built
@@ -282,21 +282,19 @@ def test_a_refusal_by_the_limit_is_logged_as_the_limits(built, caplog):
     needed = _mapped_free(queue) + 2 * BLOCKS_PER_GROUP
     assert queue.num_free_blocks >= needed
     pool.set_limit(pool.stats().held_bytes)  # nothing more may be mapped
-    with caplog.at_level("INFO", logger="vllm.kvelastic"):
-        guard.secure(needed)
+    guard.secure(needed)
     assert guard.refusals == 1
-    assert "refused by this engine's limit (mapping" in caplog.text
-    assert "another process" not in caplog.text and "outside kvelastic" not in caplog.text
+    assert "refused by this engine's limit (mapping" in kv_log.text
+    assert "another process" not in kv_log.text and "outside kvelastic" not in kv_log.text
 
 
-def test_a_refusal_by_the_device_is_logged_as_the_devices(built, caplog):
+def test_a_refusal_by_the_device_is_logged_as_the_devices(built, kv_log):
     make, backend, _ = built
     queue = make()
     guard = commit_guard.CommitGuard(queue)
     backend.outsider = True
-    with caplog.at_level("INFO", logger="vllm.kvelastic"):
-        guard.secure(_mapped_free(queue) + 2 * BLOCKS_PER_GROUP)
-    assert "refused by the device: a process outside kvelastic's accounting took the memory" in caplog.text
+    guard.secure(_mapped_free(queue) + 2 * BLOCKS_PER_GROUP)
+    assert "refused by the device: a process outside kvelastic's accounting took the memory" in kv_log.text
 
 
 def test_a_refusal_by_the_shared_account_is_named_so():
