@@ -142,9 +142,10 @@ reload)
     python3 scripts/bench_reload.py --outdir "$W/reload" --json "$W/reload/reload.json" --reps 3 ${RELOAD_ARGS:-} \
         2>&1 | tee "$W/reload.log" ;;
 reload-idle-busy)  # issue 16: about 8 min: the 16k reload of an idle engine, then of a busy one, each against the connector
-    for mode in idle busy; do
+    # RELOAD_MODES="idle" RELOAD_REPS=9: one mode, more reps (3 reps spread 67-168 ms on an H100, 2026-11-28)
+    for mode in ${RELOAD_MODES:-idle busy}; do
         busy=""; [ $mode = busy ] && busy="--busy-before 0.6"
-        python3 scripts/bench_reload.py --outdir "$W/reload-$mode" --json "$W/reload-$mode/reload.json" --reps 3 \
+        python3 scripts/bench_reload.py --outdir "$W/reload-$mode" --json "$W/reload-$mode/reload.json" --reps ${RELOAD_REPS:-3} \
             --configs kvelastic offload-arc $busy ${RELOAD_ARGS:-} 2>&1 | tee "$W/reload-$mode.log" || break
     done ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
