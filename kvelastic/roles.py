@@ -218,5 +218,10 @@ class CacheConnection(Protocol):
         """What each ``update_from_output``'s model output gives up before vLLM reads it; None: nothing."""
 
     @abstractmethod
+    def idle_work(self) -> Callable[[], bool] | None:
+        """What makes the scheduler's ``has_requests()`` true with no request (commands for idle ranks ride an
+        empty step); None: nothing."""
+
+    @abstractmethod
     def join_account(self, scheduler: Any, runtime: "Runtime") -> AccountLink | None:
         """This engine's membership in its GPUs' shared accounts; None where it joins none."""

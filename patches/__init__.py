@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
     admission_check,
+    engine_core_wake,
     engine_folder_handover,
     executor_step_report,
     hisparse_refusal,
@@ -50,6 +51,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_execute_model.PATCH,
     executor_step_report.PATCH,
     engine_folder_handover.PATCH,
+    engine_core_wake.PATCH,
     scheduler_block_pool.PATCH,
     admission_check.PATCH,
     v1_single_backing.PATCH,

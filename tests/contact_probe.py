@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvelastic.patches import admission_check, engine_folder_handover, executor_step_report, scheduler_block_pool
+from kvelastic.patches import (admission_check, engine_core_wake, engine_folder_handover, executor_step_report,
+                               scheduler_block_pool)
 from kvelastic.patching.spec import Absent, Attributes, Target
 from kvelastic.patching.versions import Version
 
@@ -50,7 +51,7 @@ class Case:
 
 def scheduler_side_targets(version: Version) -> list[Target]:
     patches = [p for p in (scheduler_block_pool.PATCH, admission_check.PATCH, executor_step_report.PATCH,
-                           engine_folder_handover.PATCH)
+                           engine_folder_handover.PATCH, engine_core_wake.PATCH)
                if p.claims(version)]
     return list(dict.fromkeys(target for patch in patches for target in patch.targets))
 
@@ -96,13 +97,15 @@ def _init_without(original: Any, name: str) -> Callable[..., None]:
 
 
 def _set(owner: Any, name: str, value: Any) -> Callable[[], None]:
-    """``owner.name = value`` (None: deleted); returns what puts the original back."""
+    """``owner.name = value`` (None: deleted); returns what puts the original back. An enum's members
+    refuse both through the enum's own type, so a class is changed as a plain type is."""
     before = vars(owner).get(name, _GONE)
+    put, remove = (type.__setattr__, type.__delattr__) if isinstance(owner, type) else (setattr, delattr)
     if value is None:
-        delattr(owner, name)
+        remove(owner, name)
     else:
-        setattr(owner, name, value)
-    return lambda: delattr(owner, name) if before is _GONE else setattr(owner, name, before)
+        put(owner, name, value)
+    return lambda: remove(owner, name) if before is _GONE else put(owner, name, before)
 
 
 def break_contact(case: Case) -> Callable[[], None]:

@@ -63,11 +63,13 @@ def tp_engine(tmp_path, monkeypatch):
     made: list = []
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
-             cpu_load: str = "sync", split: str = "tensor", map_after_launch: bool = True):
+             cpu_load: str = "sync", split: str = "tensor", map_after_launch: bool = True,
+             cache_ttl_s: float = Settings.cache_ttl_s):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
         layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting. With
         ``confirm="step"`` the ranks' board files are removed before the scheduler connects: it starts
-        from their descriptions, its host tier grows from their reports, and no idle delivery happens."""
+        from their descriptions, its host tier grows from their reports, and no idle file is written.
+        ``cache_ttl_s``: how long the reclaimer keeps an idle engine's cached groups."""
         from tests.test_tp_step_report import remove_boards
 
         layers = RANK_LAYERS[split]
@@ -80,7 +82,7 @@ def tp_engine(tmp_path, monkeypatch):
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
         stages = WORLD if split == "pipeline" else 1
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
-                                   tp_confirm=confirm, cpu_load=cpu_load,
+                                   tp_confirm=confirm, cpu_load=cpu_load, cache_ttl_s=cache_ttl_s,
                                    pipeline="allow" if stages > 1 else "refuse"))
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, stages=stages))
         made.append((scheduler, patcher))

@@ -38,8 +38,9 @@ EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_repor
                  "scheduler_block_pool"}
 #: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
 #: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
-#: activation (0.31+ configures it only when an engine starts).
-SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging"}
+#: activation (0.31+ configures it only when an engine starts), the engine loop's wake-up (0.18+).
+SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging",
+                 "engine_core_wake"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 

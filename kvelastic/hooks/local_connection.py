@@ -56,6 +56,10 @@ class LocalConnection(CacheConnection):
         """None: nothing of the pool rides a step's output."""
         return None
 
+    def idle_work(self) -> Callable[[], bool] | None:
+        """None: the pool is in this process, and it unmaps between steps by itself."""
+        return None
+
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
         """Join the GPU's shared account; None where the pool has no shared-budget gate."""
         source = runtime.budget

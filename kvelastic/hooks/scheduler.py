@@ -85,6 +85,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     reply_hook = connection.reply_hook()
     if reply_hook is not None:  # under tensor parallelism, confirmations on the steps' replies
         patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, reading_wrapper(lock, reply_hook))
+    _wake_for_idle_work(scheduler, patcher, connection.idle_work())
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
                               reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
@@ -130,6 +131,21 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
         if target is RESET_PREFIX_CACHE and offload is not None:
             on_result = functools.partial(_reset_host_copies, offload)
         patcher.wrap_instance(scheduler, target, locked_wrapper(lock, then, on_result))
+
+
+def _wake_for_idle_work(scheduler: Any, patcher: Patcher, idle_work: Callable[[], bool] | None) -> None:
+    """Where commands wait for idle ranks (tensor parallelism, step mode), ``has_requests()`` says so: vLLM's
+    engine loop, once woken, then runs a step with no tokens that carries them (:mod:`kvelastic.tp.idle_steps`).
+    Not locked: it is read between steps, and a stale answer costs one empty step or waits for the next."""
+    if idle_work is None:
+        return
+    from kvelastic.patches.engine_core_wake import has_requests_target
+
+    patcher.wrap_instance(scheduler, has_requests_target(patcher), functools.partial(_or_idle_work, idle_work))
+
+
+def _or_idle_work(idle_work: Callable[[], bool], wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:
+    return bool(wrapped(*args, **kwargs)) or idle_work()
 
 
 def _reset_host_copies(offload: OffloadManager, reset: Any) -> None:

@@ -24,6 +24,7 @@ from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
 from kvelastic.tp import start_state
+from kvelastic.tp.idle_steps import IdleSteps
 from kvelastic.tp.remote_mapper import BOARD, STEP, RemoteMapper
 from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
@@ -124,6 +125,9 @@ class RankConnection(CacheConnection):
         self.cache = ShardedKVCache(mapper, largest, limit_bytes or (min(limits) if limits else None), lock)
         self.rank_held_bytes = mapper.rank_held_bytes
         self.async_loads = mapper.confirm == STEP  # an asynchronous load's completion comes with the ranks' reports
+        # in step mode, where vLLM's engine loop can be woken, commands queued while idle ride an empty step
+        self.idle_steps = IdleSteps(lambda: mapper.pending_commands) if confirm == STEP else None
+        self.cache.pool.idle_steps = self.idle_steps
         self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
         self.slot_bytes = sum(i.slot_bytes for i in infos)  # one slot of the index: every rank's share of a block
 
@@ -153,6 +157,11 @@ class RankConnection(CacheConnection):
     def reply_hook(self) -> Callable[[Any], None] | None:
         """With confirmations on the steps' replies: adopt the ranks' reports each output brings."""
         return functools.partial(adopt_reply, self.mapper) if self.mapper.confirm == STEP else None
+
+    def idle_work(self) -> Callable[[], bool] | None:
+        """In step mode: commands wait for idle ranks, and an engine loop can be woken to send them
+        (:mod:`kvelastic.tp.idle_steps`). The scheduler's ``has_requests()`` says so."""
+        return self.idle_steps.waiting if self.idle_steps is not None else None
 
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
         """Join the shared account of every GPU the ranks are on, for them.

@@ -17,6 +17,7 @@ from kvelastic.scheduler.elastic_cache import DEVICE_FREE_TTL_S, GroupedBlocks, 
 from kvelastic.pool.stats import PoolStats
 from kvelastic.roles import PoolView
 from kvelastic.tp.board import RankInfo
+from kvelastic.tp.idle_steps import IdleSteps
 from kvelastic.tp.remote_mapper import RemoteMapper
 
 
@@ -33,6 +34,7 @@ class ShardedPoolView(PoolView):
         self.limit_bytes = limit_bytes
         self.lock: ContextManager = lock if lock is not None else threading.RLock()
         self.reserve_pages = 0  # the warm reserve every rank was last told to keep
+        self.idle_steps: IdleSteps | None = None  # step mode: idle commands by an empty step, where it can run
 
     def is_mapped(self, group: int) -> bool:
         return group in self.mapper.mapped_groups
@@ -55,9 +57,12 @@ class ShardedPoolView(PoolView):
                          pages_created=0, reserve_hits=0, reserve_misses=0)
 
     def collect(self, wait: bool = False) -> int:
-        """The reclaimer's periodic call: commands queued while idle go out now."""
+        """The reclaimer's periodic call: commands queued while idle go out now, on an empty step where the
+        engine loop can be woken for one (:mod:`kvelastic.tp.idle_steps`), else as the engine folder's files."""
         with self.lock:
-            self.mapper.deliver_idle()
+            idle = self.idle_steps
+            if idle is None or not idle.deliver():
+                self.mapper.deliver_idle()  # with an empty-step loop and nothing queued: removes old files only
         return 0
 
     def grow_reserve(self, pages: int) -> int:

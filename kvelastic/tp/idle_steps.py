@@ -1,0 +1,96 @@
+"""Idle delivery by an empty step: commands queued while the engine idles go out with a step of no tokens.
+
+Under tensor parallelism the ranks apply the scheduler's commands with each
+step's plan. While no request runs no step comes, so commands queued then
+(unmaps of freed groups, spills before them, warm-reserve changes) would wait.
+The engine folder's idle files (``RemoteMapper.deliver_idle``) reach idle ranks
+on one host only, and must wait until no step is in flight. Instead, in
+``KVELASTIC_TP_CONFIRM=step`` mode, where vLLM's engine loop can be woken:
+
+- the scheduler's ``has_requests()`` answers true while commands wait
+  (``RankConnection.idle_work``, wrapped on the scheduler by its attachment),
+  so vLLM's loop, once awake, runs a step with no tokens: ``schedule()``
+  (whose step hook attaches the commands as the plan),
+  ``execute_model`` on every rank (whose wrap applies the plan in order with
+  the steps), ``update_from_output``;
+- the reclaimer's tick posts the engine's wake-up (:data:`ENGINE_WAKE`, which
+  ``patches/engine_core_wake.py`` registers as the loop starts) while commands wait.
+
+Nothing here waits: a post into vLLM's input queue never blocks, and a rank that
+died fails the step as vLLM fails any step. If no loop registered (before vLLM
+0.18, data parallelism with MoE, an in-process engine), or until one has, the
+idle files remain. Commands are never lost: those not carried by an empty step
+go with the next step, empty or not.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+
+class EngineWake:
+    """How to wake this process's engine loop: registered by the loop as it starts, cleared as it ends."""
+
+    def __init__(self) -> None:
+        self._post: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    def register(self, post: Callable[[], None]) -> None:
+        """``post()`` puts a no-op request into the loop's input queue (never blocks)."""
+        with self._lock:
+            self._post = post
+
+    def clear(self) -> None:
+        with self._lock:
+            self._post = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether an engine loop can be woken in this process."""
+        return self._post is not None
+
+    def wake(self) -> bool:
+        """Wake the loop; False where none registered."""
+        post = self._post
+        if post is None:
+            return False
+        post()
+        return True
+
+
+#: The engine loop of this process (an engine core runs one scheduler and one loop).
+ENGINE_WAKE = EngineWake()
+
+
+class IdleSteps:
+    """Carries the commands a mapper queued while idle on an empty step, where an engine loop can be woken.
+
+    ``pending``: how many commands wait (the mapper's outbox). The engine
+    thread reads :meth:`waiting` through ``has_requests`` without the
+    scheduler's lock: a length read under the GIL, and a stale answer costs
+    at most one empty step, or leaves the commands for the next step.
+    """
+
+    def __init__(self, pending: Callable[[], int], wake: EngineWake = ENGINE_WAKE):
+        self._pending = pending
+        self.wake = wake
+        self.steps_asked = 0  # wake-ups posted (each asks for one empty step, if the loop idles)
+
+    @property
+    def active(self) -> bool:
+        """Whether idle commands go by empty steps now (else by the engine folder's files)."""
+        return self.wake.ready
+
+    def waiting(self) -> bool:
+        """True while commands wait for a step and a woken loop would run one."""
+        return self.wake.ready and self._pending() > 0
+
+    def deliver(self) -> bool:
+        """The reclaimer's tick: wake the loop if commands wait. True if they go by an empty step (nothing
+        more to do: no file is written); False where no loop can be woken or nothing waits."""
+        if self._pending() <= 0 or not self.wake.wake():
+            return False
+        self.steps_asked += 1
+        return True
+
