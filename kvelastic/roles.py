@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvelastic.pool.stats import PoolStats
     from kvelastic.scheduler.reclaim_timing import ReclaimTiming
     from kvelastic.settings import Settings
+    from kvelastic.tp.idle_steps import IdleSteps
 
 __all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "CacheConnection", "AccountLink"]
 
@@ -218,9 +219,9 @@ class CacheConnection(Protocol):
         """What each ``update_from_output``'s model output gives up before vLLM reads it; None: nothing."""
 
     @abstractmethod
-    def idle_work(self) -> Callable[[], bool] | None:
-        """What makes the scheduler's ``has_requests()`` true with no request (commands for idle ranks ride an
-        empty step); None: nothing."""
+    def idle_work(self) -> "IdleSteps | None":
+        """Commands for idle ranks that ride an empty step: while they wait the scheduler's ``has_requests()``
+        is true, and the engine's loop registers its wake-up with them; None: nothing."""
 
     @abstractmethod
     def join_account(self, scheduler: Any, runtime: "Runtime") -> AccountLink | None:

@@ -14,7 +14,10 @@ finished requests are to be flushed, and from 0.24 while a connector has push
 work (``Scheduler.has_requests``).
 
 The wrap of ``run_busy_loop`` only registers how to post into this engine's
-queue, then runs vLLM's loop unchanged. Data parallelism with MoE runs
+queue with the scheduler's :class:`~kvelastic.tp.idle_steps.EngineWake` (the
+attribute ``kvelastic_engine_wake``, which kvelastic's attachment puts on the
+scheduler in step mode only), then runs vLLM's loop unchanged; an engine whose
+scheduler has none runs the loop as it is. Data parallelism with MoE runs
 ``DPEngineCoreProc``'s own loop (its steps coordinate waves across engines), which
 is not wrapped: no registration, so idle commands stay files there, as before
 0.18 (no ``WAKEUP``) and in an in-process engine (no loop to wake).
@@ -45,6 +48,13 @@ ENGINE_CORE_PROC = Target(  # read: the queue the loop blocks on while it has no
     use="read",
     shapes=(Attributes(_FROM, ("input_queue",)),),
 )
+ENGINE_CORE = Target(  # read: the engine's scheduler, on which kvelastic's attachment left the wake-up
+    module=_CORE,
+    qualname="EngineCore",
+    kind="class",
+    use="read",
+    shapes=(Attributes(_FROM, ("scheduler",)),),
+)
 REQUEST_TYPE = Target(  # read: the request posted to wake the loop
     module="vllm.v1.engine",
     qualname="EngineCoreRequestType",
@@ -52,7 +62,7 @@ REQUEST_TYPE = Target(  # read: the request posted to wake the loop
     use="read",
     shapes=(Attributes(_FROM, ("WAKEUP",)),),
 )
-TARGETS = (BUSY_LOOP, ENGINE_CORE_PROC, REQUEST_TYPE)
+TARGETS = (BUSY_LOOP, ENGINE_CORE_PROC, ENGINE_CORE, REQUEST_TYPE)
 
 # The scheduler's side (wrapped on the scheduler object by its attachment, ``kvelastic/hooks/scheduler.py``;
 # declared among ``scheduler_block_pool``'s targets): ``has_requests`` is the interface's up to 0.23, and
@@ -79,16 +89,21 @@ def has_requests_target(patcher: Any) -> Target:
     return SCHEDULER_HAS_REQUESTS if patcher.declares(SCHEDULER_HAS_REQUESTS) else INTERFACE_HAS_REQUESTS
 
 
+#: The scheduler attribute kvelastic's attachment sets to the engine's wake-up (step mode under TP only).
+WAKE_ATTRIBUTE = "kvelastic_engine_wake"
+
+
 def _run_busy_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    wake = getattr(instance.scheduler, WAKE_ATTRIBUTE, None)
+    if wake is None:  # no commands for idle ranks in this engine: vLLM's loop as it is
+        return wrapped(*args, **kwargs)
     from vllm.v1.engine import EngineCoreRequestType
 
-    from kvelastic.tp.idle_steps import ENGINE_WAKE
-
-    ENGINE_WAKE.register(functools.partial(instance.input_queue.put_nowait, (EngineCoreRequestType.WAKEUP, None)))
+    wake.register(functools.partial(instance.input_queue.put_nowait, (EngineCoreRequestType.WAKEUP, None)))
     try:
         return wrapped(*args, **kwargs)
     finally:
-        ENGINE_WAKE.clear()
+        wake.clear()
 
 
 def apply(patcher: Any, runtime: Any) -> None:

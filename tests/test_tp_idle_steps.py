@@ -23,7 +23,6 @@ pytest.importorskip("vllm.v1.engine.core", reason="needs vllm installed")
 
 from kvelastic.patches import engine_core_wake  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
-from kvelastic.tp.idle_steps import ENGINE_WAKE  # noqa: E402
 from kvelastic.tp.protocol import UNMAP  # noqa: E402
 from tests.kv_fixtures import WORLD  # noqa: E402
 from tests.scheduler_harness import applied_patch, make_requests, model_output  # noqa: E402
@@ -147,14 +146,15 @@ def test_an_unmap_queued_while_idle_rides_an_empty_step_to_both_ranks_without_bo
         drive_ranks_step(scheduler, ranks, [_wave("a")], [], set())  # no loop yet: vLLM's steps, as in the harness
         busy = list(ranks.mapped_bytes)
         cached = set(mapper.mapped_groups)
-        assert not ENGINE_WAKE.ready
+        wake = queue_.cache.pool.idle_steps.wake
+        assert getattr(scheduler, engine_core_wake.WAKE_ATTRIBUTE) is wake and not wake.ready
         with RunningLoop(scheduler, ranks) as loop:
-            assert _wait_for(lambda: ENGINE_WAKE.ready), "the wrapped run_busy_loop registered no wake-up"
+            assert _wait_for(lambda: wake.ready), "the wrapped run_busy_loop registered no wake-up"
             assert _wait_for(lambda: any(_unmapped(plan) for _, plan in loop.engine.steps)), \
                 f"no empty step carried the idle unmap (loop error: {loop.error!r})"
             assert _wait_for(lambda: not scheduler.has_requests()), "commands kept the engine stepping"
             steps = list(loop.engine.steps)
-        assert not ENGINE_WAKE.ready, "the wake-up outlived its loop"
+        assert not wake.ready, "the wake-up outlived its loop"
     assert loop.error is None, loop.error
     assert steps and all(tokens == 0 for tokens, _ in steps), "the loop ran a step with tokens while idle"
     given_back = set().union(*(_unmapped(plan) for _, plan in steps))
@@ -184,8 +184,9 @@ def test_board_mode_still_sends_idle_commands_as_files_and_runs_no_step(tp_engin
         assert queue_.cache.pool.idle_steps is None
         drive_ranks(scheduler, ranks, [_wave("a")])
         busy = [b.get(shm.MAPPED_BYTES) for b in mapper.boards]
+        assert not hasattr(scheduler, engine_core_wake.WAKE_ATTRIBUTE), "board mode handed the loop a wake-up"
         with RunningLoop(scheduler, ranks) as loop:
-            assert _wait_for(lambda: ENGINE_WAKE.ready)
+            assert _wait_for(lambda: loop.thread.is_alive())
             assert _wait_for(lambda: all(b.get(shm.MAPPED_BYTES) < m for b, m in zip(mapper.boards, busy))), \
                 "idle ranks never got the unmap through the engine folder"
             steps = list(loop.engine.steps)

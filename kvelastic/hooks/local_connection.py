@@ -56,7 +56,7 @@ class LocalConnection(CacheConnection):
         """None: nothing of the pool rides a step's output."""
         return None
 
-    def idle_work(self) -> Callable[[], bool] | None:
+    def idle_work(self) -> None:
         """None: the pool is in this process, and it unmaps between steps by itself."""
         return None
 

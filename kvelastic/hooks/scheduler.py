@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.offload.manager import OffloadManager
     from kvelastic.scheduler.reload_reserve import ReloadReserve
+    from kvelastic.tp.idle_steps import IdleSteps
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -133,15 +134,17 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
         patcher.wrap_instance(scheduler, target, locked_wrapper(lock, then, on_result))
 
 
-def _wake_for_idle_work(scheduler: Any, patcher: Patcher, idle_work: Callable[[], bool] | None) -> None:
+def _wake_for_idle_work(scheduler: Any, patcher: Patcher, idle: "IdleSteps | None") -> None:
     """Where commands wait for idle ranks (tensor parallelism, step mode), ``has_requests()`` says so: vLLM's
     engine loop, once woken, then runs a step with no tokens that carries them (:mod:`kvelastic.tp.idle_steps`).
-    Not locked: it is read between steps, and a stale answer costs one empty step or waits for the next."""
-    if idle_work is None:
+    Not locked: it is read between steps, and a stale answer costs one empty step or waits for the next.
+    The wake-up goes on the scheduler, where the engine loop's wrap (``patches/engine_core_wake.py``) finds it."""
+    if idle is None:
         return
-    from kvelastic.patches.engine_core_wake import has_requests_target
+    from kvelastic.patches.engine_core_wake import WAKE_ATTRIBUTE, has_requests_target
 
-    patcher.wrap_instance(scheduler, has_requests_target(patcher), functools.partial(_or_idle_work, idle_work))
+    patcher.wrap_instance(scheduler, has_requests_target(patcher), functools.partial(_or_idle_work, idle.waiting))
+    patcher.add_attribute(scheduler, WAKE_ATTRIBUTE, idle.wake)
 
 
 def _or_idle_work(idle_work: Callable[[], bool], wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> bool:

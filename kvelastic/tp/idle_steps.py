@@ -13,8 +13,9 @@ on one host only, and must wait until no step is in flight. Instead, in
   (whose step hook attaches the commands as the plan),
   ``execute_model`` on every rank (whose wrap applies the plan in order with
   the steps), ``update_from_output``;
-- the reclaimer's tick posts the engine's wake-up (:data:`ENGINE_WAKE`, which
-  ``patches/engine_core_wake.py`` registers as the loop starts) while commands wait.
+- the reclaimer's tick posts the engine's wake-up (:class:`EngineWake`, handed
+  to the scheduler as ``kvelastic_engine_wake``, where ``patches/engine_core_wake.py``
+  finds it and registers the loop's input queue as the loop starts) while commands wait.
 
 Nothing here waits: a post into vLLM's input queue never blocks, and a rank that
 died fails the step as vLLM fails any step. If no loop registered (before vLLM
@@ -59,10 +60,6 @@ class EngineWake:
         return True
 
 
-#: The engine loop of this process (an engine core runs one scheduler and one loop).
-ENGINE_WAKE = EngineWake()
-
-
 class IdleSteps:
     """Carries the commands a mapper queued while idle on an empty step, where an engine loop can be woken.
 
@@ -72,9 +69,9 @@ class IdleSteps:
     at most one empty step, or leaves the commands for the next step.
     """
 
-    def __init__(self, pending: Callable[[], int], wake: EngineWake = ENGINE_WAKE):
+    def __init__(self, pending: Callable[[], int], wake: EngineWake | None = None):
         self._pending = pending
-        self.wake = wake
+        self.wake = wake if wake is not None else EngineWake()  # registered by the engine's loop, if it has one
         self.steps_asked = 0  # wake-ups posted (each asks for one empty step, if the loop idles)
 
     @property

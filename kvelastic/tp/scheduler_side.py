@@ -158,10 +158,10 @@ class RankConnection(CacheConnection):
         """With confirmations on the steps' replies: adopt the ranks' reports each output brings."""
         return functools.partial(adopt_reply, self.mapper) if self.mapper.confirm == STEP else None
 
-    def idle_work(self) -> Callable[[], bool] | None:
+    def idle_work(self) -> IdleSteps | None:
         """In step mode: commands wait for idle ranks, and an engine loop can be woken to send them
         (:mod:`kvelastic.tp.idle_steps`). The scheduler's ``has_requests()`` says so."""
-        return self.idle_steps.waiting if self.idle_steps is not None else None
+        return self.idle_steps
 
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
         """Join the shared account of every GPU the ranks are on, for them.
