@@ -150,7 +150,15 @@ def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> Mu
     return ex
 
 
-def _scheduler_side(settings: Settings, wait_s: float = TIMEOUT_S):
+def _runtime(settings: Settings) -> SimpleNamespace:
+    """What the patches and the scheduler side read of the engine core's Runtime: its settings and the
+    record of what the executor handed to Ray's ranks."""
+    from kvelastic.tp.handovers import RayHandovers
+
+    return SimpleNamespace(settings=settings, ray_handovers=RayHandovers())
+
+
+def _scheduler_side(runtime: SimpleNamespace, wait_s: float = TIMEOUT_S):
     """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``, which waits
     ``wait_s`` for description files), in front of vLLM's BlockPool made page-aware: (connection, block
     pool, queue)."""
@@ -163,7 +171,7 @@ def _scheduler_side(settings: Settings, wait_s: float = TIMEOUT_S):
 
     parallel = SimpleNamespace(world_size=WORLD, pipeline_parallel_size=1, distributed_executor_backend="ray")
     connection = connect_ranks(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)),
-                               SimpleNamespace(settings=settings), contextlib.nullcontext(), wait_s=wait_s)
+                               runtime, contextlib.nullcontext(), wait_s=wait_s)
     pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(pool, connection.cache, connection.mapper, patcher=scheduler_patcher(),
                             max_ahead_groups=2)
@@ -184,7 +192,6 @@ def ranks(tmp_path, monkeypatch):
     try:
         yield to_ranks, from_ranks, launcher.pid
     finally:
-        ray_executor.forget(shm.engine_dir(os.getpid()))
         for pipe in to_ranks:
             pipe.send(None)
         launcher.join(TIMEOUT_S)
@@ -194,8 +201,10 @@ def ranks(tmp_path, monkeypatch):
 
 @pytest.fixture
 def patched():
-    with applied_patch(engine_folder_handover, SimpleNamespace(settings=Settings(ray="allow"))):
-        yield
+    """The hand-over patch applied for a Runtime with KVELASTIC_RAY=allow; yields that runtime."""
+    runtime = _runtime(Settings(ray="allow"))
+    with applied_patch(engine_folder_handover, runtime):
+        yield runtime
 
 
 def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_hand_over(ranks, patched):
@@ -206,7 +215,7 @@ def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_han
     infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks without a hand-over
     assert all(info is not None for info in infos), "the ranks did not describe themselves in the engine's folder"
     assert {info.pid for info in infos}.isdisjoint({os.getpid(), launcher_pid})
-    sent = ray_executor.described(folder)  # and what they sent back over collective_rpc, read first
+    sent = patched.ray_handovers.described(folder)  # and what they sent back over collective_rpc, read first
     assert sent is not None and [encode_info(i) for i in sent] == [encode_info(i) for i in infos]
 
 
@@ -219,18 +228,18 @@ def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_e
     from tests.test_tp_step_report import remove_boards
 
     to_ranks, from_ranks, _ = ranks
-    settings = Settings(ray="allow", tp_confirm="step")
-    with applied_patch(engine_folder_handover, SimpleNamespace(settings=settings)), \
+    runtime = _runtime(Settings(ray="allow", tp_confirm="step"))
+    with applied_patch(engine_folder_handover, runtime), \
             applied_patch(executor_step_report, None):
         with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step .* without that hand-over"):
-            _scheduler_side(settings)  # no folder handed over yet: the executor could be anything
+            _scheduler_side(runtime)  # no folder handed over yet: the executor could be anything
         executor = _executor(to_ranks, from_ranks)
         executor.initialize_from_config([])  # patched: the hand-over, vLLM's own calls, the descriptions
         folder = shm.engine_dir(os.getpid())
         for rank in range(WORLD):  # the scheduler must take the descriptions from the ranks' replies
             (folder / f"rank{rank}.info").unlink()
         remove_boards(folder)  # ... and the start-up state too
-        connection, pool, queue = _scheduler_side(settings, wait_s=0.0)
+        connection, pool, queue = _scheduler_side(runtime, wait_s=0.0)
         mapper, adopt = connection.mapper, connection.reply_hook()
         assert mapper.confirm == STEP and adopt is not None and mapper.boards == []
         assert mapper.mapped_groups == {0, 1}, "the groups both ranks mapped at start-up were not adopted"
@@ -294,14 +303,12 @@ def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_pa
         return encode_info(RankInfo(rank=rank, world=WORLD, pid=100 + rank, layout=layout, group_bytes=8192,
                                     page_bytes=8192, limit_bytes=None, host_slots=0, slot_bytes=0))
 
-    try:
-        for replies, kept in (([sent(1), sent(0)], [100, 101]), ([sent(0), None], None), ([sent(1), sent(1)], None)):
-            ray_executor.forget(folder)
-            ray_executor.collect_descriptions(SimpleNamespace(collective_rpc=lambda method, **_: replies), folder)
-            found = ray_executor.described(folder)
-            assert (found and [info.pid for info in found]) == kept  # in rank order, or none: the files decide
-    finally:
-        ray_executor.forget(folder)
+    for replies, kept in (([sent(1), sent(0)], [100, 101]), ([sent(0), None], None), ([sent(1), sent(1)], None)):
+        handovers = _runtime(Settings()).ray_handovers
+        ray_executor.collect_descriptions(SimpleNamespace(collective_rpc=lambda method, **_: replies), folder,
+                                          handovers)
+        found = handovers.described(folder)
+        assert (found and [info.pid for info in found]) == kept  # in rank order, or none: the files decide
 
 
 def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
@@ -338,7 +345,7 @@ def test_the_refusal_stops_start_up_before_the_ranks_hear_anything():
             distributed_executor_backend="ray", pipeline_parallel_size=1))
         executor.collective_rpc = lambda *a, **k: sent.append(a)
         with pytest.raises(PatchError, match="Ray executor"):
-            hand_over_folder(executor, setting)
+            hand_over_folder(executor, setting, _runtime(Settings()).ray_handovers)
     assert sent == []
 
 

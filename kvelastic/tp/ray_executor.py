@@ -15,29 +15,25 @@ past that hook, and under pipeline parallelism stage k's reply never reaches
 the scheduler; it is refused with what to use instead. A rank on another host
 refuses the hand-over itself (:func:`kvelastic.tp.engine_folder.receive`).
 Once vLLM's own call returned, every rank's description comes back over the
-same channel (:func:`collect_descriptions`), where the scheduler, built next,
-reads it (:func:`described`).
+same channel (:func:`collect_descriptions`), kept in the process runtime's
+:class:`~kvelastic.tp.handovers.RayHandovers`, where the scheduler, built next, reads it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from kvelastic.errors import PatchError
+from kvelastic.tp.handovers import RayHandovers
 from kvelastic.tp.engine_folder import describe, host_identity, receive
-from kvelastic.tp.rank_files import RankInfo
 
 log = logging.getLogger("vllm.kvelastic")
 
 RAY = "ray"
-
-#: The engine folders this process handed to the ranks of a Ray V2 executor (one per engine core), with
-#: the descriptions the ranks sent back once their KV caches existed (None until then, or if any sent none).
-_handed_over: dict[Path, tuple[RankInfo, ...] | None] = {}
-
 
 def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
     """Why this engine's Ray executor cannot run with kvelastic (``setting``: ``KVELASTIC_RAY``); None if it can."""
@@ -59,7 +55,7 @@ def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
             f"vLLM 0.20 and later, the default from 0.21), the multiprocess executor, or set KVELASTIC=0")
 
 
-def hand_over_folder(executor: Any, ray_setting: str) -> Path | None:
+def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers) -> Path | None:
     """Under Ray: refuse (PatchError) or tell every rank this engine's folder, and return it; otherwise None."""
     parallel = executor.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     if parallel.distributed_executor_backend != RAY:
@@ -71,14 +67,14 @@ def hand_over_folder(executor: Any, ray_setting: str) -> Path | None:
 
     folder = engine_dir(os.getpid())
     pids = executor.collective_rpc(receive, args=(str(folder), os.getpid(), host_identity()))
-    _handed_over[folder] = None
+    handovers.handed(folder)
     log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s", pids, folder)
     return folder
 
 
-def collect_descriptions(executor: Any, folder: Path) -> None:
+def collect_descriptions(executor: Any, folder: Path, handovers: RayHandovers) -> None:
     """After vLLM's ``initialize_from_config`` under Ray: ask every rank for its description over
-    ``collective_rpc`` and keep them for the scheduler (:func:`described`), checked as their files would
+    ``collective_rpc`` and keep them in ``handovers`` for the scheduler, checked as their files would
     be. Kept only if ranks 0..world-1 each sent one; else the scheduler reads their files as before."""
     from kvelastic.tp.rank_files import decode_info
 
@@ -93,34 +89,19 @@ def collect_descriptions(executor: Any, folder: Path) -> None:
         log.warning("kvelastic: the Ray workers described ranks %s; the scheduler looks for their files",
                     [info.rank for info in infos])
         return
-    _handed_over[folder] = tuple(infos)
+    handovers.keep_descriptions(folder, infos)
 
 
-def handed_over(folder: Path) -> bool:
-    """Whether this process handed ``folder`` to a Ray executor's ranks: then that executor is Ray's V2, a
-    ``MultiprocExecutor`` (any other was refused first), which gathers every rank's reply as ``mp`` does."""
-    return folder in _handed_over
-
-
-def described(folder: Path) -> tuple[RankInfo, ...] | None:
-    """The descriptions the ranks ``folder`` was handed to sent back, in rank order; None if none came."""
-    return _handed_over.get(folder)
-
-
-def forget(folder: Path) -> None:
-    """Forget a hand-over (an engine core that shut down; tests)."""
-    _handed_over.pop(folder, None)
-
-
-def wrap_initialize(ray_setting: str) -> Any:
+def wrap_initialize(ray_setting: str, handovers: RayHandovers) -> Any:
     """The wrapper of ``Executor.initialize_from_config``: the hand-over first, then vLLM's own call (the
-    ranks make and describe their KV caches), then under Ray their descriptions."""
+    ranks make and describe their KV caches), then under Ray their descriptions, kept in ``handovers``."""
+    return functools.partial(_initialize_from_config, ray_setting, handovers)
 
-    def initialize_from_config(wrapped: Any, executor: Any, args: tuple, kwargs: dict) -> Any:
-        folder = hand_over_folder(executor, ray_setting)
-        result = wrapped(*args, **kwargs)
-        if folder is not None:
-            collect_descriptions(executor, folder)
-        return result
 
-    return initialize_from_config
+def _initialize_from_config(ray_setting: str, handovers: RayHandovers, wrapped: Any, executor: Any,
+                            args: tuple, kwargs: dict) -> Any:
+    folder = hand_over_folder(executor, ray_setting, handovers)
+    result = wrapped(*args, **kwargs)
+    if folder is not None:
+        collect_descriptions(executor, folder, handovers)
+    return result

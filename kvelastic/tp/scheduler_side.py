@@ -56,8 +56,9 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
                          "or set KVELASTIC_PIPELINE=allow (each stage maps and confirms its own layers' page "
                          "groups), run with pipeline_parallel_size=1, or set KVELASTIC=0")
     folder = shm.engine_dir(os.getpid())
-    confirm = _confirmations(runtime.settings.tp_confirm, parallel, folder)
-    infos = _rank_infos(folder, world, wait_s)
+    handovers = runtime.ray_handovers
+    confirm = _confirmations(runtime.settings.tp_confirm, parallel, handovers.handed_over(folder))
+    infos = _rank_infos(folder, world, wait_s, handovers.described(folder))
     connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
     atexit.register(_remove_idle_files, folder)
     log.info("kvelastic: scheduler drives %d worker ranks through %s (mapped groups confirmed %s)", world,
@@ -65,17 +66,17 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     return connection
 
 
-def _confirmations(setting: str, parallel: Any, folder: Path) -> str:
+def _confirmations(setting: str, parallel: Any, handed_over: bool) -> str:
     """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs a ``MultiprocExecutor``, whose replies
     :mod:`kvelastic.patches.executor_step_report` gathers: vLLM's multiprocess executor, or Ray's V2
-    executor, known by the hand-over of ``folder`` (which refused any other Ray executor before the
-    ranks made their KV caches); PatchError for any other."""
+    executor, known by the hand-over of the engine's folder (``handed_over``; it refused any other Ray
+    executor before the ranks made their KV caches); PatchError for any other."""
     if setting != STEP:
         return BOARD
-    from kvelastic.tp.ray_executor import RAY, handed_over
+    from kvelastic.tp.ray_executor import RAY
 
     backend = parallel.distributed_executor_backend
-    if backend == "mp" or (backend == RAY and handed_over(folder)):
+    if backend == "mp" or (backend == RAY and handed_over):
         return STEP
     raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
                      f"(distributed_executor_backend='mp') or Ray's V2 executor with KVELASTIC_RAY=allow (its "
@@ -221,12 +222,10 @@ def _remove_idle_files(folder: Path) -> None:
         pass
 
 
-def _rank_infos(folder: Path, world: int, wait_s: float) -> list[shm.RankInfo]:
-    """The ranks' descriptions: those Ray's ranks sent back over ``collective_rpc`` after the folder's
-    hand-over (:func:`~kvelastic.tp.ray_executor.described`), else their files in ``folder``."""
-    from kvelastic.tp.ray_executor import described
-
-    sent = described(folder)
+def _rank_infos(folder: Path, world: int, wait_s: float,
+                sent: Sequence[shm.RankInfo] | None) -> list[shm.RankInfo]:
+    """The ranks' descriptions: those Ray's ranks ``sent`` back over ``collective_rpc`` after the folder's
+    hand-over (:class:`~kvelastic.tp.handovers.RayHandovers`), else their files in ``folder``."""
     if sent is not None and len(sent) == world:
         return list(sent)
     return _wait_for_ranks(folder, world, wait_s)
