@@ -325,3 +325,13 @@ def allocate_within(c, n: int, steps: int = 5) -> list:
             return blocks
         c.step()
     raise AssertionError(f"{n} blocks never became available")
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    """Poll ``condition`` every 50 ms for up to ``seconds``; its last answer."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import pytest
 
@@ -24,7 +23,7 @@ pytest.importorskip("vllm.v1.engine.core", reason="needs vllm installed")
 from kvelastic.patches import engine_core_wake  # noqa: E402
 from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp.protocol import UNMAP  # noqa: E402
-from tests.kv_fixtures import WORLD  # noqa: E402
+from tests.kv_fixtures import WORLD, wait_for  # noqa: E402
 from tests.scheduler_harness import applied_patch, make_requests, model_output  # noqa: E402
 from tests.test_tp_real_scheduler import _forward, drive_ranks_step, tp_engine  # noqa: E402,F401,F811
 
@@ -106,13 +105,8 @@ class RunningLoop:
         assert not self.thread.is_alive(), "the engine loop did not stop"
 
 
-def _wait_for(condition, seconds: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+def _wait_for(condition) -> bool:
+    return wait_for(condition, WAIT_S)
 
 
 def _unmapped(plan) -> set[int]:

@@ -16,7 +16,6 @@ reserve, the engine's folder. A rank out of memory, dead or slow:
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -24,7 +23,7 @@ pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 from kvelastic.tp import board as shm  # noqa: E402
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, GROUP_BYTES, RANK_LAYERS, allocate_within,  # noqa: E402
-                               cluster, group_bytes)  # noqa: F401 (cluster: a fixture)
+                               cluster, group_bytes, wait_for)  # noqa: F401 (cluster: a fixture)
 
 
 @pytest.mark.parametrize("split", RANK_LAYERS)
@@ -69,15 +68,6 @@ def test_commands_reach_idle_ranks_without_a_step_but_never_overtake_one(cluster
     assert c.mapper.deliver_idle()
     assert wait_for(lambda: all(b.get(shm.HELD_BYTES) <= GROUP_BYTES for b in c.mapper.boards)), \
         "idle ranks kept their pages (mapped, or warm in their reserve)"
-
-
-def wait_for(condition, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_ranks_keep_the_warm_reserve_the_reclaimer_asks_for(cluster):

@@ -82,9 +82,8 @@ class CommitGuard:
         hold.secured = blocks
         if blocks <= 0:  # most estimates of a decode step (once per request per step): nothing to map
             return
-        if not self.queue.map_for(blocks):
+        if not self.queue.map_for(blocks):  # it also made the next estimate read the device afresh
             hold.refused = True
-            self.queue.cache.forget_device_free()
             self.refusals += 1
             self._log_refusal(blocks)
 

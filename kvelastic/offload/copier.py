@@ -67,7 +67,12 @@ def resolve_path(path: CopyPath, block_views: Sequence[torch.Tensor]) -> CopyPat
     """The path ``auto`` stands for with these views (one row of bytes per block); any other path as given."""
     if path != "auto":
         return path
-    return auto_path([v.shape[1] * v.element_size() for v in block_views], block_views[0].device.type == "cuda")
+    return auto_path(piece_bytes(block_views), block_views[0].device.type == "cuda")
+
+
+def piece_bytes(block_views: Sequence[torch.Tensor]) -> list[int]:
+    """The bytes of one block in each view: the pieces a copy of a block moves."""
+    return [v.shape[1] * v.element_size() for v in block_views]
 
 
 def auto_path(piece_bytes: Sequence[int], on_cuda: bool) -> CopyPath:
@@ -100,7 +105,7 @@ class BlockCopier(Copier):
             self.mover = self._mover(self.path, columns, staging_bytes, breaks)
         if path == "auto":  # which path ``auto`` took cannot be read from the settings line
             log.info("kvelastic: copy path auto -> %s (narrowest piece of a block %s)", self.path,
-                     format_size(min(v.shape[1] * v.element_size() for v in block_views)))
+                     format_size(min(piece_bytes(block_views))))
 
     def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
                breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:

@@ -74,11 +74,6 @@ class IdleSteps:
         self.wake = wake if wake is not None else EngineWake()  # registered by the engine's loop, if it has one
         self.steps_asked = 0  # wake-ups posted (each asks for one empty step, if the loop idles)
 
-    @property
-    def active(self) -> bool:
-        """Whether idle commands go by empty steps now (else by the engine folder's files)."""
-        return self.wake.ready
-
     def waiting(self) -> bool:
         """True while commands wait for a step and a woken loop would run one."""
         return self.wake.ready and self._pending() > 0
