@@ -68,7 +68,7 @@ pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, bot
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
         --max-tokens 128 2>&1 | tee "$W/pp.log" ;;
 tp4)  # issue 19: `tp` at TP=4 (a 4-GPU machine); TP4_KVE_ENV="KVELASTIC_RESERVE=0" adds settings to kvelastic's run,
-    # TP4_VARIANTS="--kve-variant noreserve:KVELASTIC_RESERVE=0" adds kvelastic runs against the same vanilla run
+    # TP4_VARIANTS="--variant noreserve:KVELASTIC_RESERVE=0" adds kvelastic runs against the same vanilla run
     e2e --model scripts/models/llama-8b --outdir "$W/tp4" --matrix tp4 --kve-env KVELASTIC_CACHE_TTL=2 ${TP4_KVE_ENV:-} ${TP4_VARIANTS:-} \
         --summary "$W/tp4/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp4.log" ;;
 tp-accounts)  # issue 19: `kvelastic status` each second while a TP=2 8B engine serves (kvelastic only)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from run_proof import inactive_reason  # beside this file (the repo root on sys.path would shadow kvelastic)
+from variants import parse_variant  # beside this file
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
@@ -91,14 +92,6 @@ def compare(a: dict, b: dict) -> tuple[int, int]:
     return same, total
 
 
-def parse_variant(text: str, base: dict) -> tuple[str, dict]:
-    """``NAME:KEY=VALUE,...`` -> (``-NAME`` as a file and row suffix, the base settings plus these)."""
-    name, _, settings = text.partition(":")
-    if not name or not settings or "=" not in settings:
-        raise SystemExit(f"--kve-variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-    return f"-{name}", {**base, **dict(item.split("=", 1) for item in settings.split(","))}
-
-
 def compare_run(name: str, vanilla: dict, elastic: dict, suffix: str) -> dict | None:
     """One table row: kvelastic's run against vanilla's (None, after printing why, if it failed)."""
     if "error" in elastic:
@@ -121,9 +114,10 @@ def main() -> int:
     p.add_argument("--matrix", nargs="+", default=["v2"], choices=sorted(CONFIGS))
     p.add_argument("--label", default="", help="suffix for output file names")
     p.add_argument("--kve-env", nargs="*", default=[], help="KEY=VALUE set for the kvelastic runs only")
-    p.add_argument("--kve-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="another kvelastic run against the same vanilla run, with these settings added "
-                        "(A/Bs in one call: machines differ from call to call)")
+    p.add_argument("--variant", "--kve-variant", dest="variant", action="append", default=[],
+                   metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                   help="another kvelastic run against the same vanilla run, with these settings added to "
+                        "--kve-env's (A/Bs in one call: machines differ from call to call)")
     p.add_argument("--summary", default=None, help="write the table as JSON here")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args()
@@ -131,7 +125,8 @@ def main() -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     rows, failed = [], False
     kve_env = dict(item.split("=", 1) for item in args.kve_env)
-    variants = [("", kve_env)] + [parse_variant(text, kve_env) for text in args.kve_variant]
+    variants = [("", kve_env)] + [(config[len("kvelastic"):], {**kve_env, **env})  # "kvelastic-NAME" -> "-NAME"
+                                  for config, env in map(parse_variant, args.variant)]
     for name in args.matrix:
         vanilla = run(name, False, args.model, outdir, args.extra, {}, args.label)
         if "error" in vanilla:
