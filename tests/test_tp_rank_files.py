@@ -67,6 +67,26 @@ def test_a_description_carries_the_start_up_state_and_refuses_a_group_outside_it
         pool.close()
 
 
+def test_a_description_names_its_rank_s_host_and_one_without_it_is_of_the_engine_core_s_host():
+    """The host identity comes back as written; a description written before the field existed (no
+    ``host``) reads as "" (the engine core's host); anything but a bounded plain name is refused."""
+    import dataclasses
+    import json
+
+    pool, _, _, info = _info()
+    try:
+        host = "0b0b0b0b-0000-4000-8000-000000000001/4026531836"
+        assert decode_info(encode_info(dataclasses.replace(info, host=host)), "x").host == host
+        record = json.loads(encode_info(info))
+        del record["host"]
+        assert decode_info(json.dumps(record).encode(), "x").host == ""
+        for bad in ("a b", "x" * 161, "host\n", 7):
+            with pytest.raises(BadSharedData, match="host"):
+                decode_info(json.dumps({**record, "host": bad}).encode(), "x")
+    finally:
+        pool.close()
+
+
 def test_commands_round_trip_exactly_as_the_protocol_builds_them(folder):
     commands = (map_command(2, [1, 2]), unmap_command(3, [4]), store_command(4, [5, 6], [0, 1], True),
                 load_command(5, [7], [2]), load_command(6, [8], [3], block_compute=False), reserve_command(7, 9))

@@ -8,6 +8,7 @@ exactly the tuple :mod:`kvelastic.tp.protocol` builds, or not at all.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -23,6 +24,8 @@ MAX_COMMANDS_BYTES = 64 << 20
 MAX_WORLD = 4096
 MAX_VALUE = 1 << 52  # no offset, size or count a rank describes comes near this
 MAX_ENTRIES = 1 << 16  # regions of a layout, runs of a region
+#: A host identity as ``engine_folder.host_identity`` spells it (a boot id, "/", a pid namespace's inode).
+HOST_ID = re.compile(r"[A-Za-z0-9_.:/-]{1,160}")  # whole names only: fullmatch
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class RankInfo:
     #: the scheduler adopts them from here, so it needs no board (``kvelastic/tp/start_state.py``).
     start_groups: tuple[int, ...] = ()
     applied: int = 0
+    #: The rank's host and pid namespace (``engine_folder.host_identity()``); "" (a description written before
+    #: the field existed) means the engine core's. The scheduler opens no file of a rank on another host and
+    #: joins no shared account for its GPU (:mod:`kvelastic.tp.rank_hosts`).
+    host: str = ""
 
 
 _INFO = {"rank": int, "world": int, "pid": int, "group_bytes": int, "page_bytes": int,
@@ -62,7 +69,7 @@ def encode_info(info: RankInfo) -> bytes:
         "rank": info.rank, "world": info.world, "pid": info.pid, "group_bytes": info.group_bytes,
         "page_bytes": info.page_bytes, "limit_bytes": info.limit_bytes, "host_slots": info.host_slots,
         "slot_bytes": info.slot_bytes, "gpu_id": info.gpu_id, "gpu_total": info.gpu_total,
-        "start_groups": list(info.start_groups), "applied": info.applied,
+        "start_groups": list(info.start_groups), "applied": info.applied, "host": info.host,
         "layout": {"num_blocks": layout.num_blocks, "page_bytes": layout.page_bytes,
                    "blocks_per_group": layout.blocks_per_group, "regions": regions}})
 
@@ -84,13 +91,23 @@ def decode_info(data: bytes, what: str) -> RankInfo:
     if record["gpu_id"] and not ACCOUNT_ID.match(record["gpu_id"]):
         raise BadSharedData(f"{what}: gpu_id {record['gpu_id'][:40]!r} is not an account id")
     layout = _decode_layout(record["layout"], what)
+    host = _host(record.get("host", ""), what)
     return RankInfo(rank=record["rank"], world=record["world"], pid=record["pid"],
                     layout=layout, group_bytes=record["group_bytes"],
                     page_bytes=record["page_bytes"], limit_bytes=record["limit_bytes"],
                     host_slots=record["host_slots"], slot_bytes=record["slot_bytes"],
                     gpu_id=record["gpu_id"], gpu_total=record["gpu_total"],
                     start_groups=_start_groups(record["start_groups"], layout.num_groups, what),
-                    applied=record["applied"])
+                    applied=record["applied"], host=host)
+
+
+def _host(value: Any, what: str) -> str:
+    """The rank's host identity: absent or "" (the engine core's host), else a bounded plain name."""
+    if not isinstance(value, str):
+        raise BadSharedData(f"{what}: host must be a string, not {type(value).__name__}")
+    if value and not HOST_ID.fullmatch(value):
+        raise BadSharedData(f"{what}: host {value[:40]!r} is not a host identity")
+    return value
 
 
 def _start_groups(value: list, num_groups: int, what: str) -> tuple[int, ...]:
