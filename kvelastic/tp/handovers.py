@@ -21,12 +21,20 @@ class RayHandovers:
 
     def __init__(self) -> None:
         self._folders: dict[Path, tuple["RankInfo", ...] | None] = {}
+        self._elsewhere: dict[Path, tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
-    def handed(self, folder: Path) -> None:
-        """``folder`` went to every rank; no description yet."""
+    def handed(self, folder: Path, elsewhere: Sequence[int] = ()) -> None:
+        """``folder`` went to every rank; no description yet. ``elsewhere``: the pids of the ranks that said
+        they are on another host (they took no folder: step confirmations)."""
         with self._lock:
             self._folders[folder] = None
+            self._elsewhere[folder] = tuple(elsewhere)
+
+    def ranks_elsewhere(self, folder: Path) -> tuple[int, ...]:
+        """The pids of the ranks ``folder`` was handed to that run on another host (none: all on this one)."""
+        with self._lock:
+            return self._elsewhere.get(folder, ())
 
     def keep_descriptions(self, folder: Path, infos: Sequence["RankInfo"]) -> None:
         """The ranks' descriptions of ``folder``'s engine, in rank order."""
@@ -48,3 +56,4 @@ class RayHandovers:
         """Forget a hand-over (an engine core that shut down)."""
         with self._lock:
             self._folders.pop(folder, None)
+            self._elsewhere.pop(folder, None)

@@ -20,7 +20,9 @@ learns how far each rank has pinned its host-tier share from the reports too
 While the engine is idle no step runs, so :meth:`deliver_idle` (called by the
 reclaimer) writes the outbox to the engine's folder for the ranks' idle
 threads, but only when every step sent has been run by every rank: an unmap
-must never overtake a step that still uses the group.
+must never overtake a step that still uses the group. In ``STEP`` mode with a
+rank on another host no folder reaches every rank: the outbox then waits for
+the engine's next step (an empty one where the loop can be woken).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class RemoteMapper(Mapper):
                  open_boards: Callable[[], Sequence[shm.RankBoard]] | None = None):
         """``confirm``: ``BOARD`` (one board per rank) or ``STEP`` (no board: ``world`` ranks; idle delivery,
         which still goes through the engine's folder, opens them with ``open_boards`` when it first needs
-        them). ``start``: the groups to adopt and the command number to go on from. Every rank must confirm."""
+        them; None in ``STEP`` mode: no folder reaches every rank, so idle commands wait for a step). ``start``:
+        the groups to adopt and the command number to go on from. Every rank must confirm."""
         if confirm not in (BOARD, STEP):
             raise ValueError(f"confirmations come from {BOARD!r} or {STEP!r}, not {confirm!r}")
         self.folder = folder
@@ -75,6 +78,8 @@ class RemoteMapper(Mapper):
         if confirm == BOARD and len(self.boards) != self.world:
             raise ValueError(f"{len(self.boards)} boards for {self.world} ranks")
         self._open_boards = open_boards
+        #: whether commands queued while idle may go out as the engine folder's files (else: with a step)
+        self.idle_through_folder = confirm == BOARD or open_boards is not None
         self._tally = CommandTally(self.world)
         self._sent: dict[int, tuple[tuple[int, ...], int]] = {}  # MAP seq -> (groups, reports seen when sent)
         self._reports_seen = 0
@@ -203,7 +208,11 @@ class RemoteMapper(Mapper):
         return StepPlan(step=self._steps, commands=commands, idle_upto=self._idle_upto, report=report)
 
     def deliver_idle(self) -> bool:
-        """Hand queued commands to idle ranks through files, if no step is in flight; True if sent."""
+        """Hand queued commands to idle ranks through files, if no step is in flight; True if sent. Where no
+        folder reaches every rank (:attr:`idle_through_folder` false) nothing is written or read: the commands
+        stay queued for the engine's next step, a scheduling delay, never a wait."""
+        if not self.idle_through_folder:
+            return False
         self._clean_idle_files()
         if not self._outbox or not self._idle_boards() or not self.no_step_in_flight():
             return False

@@ -23,8 +23,9 @@ from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import CacheConnection, Copier
 from kvelastic.tp import board as shm
-from kvelastic.tp import start_state
+from kvelastic.tp import engine_folder, start_state
 from kvelastic.tp.idle_steps import IdleSteps
+from kvelastic.tp.rank_hosts import ranks_elsewhere, report_gpus_left_out, split_by_host
 from kvelastic.tp.remote_mapper import BOARD, STEP, RemoteMapper
 from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
@@ -58,11 +59,13 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
     folder = shm.engine_dir(os.getpid())
     handovers = runtime.ray_handovers
     confirm = _confirmations(runtime.settings.tp_confirm, parallel, handovers.handed_over(folder))
-    infos = _rank_infos(folder, world, wait_s, handovers.described(folder))
+    infos = _rank_infos(folder, world, wait_s, handovers.described(folder), handovers.ranks_elsewhere(folder))
     connection = RankConnection(folder, infos, runtime.settings.limit_bytes, lock, confirm=confirm)
     atexit.register(_remove_idle_files, folder)
-    log.info("kvelastic: scheduler drives %d worker ranks through %s (mapped groups confirmed %s)", world,
-             folder, "on the steps' replies" if confirm == STEP else "on the ranks' boards")
+    log.info("kvelastic: scheduler drives %d worker ranks through %s (mapped groups confirmed %s%s)", world,
+             folder, "on the steps' replies" if confirm == STEP else "on the ranks' boards",
+             f"; ranks {list(connection.ranks_elsewhere)} on other hosts, reached on vLLM's calls only"
+             if connection.ranks_elsewhere else "")
     return connection
 
 
@@ -102,20 +105,28 @@ class RankConnection(CacheConnection):
     unmaps_between_steps = False  # the ranks unmap with the step that carries the command
 
     def __init__(self, folder: Path, infos: Sequence[shm.RankInfo], limit_bytes: int | None = None,
-                 lock: ContextManager | None = None, confirm: str = BOARD):
+                 lock: ContextManager | None = None, confirm: str = BOARD, here: str | None = None):
         """``confirm``: where the ranks' confirmations come from (:data:`~kvelastic.tp.remote_mapper.BOARD`
-        or :data:`~kvelastic.tp.remote_mapper.STEP`)."""
+        or :data:`~kvelastic.tp.remote_mapper.STEP`). ``here``: this process's host identity (read if None);
+        ranks whose descriptions name another host are reached in ``STEP`` mode only, with no file."""
         first = infos[0]
         if any(i.layout.num_groups != first.layout.num_groups or i.layout.blocks_per_group
                != first.layout.blocks_per_group for i in infos):
             raise PatchError("kvelastic: the worker ranks laid out their KV caches differently; "
                              "every rank must hold the same blocks")
-        open_boards = functools.partial(_open_boards, folder, infos)
-        if confirm == STEP:  # idle delivery opens the boards when it first needs them (the folder's row 2)
+        self.here = engine_folder.host_identity() if here is None else here
+        self.ranks_elsewhere = ranks_elsewhere(infos, self.here)
+        if self.ranks_elsewhere and confirm != STEP:
+            raise PatchError(f"kvelastic: worker ranks {list(self.ranks_elsewhere)} run on another host, whose "
+                             f"boards this scheduler cannot read; set KVELASTIC_TP_CONFIRM=step")
+        # idle delivery through the folder opens the boards when it first needs them (the folder's row 2); with
+        # a rank on another host there is none to open: commands queued while idle wait for the next step
+        open_boards = None if self.ranks_elsewhere else functools.partial(_open_boards, folder, infos)
+        if confirm == STEP:
             start = start_state.of_descriptions(infos)
             mapper = RemoteMapper(folder, [], start, confirm, world=len(infos), open_boards=open_boards)
         else:
-            boards = open_boards()
+            boards = _open_boards(folder, infos)
             start = start_state.of_boards(boards, first.layout.num_groups)
             mapper = RemoteMapper(folder, boards, start, confirm)
         mapper.request_unmap(start.partial)
@@ -165,16 +176,20 @@ class RankConnection(CacheConnection):
         return self.idle_steps
 
     def join_account(self, scheduler: Any, runtime: "Runtime") -> "AccountLink | None":
-        """Join the shared account of every GPU the ranks are on, for them.
+        """Join the shared account of every GPU on this host the ranks are on, for them.
 
         The ranks create pages only on the scheduler's commands, so the
         scheduler is the member: a map is charged to every GPU's account (at
         the bytes a group takes there) before it is sent, a refusal by any is a
         scheduling miss, and an unmap gives the bytes back. Over several GPUs
-        the memberships act as one (:class:`~kvelastic.scheduler.link_group.LinkGroup`).
+        the memberships act as one (:class:`~kvelastic.scheduler.link_group.LinkGroup`). A GPU on another
+        host has its account there: it is left out here (logged once), never counted in this host's
+        account of a GPU of the same name.
         """
         if not all(info.gpu_id for info in self.infos):
             return None
+        local, elsewhere = split_by_host(self.infos, self.here)
+        report_gpus_left_out(elsewhere)
         from kvelastic.cluster.ledger import BudgetLedger
         from kvelastic.scheduler.cluster_link import join_shared_account
         from kvelastic.scheduler.link_group import LinkGroup
@@ -182,7 +197,7 @@ class RankConnection(CacheConnection):
 
         pool, largest = self.cache.pool, self.cache.group_bytes
         charges, links = [], []
-        for gpu_id, infos in _by_gpu(self.infos).items():
+        for gpu_id, infos in _by_gpu(local).items():
             group_bytes = sum(i.group_bytes for i in infos)
             charge = Charge(BudgetLedger(), group_bytes, len(infos))
             # what the ranks hold already (counted: no member yet), handed to the account as it joins
@@ -222,12 +237,17 @@ def _remove_idle_files(folder: Path) -> None:
         pass
 
 
-def _rank_infos(folder: Path, world: int, wait_s: float,
-                sent: Sequence[shm.RankInfo] | None) -> list[shm.RankInfo]:
+def _rank_infos(folder: Path, world: int, wait_s: float, sent: Sequence[shm.RankInfo] | None,
+                elsewhere: Sequence[int] = ()) -> list[shm.RankInfo]:
     """The ranks' descriptions: those Ray's ranks ``sent`` back over ``collective_rpc`` after the folder's
-    hand-over (:class:`~kvelastic.tp.handovers.RayHandovers`), else their files in ``folder``."""
+    hand-over (:class:`~kvelastic.tp.handovers.RayHandovers`), else their files in ``folder``; PatchError at
+    once, with no wait, where a rank on another host (pids ``elsewhere``) sent none: it writes no file."""
     if sent is not None and len(sent) == world:
         return list(sent)
+    if elsewhere:
+        raise PatchError(f"kvelastic: the Ray workers on other hosts (pids {list(elsewhere)}) did not all send "
+                         f"their descriptions back, and they write none to {folder}: give every process of the "
+                         f"engine KVELASTIC=1 and the same kvelastic, or set KVELASTIC=0 for this engine")
     return _wait_for_ranks(folder, world, wait_s)
 
 

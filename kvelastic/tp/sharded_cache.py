@@ -58,7 +58,8 @@ class ShardedPoolView(PoolView):
 
     def collect(self, wait: bool = False) -> int:
         """The reclaimer's periodic call: commands queued while idle go out now, on an empty step where the
-        engine loop can be woken for one (:mod:`kvelastic.tp.idle_steps`), else as the engine folder's files."""
+        engine loop can be woken for one (:mod:`kvelastic.tp.idle_steps`), else as the engine folder's files,
+        where a folder reaches every rank; where none does (a rank on another host) they wait for the next step."""
         with self.lock:
             idle = self.idle_steps
             if idle is None or not idle.deliver():
