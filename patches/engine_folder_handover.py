@@ -58,7 +58,8 @@ TARGETS = (EXECUTOR, INITIALIZE, COLLECTIVE_RPC, RUN_METHOD)
 def apply(patcher: Any, runtime: Any) -> None:
     from kvelastic.tp.ray_executor import wrap_initialize
 
-    patcher.wrap(INITIALIZE, wrap_initialize(runtime.settings.ray, runtime.ray_handovers))
+    settings = runtime.settings
+    patcher.wrap(INITIALIZE, wrap_initialize(settings.ray, runtime.ray_handovers, settings.tp_confirm))
 
 
 PATCH = Patch("engine_folder_handover", "Executor: Ray refused or accepted; each rank handed its engine's folder, "

@@ -89,11 +89,15 @@ class _Worker:
             self.pool.close()
 
 
-def _rank_main(rank: int, inbox, outbox) -> None:
+def _rank_main(rank: int, inbox, outbox, host: str | None = None) -> None:
     """Answer the executor's calls as vLLM's WorkerProc does: ``run_method`` on the worker, then success and
-    result, or failure and the error, sent only by the rank the call asks to reply (every rank if none)."""
+    result, or failure and the error, sent only by the rank the call asks to reply (every rank if none).
+    ``host``: the host identity this rank reads for its own (another host's, for the tests of one), at the one
+    place a rank learns where it runs."""
     from vllm.v1.serial_utils import run_method
 
+    if host is not None:
+        engine_folder.host_identity = lambda: host
     worker = _Worker(rank)
     while True:
         item = inbox.recv()
@@ -109,9 +113,9 @@ def _rank_main(rank: int, inbox, outbox) -> None:
             outbox.send(answer)
 
 
-def _launcher(pipes) -> None:
-    """The ranks' parent, standing for the raylet: not the engine core."""
-    ranks = [multiprocessing.get_context("spawn").Process(target=_rank_main, args=(r, *pipes[r]))
+def _launcher(pipes, hosts: dict) -> None:
+    """The ranks' parent, standing for the raylet: not the engine core. ``hosts``: rank -> another host."""
+    ranks = [multiprocessing.get_context("spawn").Process(target=_rank_main, args=(r, *pipes[r], hosts.get(r)))
              for r in range(WORLD)]
     for process in ranks:
         process.start()
@@ -182,11 +186,19 @@ def _scheduler_side(runtime: SimpleNamespace, wait_s: float = TIMEOUT_S):
 def ranks(tmp_path, monkeypatch):
     """WORLD rank processes, grandchildren of this one, and vLLM's executor wired to them."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))  # inherited by the launcher and the ranks
+    with rank_processes({}) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def rank_processes(hosts: dict):
+    """WORLD rank processes under a launcher: (pipes to them, pipes from them, the launcher's pid).
+    ``hosts``: rank -> the host identity it finds for itself (absent: this host's)."""
     context = multiprocessing.get_context("spawn")
     inboxes = [context.Pipe() for _ in range(WORLD)]
     outboxes = [context.Pipe() for _ in range(WORLD)]
     pipes = [(inboxes[r][1], outboxes[r][0]) for r in range(WORLD)]
-    launcher = context.Process(target=_launcher, args=(pipes,))
+    launcher = context.Process(target=_launcher, args=(pipes, hosts))
     launcher.start()
     to_ranks, from_ranks = [i[0] for i in inboxes], [o[1] for o in outboxes]
     try:
@@ -240,34 +252,42 @@ def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_e
             (folder / f"rank{rank}.info").unlink()
         remove_boards(folder)  # ... and the start-up state too
         connection, pool, queue = _scheduler_side(runtime, wait_s=0.0)
-        mapper, adopt = connection.mapper, connection.reply_hook()
-        assert mapper.confirm == STEP and adopt is not None and mapper.boards == []
-        assert mapper.mapped_groups == {0, 1}, "the groups both ranks mapped at start-up were not adopted"
-        confirmed = set(mapper.mapped_groups)
-        want = 3 * BLOCKS_PER_GROUP
-        assert pool.get_num_free_blocks() == 2 * BLOCKS_PER_GROUP - 1  # groups 0 and 1 but the null block
-        queue.want_blocks(want)  # vLLM's scheduling miss
-        plan = mapper.take_plan()
-        maps = {c[0]: c[2] for c in plan.commands if c[1] == MAP}
-        assert plan.commands[0] == (START_SEQ + 1, UNMAP, (2,)), "rank 0's lone group 2 must go first"
-        assert plan.report and maps, "a step carrying maps must ask every rank for its report"
-        assert executor.execute_model(SimpleNamespace(kvelastic_plan=plan, writes=[])) is None
-        output = executor.sample_tokens(None)
-        report = step_report_of(output)
-        assert report is not None and sorted(r.rank for r in report.ranks) == list(range(WORLD))
-        assert pool.get_num_free_blocks() < want, "groups were adopted before the step's replies were"
-        adopt(output)  # as update_from_output does
-        for seq, done in CommandTally(WORLD).add(report).items():
-            confirmed.update(maps[seq][:done])
-        assert pool.get_num_free_blocks() >= want, "the groups both ranks reported mapped were not adopted"
-        blocks = pool.get_new_blocks(want)
-        assert {connection.cache.group_of_block(b.block_id) for b in blocks} <= confirmed
-        writes = dataclasses.replace(mapper.take_plan(), report=True)  # every rank answers: each checks its writes
-        assert executor.execute_model(SimpleNamespace(kvelastic_plan=writes, writes=[b.block_id for b in blocks])) \
-            is None
-        after = step_report_of(executor.sample_tokens(None))
-        held = {r.rank: r.mapped_bytes for r in after.ranks}
-        assert held[0] == held[1], f"the ranks map different groups after the first step: {held}"
+        map_and_write_on_every_rank(executor, connection, pool, queue)
+
+
+def map_and_write_on_every_rank(executor, connection, pool, queue) -> list:
+    """From a connection made in step mode with no board: the start-up state adopted from the descriptions,
+    a report step hearing every rank, blocks handed out only from the groups every rank reported, each rank's
+    writes landing in mapped groups, and both ranks then holding the same bytes."""
+    mapper, adopt = connection.mapper, connection.reply_hook()
+    assert mapper.confirm == STEP and adopt is not None and mapper.boards == []
+    assert mapper.mapped_groups == {0, 1}, "the groups both ranks mapped at start-up were not adopted"
+    confirmed = set(mapper.mapped_groups)
+    want = 3 * BLOCKS_PER_GROUP
+    assert pool.get_num_free_blocks() == 2 * BLOCKS_PER_GROUP - 1  # groups 0 and 1 but the null block
+    queue.want_blocks(want)  # vLLM's scheduling miss
+    plan = mapper.take_plan()
+    maps = {c[0]: c[2] for c in plan.commands if c[1] == MAP}
+    assert plan.commands[0] == (START_SEQ + 1, UNMAP, (2,)), "rank 0's lone group 2 must go first"
+    assert plan.report and maps, "a step carrying maps must ask every rank for its report"
+    assert executor.execute_model(SimpleNamespace(kvelastic_plan=plan, writes=[])) is None
+    output = executor.sample_tokens(None)
+    report = step_report_of(output)
+    assert report is not None and sorted(r.rank for r in report.ranks) == list(range(WORLD))
+    assert pool.get_num_free_blocks() < want, "groups were adopted before the step's replies were"
+    adopt(output)  # as update_from_output does
+    for seq, done in CommandTally(WORLD).add(report).items():
+        confirmed.update(maps[seq][:done])
+    assert pool.get_num_free_blocks() >= want, "the groups both ranks reported mapped were not adopted"
+    blocks = pool.get_new_blocks(want)
+    assert {connection.cache.group_of_block(b.block_id) for b in blocks} <= confirmed
+    writes = dataclasses.replace(mapper.take_plan(), report=True)  # every rank answers: each checks its writes
+    assert executor.execute_model(SimpleNamespace(kvelastic_plan=writes, writes=[b.block_id for b in blocks])) \
+        is None
+    after = step_report_of(executor.sample_tokens(None))
+    held = {r.rank: r.mapped_bytes for r in after.ranks}
+    assert held[0] == held[1], f"the ranks map different groups after the first step: {held}"
+    return blocks
 
 
 def test_without_the_hand_over_a_ray_rank_fails_with_a_clear_error(ranks):
@@ -314,12 +334,21 @@ def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_pa
 def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     folder = str(shm.engine_dir(os.getpid()))
-    with pytest.raises(EngineFolderError, match="not on the engine core's host"):
+    with pytest.raises(EngineFolderError, match="not on the engine core's host.*Set KVELASTIC_TP_CONFIRM=step"):
         engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836")
+    with pytest.raises(EngineFolderError, match="not on the engine core's host"):
+        engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836", "board")
+    try:  # confirmed on the steps' replies, the rank runs with no folder (not even this one's, or a wrong one)
+        assert engine_folder.receive(None, "/elsewhere/engine-1-2-3", 1, "another-boot-id/1", "step") == \
+            (os.getpid(), engine_folder.host_identity())
+        assert engine_folder.rank_folder("ray").folder is None
+    finally:
+        engine_folder.forget()
     with pytest.raises(EngineFolderError, match="same KVELASTIC_SHARED_DIR"):
         engine_folder.receive(None, "/elsewhere/engine-1-2-3", os.getpid(), engine_folder.host_identity())
     try:
-        assert engine_folder.receive(None, folder, os.getpid(), engine_folder.host_identity()) == os.getpid()
+        assert engine_folder.receive(None, folder, os.getpid(), engine_folder.host_identity()) == \
+            (os.getpid(), engine_folder.host_identity())
         assert engine_folder.rank_folder("ray").folder == shm.engine_dir(os.getpid())
     finally:
         engine_folder.forget()

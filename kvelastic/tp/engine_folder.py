@@ -7,9 +7,13 @@ hands every rank its folder and pid over vLLM's own ``collective_rpc`` before
 the ranks initialise their KV caches (``kvelastic.patches.engine_folder_handover``).
 That channel is the one every step travels on: ordered, already authenticated
 by vLLM, and independent of which environment a Ray cluster started elsewhere
-passes on to its actors. :func:`receive` runs on the rank; it refuses an engine
-core on another machine or pid namespace (the folder lives in this host's
-shared memory) and a folder the rank's own settings would put elsewhere. Once
+passes on to its actors. :func:`receive` runs on the rank; it refuses a folder
+the rank's own settings would put elsewhere, and an engine core on another
+machine or pid namespace (the folder lives in that host's shared memory) unless
+the engine core confirms on the steps' replies (``KVELASTIC_TP_CONFIRM=step``):
+then such a rank runs with no folder at all (:class:`EngineFolder` with
+``folder`` None): its board stays in its memory, it writes no file, and its
+description, confirmations and commands travel only on vLLM's calls. Once
 vLLM's call returned (the ranks made their KV caches), the engine core asks
 each rank for its description the same way (:func:`describe`), so the
 scheduler reads it from the replies rather than from ``rank<r>.info``.
@@ -32,9 +36,10 @@ _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 @dataclass(frozen=True)
 class EngineFolder:
-    """The engine's folder and the engine core's pid, as one rank found them."""
+    """The engine's folder and the engine core's pid, as one rank found them. ``folder`` None: the rank is on
+    another host than its engine core, which confirms on the steps' replies, so it meets it in no folder."""
 
-    folder: Path
+    folder: Path | None
     engine_pid: int
 
 
@@ -54,22 +59,31 @@ def host_identity() -> str:
     return f"{boot}/{own_pid_namespace()}"
 
 
-def receive(worker: Any, folder: str, engine_pid: int, host: str) -> int:
+def receive(worker: Any, folder: str, engine_pid: int, host: str, confirm: str = "board") -> tuple[int, str]:
     """Keep the folder the engine core handed over; runs on each rank through ``collective_rpc``.
 
-    ``worker`` is whatever vLLM passes a callable first (its worker wrapper), unused. Returns this
-    rank's pid, for the engine core's log. EngineFolderError if the engine core is on another host or
-    pid namespace, or if this rank's ``KVELASTIC_SHARED_DIR``/``KVELASTIC_SHARED_GROUP`` name another folder.
+    ``worker`` is whatever vLLM passes a callable first (its worker wrapper), unused. ``host``: the engine
+    core's :func:`host_identity`; ``confirm``: its ``KVELASTIC_TP_CONFIRM``. Returns this rank's pid and host
+    identity, for the engine core (which ranks are elsewhere, its log). On another host or pid namespace the
+    rank runs with no folder if ``confirm`` is ``step`` (nothing it needs goes through one there), else
+    EngineFolderError; EngineFolderError too if this rank's ``KVELASTIC_SHARED_DIR``/``KVELASTIC_SHARED_GROUP``
+    name another folder than the engine core's.
     """
     global _handed
     from kvelastic.tp.board import engine_dir
+    from kvelastic.tp.remote_mapper import STEP
 
     here = host_identity()
     if host != here:
-        raise EngineFolderError(
-            f"kvelastic: this worker rank (pid {os.getpid()}, host {here}) is not on the engine core's host "
-            f"and pid namespace ({host}): the ranks meet their scheduler in shared memory on one host. Run "
-            f"the engine on one node (a Ray placement group on the engine core's node), or set KVELASTIC=0")
+        if confirm != STEP:
+            raise EngineFolderError(
+                f"kvelastic: this worker rank (pid {os.getpid()}, host {here}) is not on the engine core's host "
+                f"and pid namespace ({host}), and with KVELASTIC_TP_CONFIRM={confirm} the ranks meet their "
+                f"scheduler in shared memory on one host. Set KVELASTIC_TP_CONFIRM=step (a rank on another "
+                f"host then runs with no folder), run the engine on one node (a Ray placement group on the "
+                f"engine core's node), or set KVELASTIC=0")
+        _handed = EngineFolder(None, engine_pid)  # the engine core's pid names nothing on this host
+        return os.getpid(), here
     expected = engine_dir(engine_pid)
     if Path(folder) != expected:
         raise EngineFolderError(
@@ -77,7 +91,7 @@ def receive(worker: Any, folder: str, engine_pid: int, host: str) -> int:
             f"settings name {expected}: give every process of the engine the same KVELASTIC_SHARED_DIR "
             f"and KVELASTIC_SHARED_GROUP (a Ray cluster started elsewhere passes on its own environment)")
     _handed = EngineFolder(expected, engine_pid)
-    return os.getpid()
+    return os.getpid(), here
 
 
 def rank_folder(backend: str) -> EngineFolder:

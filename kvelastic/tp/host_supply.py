@@ -20,10 +20,13 @@ out; until every rank has reported, it is 0.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvelastic.tp import board as shm
 from kvelastic.tp.step_report import RankReport
+
+if TYPE_CHECKING:
+    from kvelastic.tp.rank_board import Board
 
 
 def encode(ready_slots: int, settled: bool) -> int:
@@ -35,7 +38,7 @@ def decode(value: int) -> tuple[int, bool]:
     return (-value - 1, True) if value < 0 else (value, False)
 
 
-def publish(board: shm.RankBoard, ready_slots: int, settled: bool) -> None:
+def publish(board: "Board", ready_slots: int, settled: bool) -> None:
     """The rank's side, called from its pin threads (the field has no other writer)."""
     board.set(shm.HOST_PINNED, encode(ready_slots, settled))
 

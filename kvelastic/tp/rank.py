@@ -10,6 +10,11 @@ free, unless a later command of the plan touches their groups
 never waits for another rank or for the scheduler: a map it cannot make is
 reported as refused on its board and the scheduler turns that into a
 scheduling miss.
+
+A rank on another host than its engine core (Ray, ``KVELASTIC_TP_CONFIRM=step``)
+has no engine folder (``folder`` None): its board stays in its own memory
+(:class:`~kvelastic.tp.rank_board.InProcessBoard`), it writes no file, and its
+commands come only with the steps, empty ones included.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp import host_supply
 from kvelastic.tp.folder_watch import FolderWatch
+from kvelastic.tp.rank_board import rank_board
 from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, START_SEQ, STORE, UNMAP, WAIT, Command, StepPlan,
                                    maps_after_launch)
 from kvelastic.tp.step_report import RankReport
@@ -46,15 +52,16 @@ DEVICE_FREE_PERIOD_S = 0.05
 class RankWorker:
     """Applies page-group and copy commands on one rank's elastic KV cache."""
 
-    def __init__(self, cache: ElasticKVCache, folder: Path, info: shm.RankInfo,
+    def __init__(self, cache: ElasticKVCache, folder: Path | None, info: shm.RankInfo,
                  copier: "BlockCopier | None" = None, map_after_launch: bool = True):
-        """``copier``: this rank's share of the host tier (None without one; then no store or load comes).
+        """``folder``: the engine's folder, None for a rank on another host (it then writes no file).
+        ``copier``: this rank's share of the host tier (None without one; then no store or load comes).
         ``map_after_launch``: a step's MAPs wait for its forward pass's launch (``KVELASTIC_TP_MAP_AFTER_LAUNCH``)."""
         self.cache = cache
         self.map_after_launch = map_after_launch
         self.folder = folder
         self.copier = copier
-        self.board = shm.RankBoard.of_rank(folder, info.rank, cache.num_groups, create=True)
+        self.board = rank_board(folder, info.rank, cache.num_groups)
         self.board.set(shm.PID, os.getpid())
         start_groups = sorted(cache.pool.mapped_groups())
         for g in start_groups:
@@ -75,11 +82,13 @@ class RankWorker:
         self._handled = self.applied  # the last command run or left for after the launch (the board: run)
         self._deferred: list[Command] = []  # this step's MAPs, left for after its forward pass's launch
         self.maps_kept_in_order = 0  # MAPs a later command of their plan touched: run before the forward
-        self._watch = FolderWatch(folder)  # the idle thread lists the folder only when it may have changed
+        # the idle thread lists the folder only when it may have changed; with no folder, never
+        self._watch = FolderWatch(folder) if folder is not None else None
         self._fitted: int | None = None  # the last command handled when the idle thread last fitted the reserve
         self._reserve_short = True  # that fit left the reserve below its target: try again next tick
         self._report_memory(force=True)
-        shm.write_info(folder, self.info)
+        if folder is not None:
+            shm.write_info(folder, self.info)
 
     # ----------------------------------------------------------------- steps
     def at_first_step(self, callback: Callable[[], None]) -> None:
@@ -151,7 +160,8 @@ class RankWorker:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
-        shm.remove_rank_files(self.folder, self.info.rank)
+        if self.folder is not None:
+            shm.remove_rank_files(self.folder, self.info.rank)
 
     def _run(self) -> None:
         if self.copier is not None:
@@ -160,7 +170,8 @@ class RankWorker:
             try:
                 self._tick()
             except Exception:  # noqa: BLE001 - the rank must keep serving steps
-                self._watch.forget()  # the next tick does all of it again
+                if self._watch is not None:
+                    self._watch.forget()  # the next tick does all of it again
                 self._fitted = None
                 log.exception("kvelastic: rank %d failed to apply idle commands", self.info.rank)
 
@@ -170,7 +181,7 @@ class RankWorker:
         the reserve's fit when commands ran, fenced unmaps finished or the last fit fell short (the pool
         changes only then); ``pool.collect`` and the throttled memory report as ever."""
         with self._lock:
-            if self._deferred or self._watch.should_look():
+            if self._deferred or (self._watch is not None and self._watch.should_look()):
                 self._apply_idle_files()
         finished = self.cache.pool.collect()
         handled = self._handled
@@ -182,6 +193,8 @@ class RankWorker:
     def _apply_idle_files(self) -> None:
         if self._deferred:  # idle commands come after the step's MAPs: the maps go first, as numbered
             self._apply_deferred()
+        if self.folder is None:
+            return  # no folder, no idle files: the scheduler sends such a rank commands only with steps
         applied = self._handled
         for _, last, path in shm.idle_files(self.folder):
             if last > applied:

@@ -13,7 +13,9 @@ the protocol: its workers run vLLM's ``WorkerProc`` busy loop, hence the
 (``RayDistributedExecutor``, a compiled DAG) calls the model runner directly,
 past that hook, and under pipeline parallelism stage k's reply never reaches
 the scheduler; it is refused with what to use instead. A rank on another host
-refuses the hand-over itself (:func:`kvelastic.tp.engine_folder.receive`).
+refuses the hand-over itself (:func:`kvelastic.tp.engine_folder.receive`) unless
+the engine confirms on the steps' replies (``KVELASTIC_TP_CONFIRM=step``), which the
+hand-over says; then it runs with no folder, and the record says which ranks did.
 Once vLLM's own call returned, every rank's description comes back over the
 same channel (:func:`collect_descriptions`), kept in the process runtime's
 :class:`~kvelastic.tp.handovers.RayHandovers`, where the scheduler, built next, reads it.
@@ -55,8 +57,10 @@ def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
             f"vLLM 0.20 and later, the default from 0.21), the multiprocess executor, or set KVELASTIC=0")
 
 
-def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers) -> Path | None:
-    """Under Ray: refuse (PatchError) or tell every rank this engine's folder, and return it; otherwise None."""
+def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers, confirm: str = "board") -> Path | None:
+    """Under Ray: refuse (PatchError) or tell every rank this engine's folder and ``confirm`` (its
+    ``KVELASTIC_TP_CONFIRM``: in ``step`` a rank on another host takes no folder), and return the folder;
+    otherwise None."""
     parallel = executor.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     if parallel.distributed_executor_backend != RAY:
         return None
@@ -66,9 +70,14 @@ def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers) -
     from kvelastic.tp.board import engine_dir
 
     folder = engine_dir(os.getpid())
-    pids = executor.collective_rpc(receive, args=(str(folder), os.getpid(), host_identity()))
-    handovers.handed(folder)
-    log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s", pids, folder)
+    here = host_identity()
+    replies = executor.collective_rpc(receive, args=(str(folder), os.getpid(), here, confirm))
+    pids = [pid for pid, _ in replies]
+    elsewhere = [pid for pid, host in replies if host != here]
+    handovers.handed(folder, elsewhere)
+    log.info("kvelastic: handed the Ray workers (pids %s) this engine's folder %s%s", pids, folder,
+             f"; those on other hosts (pids {elsewhere}) run with no folder, on the steps' replies alone"
+             if elsewhere else "")
     return folder
 
 
@@ -92,15 +101,16 @@ def collect_descriptions(executor: Any, folder: Path, handovers: RayHandovers) -
     handovers.keep_descriptions(folder, infos)
 
 
-def wrap_initialize(ray_setting: str, handovers: RayHandovers) -> Any:
+def wrap_initialize(ray_setting: str, handovers: RayHandovers, confirm: str = "board") -> Any:
     """The wrapper of ``Executor.initialize_from_config``: the hand-over first, then vLLM's own call (the
-    ranks make and describe their KV caches), then under Ray their descriptions, kept in ``handovers``."""
-    return functools.partial(_initialize_from_config, ray_setting, handovers)
+    ranks make and describe their KV caches), then under Ray their descriptions, kept in ``handovers``.
+    ``confirm``: ``KVELASTIC_TP_CONFIRM``, told to the ranks with the folder."""
+    return functools.partial(_initialize_from_config, ray_setting, handovers, confirm)
 
 
-def _initialize_from_config(ray_setting: str, handovers: RayHandovers, wrapped: Any, executor: Any,
+def _initialize_from_config(ray_setting: str, handovers: RayHandovers, confirm: str, wrapped: Any, executor: Any,
                             args: tuple, kwargs: dict) -> Any:
-    folder = hand_over_folder(executor, ray_setting, handovers)
+    folder = hand_over_folder(executor, ray_setting, handovers, confirm)
     result = wrapped(*args, **kwargs)
     if folder is not None:
         collect_descriptions(executor, folder, handovers)

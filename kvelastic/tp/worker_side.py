@@ -19,6 +19,7 @@ from kvelastic.cluster.device import device_identity
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.settings import Settings
 from kvelastic.tp import board as shm
+from kvelastic.tp import engine_folder
 from kvelastic.tp.engine_folder import keep_description, rank_folder
 from kvelastic.tp.rank import RankWorker
 
@@ -54,15 +55,16 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
                         copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start",
                         map_after_launch=settings.tp_map_after_launch)
     runtime.rank_worker = worker
+    where = worker.folder or "no folder (another host: its description, reports and commands ride vLLM's calls)"
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
-             engine.engine_pid, worker.folder)
+             engine.engine_pid, where)
     return worker
 
 
-def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit_bytes: int | None,
+def start_rank(cache: ElasticKVCache, folder: Path | None, rank: int, world: int, limit_bytes: int | None,
                cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False,
                map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
-    """Describe this rank's cache in ``folder``, set up its host-tier share, start its worker
+    """Describe this rank's cache in ``folder`` (None: on another host, nowhere but in memory), set up its host-tier share, start its worker
     (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
@@ -71,7 +73,7 @@ def start_rank(cache: ElasticKVCache, folder: Path, rank: int, world: int, limit
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
                         limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
-                        gpu_id=gpu_id, gpu_total=gpu_total or 0)
+                        gpu_id=gpu_id, gpu_total=gpu_total or 0, host=engine_folder.host_identity())
     worker = RankWorker(cache, folder, info, copier, map_after_launch=map_after_launch)
     keep_description(worker.info)  # with its start-up state; under Ray the engine core asks for it
     if memory is not None:
