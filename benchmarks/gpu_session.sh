@@ -58,11 +58,11 @@ tp-step-spill)  # `tp-spill`'s TP=2 run, host hits loaded beside compute: the ra
         --kve-env KVELASTIC_LIMIT=1GiB KVELASTIC_CPU_BYTES=8GiB KVELASTIC_CACHE_TTL=1 KVELASTIC_TP_CONFIRM=step \
         KVELASTIC_CPU_LOAD=async --summary "$W/tp-step-spill/summary.json" --extra --passes 3 --prompts 48 \
         2>&1 | tee "$W/tp-step-spill.log" ;;
-ray)  # issue 19: `tp` through Ray's V2 executor (KVELASTIC_RAY=allow) against vanilla Ray TP=2: identical outputs
+ray)  # issue 19: `tp` through Ray's V2 executor (KVELASTIC_RAY=allow) against vanilla Ray TP=2: identical outputs; RAY_KVE_ENV="KVELASTIC_TP_CONFIRM=step" adds settings
     # needs ray in the staged bundle: ../shared/gpu/make-vllm-bundle 0.25.0 ray==X (docs/tp-step-protocol.md, "Ray")
     python3 -c 'import ray' 2>/dev/null || { echo "no ray in the staged vLLM bundle: build one with ray" >&2; exit 2; }
     e2e --model scripts/models/llama-8b --outdir "$W/ray" --matrix ray-tp2 --label=-ray \
-        --kve-env KVELASTIC_CACHE_TTL=2 KVELASTIC_RAY=allow --summary "$W/ray/summary.json" \
+        --kve-env KVELASTIC_CACHE_TTL=2 KVELASTIC_RAY=allow ${RAY_KVE_ENV:-} --summary "$W/ray/summary.json" \
         --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/ray.log" ;;
 step-ab)  # issue 19: TP=2 with board and step confirmations against one vanilla run, then PP=2 with step
     # (about 7 min on 2 x H200: 5 engines); both GPUs' memory rising and falling in each kvelastic run
