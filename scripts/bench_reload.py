@@ -302,8 +302,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--busy-before", type=float, default=0.0,
                    help="seconds before each reload, a short request of other tokens (0: the engine idles)")
     p.add_argument("--settle", type=float, default=1.0, help="offload-arc: seconds for stores to finish")
-    p.add_argument("--cpu-bytes", type=lambda t: parse_size(t, name="--cpu-bytes"), default=16 << 30,
-                   help="host/CPU tier for kvelastic and the connector, e.g. 16GiB (default)")
+    p.add_argument("--cpu-bytes", type=lambda t: parse_size(t, name="--cpu-bytes"), default=None,
+                   help="host/CPU tier for kvelastic and the connector, e.g. 16GiB (default: at least 16GiB, "
+                        "and room for every rep's prefix with a fifth to spare)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-model-len", type=int, default=20480)
     p.add_argument("--eager", action="store_true", help="enforce_eager: faster start-up, no CUDA graphs")
@@ -314,7 +315,21 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.prefix_len + args.suffix_len + args.check_tokens > args.max_model_len:
         p.error("--prefix-len + --suffix-len + --check-tokens must fit --max-model-len")
+    if args.cpu_bytes is None:
+        args.cpu_bytes = default_cpu_bytes(args)
     return args
+
+
+def default_cpu_bytes(args: argparse.Namespace) -> int:
+    """16 GiB, or more where the reps' prefixes need it: the policy must never evict an earlier rep's prefix
+    before its reload (nine 16k-token 8B reps missed once in 16 GiB: session 18). Sized from the model's
+    ``config.json`` (K and V per layer, bf16) with a fifth to spare for the suffixes and the policy's ghosts."""
+    config = json.loads(Path(args.model, "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    token_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
+    tokens = (args.prefix_len + 3 * args.suffix_len + args.check_tokens) * (args.reps + args.warmup)
+    return max(16 << 30, -(-tokens * token_bytes * 6 // 5 // (1 << 30)) << 30)
 
 
 def main() -> int:
