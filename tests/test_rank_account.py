@@ -43,6 +43,7 @@ def rank_engine(patched, monkeypatch):  # noqa: F811 - patched sets KVELASTIC_SH
         world = len(devices) if devices else 1
         ranks = RankProcesses(shm.engine_dir(os.getpid()), (None,) * world, layers=(3,) * world, devices=devices)
         made.append(ranks)
+        settings.setdefault("tp_confirm", "board")  # this driver gathers no step replies: the ranks confirm on boards
         runtime = Runtime(Settings(enabled=True, **settings))  # no cache here: the ranks hold it
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(world))
         made.append((scheduler, patcher))

@@ -118,11 +118,11 @@ def _idle_commands_wait_then_ride_an_empty_step(executor, connection, queue, fol
 
 
 def test_in_board_mode_a_rank_on_another_host_still_refuses(shared_dir):
-    runtime = _runtime(Settings(ray="allow"))
+    runtime = _runtime(Settings(ray="allow", tp_confirm="board"))
     with rank_processes({1: OTHER_HOST}) as (to_ranks, from_ranks, _), applied_patch(engine_folder_handover, runtime):
         executor = _executor(to_ranks, from_ranks)
         with pytest.raises(RuntimeError, match="EngineFolderError.*not on the engine core's host.*"
-                                               "KVELASTIC_TP_CONFIRM=board.*Set KVELASTIC_TP_CONFIRM=step"):
+                                               "KVELASTIC_TP_CONFIRM=board.*Set KVELASTIC_TP_CONFIRM=auto"):
             executor.initialize_from_config([])
         assert runtime.ray_handovers.described(shm.engine_dir(os.getpid())) is None
 

@@ -67,8 +67,9 @@ def tp_engine(tmp_path, monkeypatch):
              cache_ttl_s: float = Settings.cache_ttl_s):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
         layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting. With
-        ``confirm="step"`` the ranks' board files are removed before the scheduler connects: it starts
-        from their descriptions, its host tier grows from their reports, and no idle file is written.
+        ``confirm="step"`` (or ``"auto"``, which is ``step`` on this multiprocess executor) the ranks' board
+        files are removed before the scheduler connects: it starts from their descriptions, its host tier
+        grows from their reports, and no idle file is written.
         ``cache_ttl_s``: how long the reclaimer keeps an idle engine's cached groups."""
         from tests.test_tp_step_report import remove_boards
 
@@ -77,7 +78,7 @@ def tp_engine(tmp_path, monkeypatch):
         ranks = RankProcesses(folder, (limit_groups, limit_groups), cpu_bytes, layers,
                               map_after_launch=map_after_launch)
         made.append(ranks)  # closed even if the scheduler cannot be built
-        if confirm == "step":
+        if confirm in ("step", "auto"):
             remove_boards(folder)
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
         stages = WORLD if split == "pipeline" else 1
@@ -126,12 +127,12 @@ def drive_ranks_step(scheduler, ranks: RankProcesses, waves: list[list], reports
         seen.update(s.kv_cache_manager.block_pool.free_block_queue.mapper.mapped_groups)
         ranks.send(out.kvelastic_plan, *_forward(s, out))
         if not out.kvelastic_plan.report:
-            assert ranks.launched == [None] * WORLD
+            assert ranks.launched == [None] * ranks.world
             return None
         reports.append(None)
         merger = ReportMerger()
         assert merger.aggregate(ranks.launched, output_rank=0) is None  # "forward launched", as vLLM expects
-        sampled = merger.aggregate([types.SimpleNamespace() for _ in range(WORLD)], output_rank=0)
+        sampled = merger.aggregate([types.SimpleNamespace() for _ in range(ranks.world)], output_rank=0)
         reports[-1] = getattr(sampled, STEP_ATTR)
         return {STEP_ATTR: reports[-1]}
 
@@ -173,10 +174,12 @@ def test_random_workloads_keep_every_block_right_on_both_ranks(tp_engine, seed):
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
 
 
-def test_confirmations_on_the_steps_replies_keep_every_block_right_without_boards(tp_engine, caplog):
-    """KVELASTIC_TP_CONFIRM=step: the scheduler adopts groups only from the reports on the steps' outputs."""
+@pytest.mark.parametrize("confirm", ["step", "auto"])
+def test_confirmations_on_the_steps_replies_keep_every_block_right_without_boards(tp_engine, caplog, confirm):
+    """KVELASTIC_TP_CONFIRM=step, and ``auto`` (the default) on the multiprocess executor: the scheduler adopts
+    groups only from the reports on the steps' outputs."""
     with caplog.at_level("INFO", logger="vllm.kvelastic"):
-        scheduler, ranks = tp_engine(limit_groups=6, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm="step")
+        scheduler, ranks = tp_engine(limit_groups=6, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm=confirm)
     assert "mapped groups confirmed on the steps' replies" in caplog.text
     filler = [make_requests(f"f{k}", 2 + 2 * k, 400, 0, seed=10 + k) for k in range(3)]  # growing demand
     waves = [make_requests("a", 2, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
@@ -203,6 +206,54 @@ def test_step_confirmations_are_refused_for_an_executor_that_does_not_gather_rep
     runtime = Runtime(Settings(enabled=True, tp_confirm="step"))
     with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor"):
         build_patched(runtime, lambda: _scheduler_with_world(WORLD, backend="ray"))
+
+
+def test_one_worker_in_a_child_process_confirms_on_its_replies_by_default(tmp_path, monkeypatch, caplog):
+    """``distributed_executor_backend="mp"`` at TP=1 (the worker in a child process) goes through the same
+    connection; with ``auto``, the default, its one rank confirms on the steps' replies, no board read."""
+    from tests.test_tp_step_report import remove_boards
+
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    folder = shm.engine_dir(os.getpid())
+    made: list = [RankProcesses(folder, (4,), 16 * GROUP_BYTES, (3,))]
+    ranks = made[0]
+    try:
+        remove_boards(folder, world=1)
+        runtime = Runtime(Settings(enabled=True, cpu_bytes=16 * GROUP_BYTES, limit_bytes=4 * group_bytes(3)))
+        with caplog.at_level("INFO", logger="vllm.kvelastic"):
+            made.append(build_patched(runtime, lambda: _scheduler_with_world(1)))
+        scheduler = made[1][0]
+        assert "mapped groups confirmed on the steps' replies" in caplog.text
+        waves = [make_requests("a", 2, 320, 0, seed=0), make_requests("f", 6, 400, 0, seed=3),
+                 make_requests("b", 2, 320, 0, seed=0)]
+        reports: list = []
+        trace = drive_ranks_step(scheduler, ranks, waves, reports, set())
+        assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
+        assert reports and all(len(report.ranks) == 1 for report in reports if report is not None)
+        assert scheduler.kvelastic_offload.tier.hits > 0, "a's second pass did not come back from the host tier"
+    finally:
+        close_engines(made)
+
+
+@pytest.mark.parametrize("backend, handed_over, expected", [
+    ("mp", False, "step"), ("ray", True, "step"), ("ray", False, "board"), ("external_launcher", False, "board"),
+    ("uni", False, "board")])
+def test_auto_confirms_on_the_replies_wherever_the_executor_gathers_them_and_on_boards_elsewhere(
+        backend, handed_over, expected):
+    from types import SimpleNamespace
+
+    from kvelastic.errors import PatchError
+    from kvelastic.tp.scheduler_side import _confirmations
+
+    parallel = SimpleNamespace(distributed_executor_backend=backend)
+    assert Settings().tp_confirm == "auto"
+    assert _confirmations("auto", parallel, handed_over) == expected
+    assert _confirmations("board", parallel, handed_over) == "board"
+    if expected == "step":
+        assert _confirmations("step", parallel, handed_over) == "step"
+    else:  # asked for by name where it cannot work: refused, not quietly replaced
+        with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step needs"):
+            _confirmations("step", parallel, handed_over)
 
 
 def test_host_hits_load_beside_compute_on_both_ranks_and_come_back_right(tp_engine):

@@ -71,7 +71,7 @@ def gpu_shaped_tp(tmp_path, monkeypatch):
     ranks = RankProcesses(shm.engine_dir(os.getpid()), shape=(BLOCKS, GROUP_BLOCKS * HALF))
     try:
         # TTL past the run: the GPU run's 2 s outlasted its 1.7 s warm pass; a slow CPU's would not
-        runtime = Runtime(Settings(enabled=True, cache_ttl_s=600.0))
+        runtime = Runtime(Settings(enabled=True, cache_ttl_s=600.0, tp_confirm="board"))  # this driver reads boards
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, num_blocks=BLOCKS,
                                                                                      **BATCH))
         try:

@@ -63,8 +63,9 @@ def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patch
     if not beside_compute:
         raise ConfigError("KVELASTIC_CPU_LOAD=async needs, where the KV cache lives in worker processes "
                           "(tensor parallelism, or the multiprocess executor), the ranks' reports on the steps' "
-                          "replies: set KVELASTIC_TP_CONFIRM=step, or unset KVELASTIC_CPU_LOAD (host hits then "
-                          "load in front of the step, as by default)")
+                          "replies: set KVELASTIC_TP_CONFIRM=auto or step on vLLM's multiprocess or Ray V2 "
+                          "executor, or unset KVELASTIC_CPU_LOAD (host hits then load in front of the step, as "
+                          "by default)")
     from kvelastic.patches.host_loads import hold_blocks
     from kvelastic.patches.scheduler_block_pool import SCHEDULER
 

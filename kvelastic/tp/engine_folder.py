@@ -79,9 +79,9 @@ def receive(worker: Any, folder: str, engine_pid: int, host: str, confirm: str =
             raise EngineFolderError(
                 f"kvelastic: this worker rank (pid {os.getpid()}, host {here}) is not on the engine core's host "
                 f"and pid namespace ({host}), and with KVELASTIC_TP_CONFIRM={confirm} the ranks meet their "
-                f"scheduler in shared memory on one host. Set KVELASTIC_TP_CONFIRM=step (a rank on another "
-                f"host then runs with no folder), run the engine on one node (a Ray placement group on the "
-                f"engine core's node), or set KVELASTIC=0")
+                f"scheduler in shared memory on one host. Set KVELASTIC_TP_CONFIRM=auto (the default) or step "
+                f"(a rank on another host then runs with no folder), run the engine on one node (a Ray placement "
+                f"group on the engine core's node), or set KVELASTIC=0")
         _handed = EngineFolder(None, engine_pid)  # the engine core's pid names nothing on this host
         return os.getpid(), here
     expected = engine_dir(engine_pid)

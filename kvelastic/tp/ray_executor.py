@@ -58,9 +58,9 @@ def ray_refusal(setting: str, executor: Any, parallel: Any) -> str | None:
 
 
 def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers, confirm: str = "board") -> Path | None:
-    """Under Ray: refuse (PatchError) or tell every rank this engine's folder and ``confirm`` (its
-    ``KVELASTIC_TP_CONFIRM``: in ``step`` a rank on another host takes no folder), and return the folder;
-    otherwise None."""
+    """Under Ray: refuse (PatchError) or tell every rank this engine's folder and how it confirms (its
+    ``KVELASTIC_TP_CONFIRM``; ``auto`` is ``step`` on Ray's V2 executor, the only one accepted here: in ``step``
+    a rank on another host takes no folder), and return the folder; otherwise None."""
     parallel = executor.vllm_config.parallel_config  # fields declared in patches/engine_config.py
     if parallel.distributed_executor_backend != RAY:
         return None
@@ -68,10 +68,12 @@ def hand_over_folder(executor: Any, ray_setting: str, handovers: RayHandovers, c
     if refusal is not None:
         raise PatchError(refusal)
     from kvelastic.tp.board import engine_dir
+    from kvelastic.tp.remote_mapper import BOARD, STEP
 
     folder = engine_dir(os.getpid())
     here = host_identity()
-    replies = executor.collective_rpc(receive, args=(str(folder), os.getpid(), here, confirm))
+    mode = BOARD if confirm == BOARD else STEP
+    replies = executor.collective_rpc(receive, args=(str(folder), os.getpid(), here, mode))
     pids = [pid for pid, _ in replies]
     elsewhere = [pid for pid, host in replies if host != here]
     handovers.handed(folder, elsewhere)

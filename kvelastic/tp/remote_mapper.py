@@ -55,6 +55,7 @@ PIN_REPORT_PERIOD_S = 0.1  # while a rank still pins its host-tier share, a repo
 
 BOARD = "board"  # confirmations read off the ranks' shared-memory boards (one host)
 STEP = "step"    # confirmations carried on the steps' replies (any host, any multiprocess executor)
+AUTO = "auto"    # the setting's default: STEP where the executor gathers the replies, else BOARD
 
 
 class RemoteMapper(Mapper):

@@ -26,7 +26,7 @@ from kvelastic.tp import board as shm
 from kvelastic.tp import engine_folder, start_state
 from kvelastic.tp.idle_steps import IdleSteps
 from kvelastic.tp.rank_hosts import ranks_elsewhere, report_gpus_left_out, split_by_host
-from kvelastic.tp.remote_mapper import BOARD, STEP, RemoteMapper
+from kvelastic.tp.remote_mapper import AUTO, BOARD, STEP, RemoteMapper
 from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
@@ -70,22 +70,25 @@ def connect_ranks(scheduler: Any, runtime: "Runtime", lock: ContextManager,
 
 
 def _confirmations(setting: str, parallel: Any, handed_over: bool) -> str:
-    """``KVELASTIC_TP_CONFIRM`` for this engine: ``step`` needs a ``MultiprocExecutor``, whose replies
+    """``KVELASTIC_TP_CONFIRM`` for this engine. ``step`` needs a ``MultiprocExecutor``, whose replies
     :mod:`kvelastic.patches.executor_step_report` gathers: vLLM's multiprocess executor, or Ray's V2
     executor, known by the hand-over of the engine's folder (``handed_over``; it refused any other Ray
-    executor before the ranks made their KV caches); PatchError for any other."""
-    if setting != STEP:
+    executor before the ranks made their KV caches). ``auto`` (the default) is ``step`` there and ``board``
+    elsewhere; an explicit ``step`` elsewhere is a PatchError."""
+    if setting == BOARD:
         return BOARD
     from kvelastic.tp.ray_executor import RAY
 
     backend = parallel.distributed_executor_backend
     if backend == "mp" or (backend == RAY and handed_over):
         return STEP
+    if setting == AUTO:
+        return BOARD
     raise PatchError(f"kvelastic: KVELASTIC_TP_CONFIRM=step needs vLLM's multiprocess executor "
                      f"(distributed_executor_backend='mp') or Ray's V2 executor with KVELASTIC_RAY=allow (its "
                      f"ranks handed this engine's folder), not {backend!r}"
-                     f"{' without that hand-over' if backend == RAY else ''}; unset it to confirm through "
-                     "shared memory on this host")
+                     f"{' without that hand-over' if backend == RAY else ''}; set KVELASTIC_TP_CONFIRM=auto "
+                     "(or board) to confirm through shared memory on this host")
 
 
 class RankConnection(CacheConnection):

@@ -64,8 +64,8 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
 def start_rank(cache: ElasticKVCache, folder: Path | None, rank: int, world: int, limit_bytes: int | None,
                cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False,
                map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
-    """Describe this rank's cache in ``folder`` (None: on another host, nowhere but in memory), set up its host-tier share, start its worker
-    (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
+    """Describe this rank's cache in ``folder`` (None: on another host, nowhere but in memory), set up its
+    host-tier share, start its worker (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
         copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
