@@ -181,6 +181,37 @@ def test_a_small_run_loads_in_front_of_the_step_and_sync_loads_go_out_first():
     assert loads.retire().finished == ["big"]  # a sync load is not reported: its request already runs
 
 
+def test_the_loads_of_one_step_go_to_the_copier_as_one_batch_per_kind_and_retire_together():
+    """Several requests' runs planned in one schedule(): one copy per kind (sync, async), each load keeping
+    its own blocks and slots in the batch; each request is reported once the shared fence passed."""
+    loads, tier, copier = ledger(["a", "b", "c", "d", "e"], async_min_bytes=2 * BLOCK_BYTES)
+    loads.plan("r1", ["a", "b"], [Block(10), Block(11)], asynchronous=True)
+    loads.plan("tiny", ["c"], [Block(12)], asynchronous=False)
+    loads.plan("r2", ["d", "e"], [Block(20), Block(21)], asynchronous=True)
+    loads.issue()
+    assert [(ids, slots, compute) for ids, slots, compute, _ in copier.loads] == [
+        ([12], [2], True), ([10, 11, 20, 21], [0, 1, 3, 4], False)]
+    assert loads.counters.async_loads == 2 and loads.counters.async_blocks == 4 and loads.counters.sync_loads == 1
+    assert loads.retire().finished == [] and loads.waiting_for("r1") and loads.waiting_for("r2")
+    copier.pass_all()
+    assert loads.retire().finished == ["r1", "r2"] and not loads.in_flight
+    assert copier.gpu == {10: ("data", "a"), 11: ("data", "b"), 12: ("data", "c"), 20: ("data", "d"),
+                          21: ("data", "e")}
+    assert not any(tier.policy.is_pinned(k) for k in "abcde")
+
+
+def test_a_batch_the_copier_refuses_fails_every_load_in_it_and_each_is_recomputed():
+    loads, tier, copier = ledger(["a", "b", "c"])
+    copier.fail = True
+    loads.plan("r1", ["a"], [Block(1)], asynchronous=True)
+    loads.plan("r2", ["b", "c"], [Block(2), Block(3)], asynchronous=True)
+    loads.issue()
+    retired = loads.retire()
+    assert retired.finished == ["r1", "r2"] and retired.invalid_block_ids == {1, 2, 3}
+    assert loads.counters.failed_loads == 2 and not any(tier.policy.is_pinned(k) for k in "abc")
+    assert loads.host_run(["a"], "r1") == 0 and loads.host_run(["b"], "r2") == 0
+
+
 # ------------------------------------------------------------ vLLM's real Scheduler
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
@@ -322,7 +353,7 @@ def test_asynchronous_loads_are_refused_where_ranks_cannot_report_them_and_off_b
 
     assert Settings().cpu_load == "sync"
     assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20), beside_compute=True) is None
-    with pytest.raises(ConfigError, match="set KVELASTIC_TP_CONFIRM=step"):  # ranks that confirm on boards
+    with pytest.raises(ConfigError, match="set KVELASTIC_TP_CONFIRM=auto or step"):  # ranks that confirm on boards
         attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="async"), beside_compute=False)
     env = Settings.from_env({"KVELASTIC_CPU_LOAD": "async", "KVELASTIC_CPU_LOAD_ASYNC_MIN": "16MiB"})
     assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)

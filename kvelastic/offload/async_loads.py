@@ -161,24 +161,34 @@ class AsyncLoads:
     # ------------------------------------------------------------------ issue
     def issue(self) -> None:
         """End of ``schedule()``: issue the loads planned in it, synchronous ones first (compute waits
-        for them), then the asynchronous ones beside compute. A load that cannot be queued is failed.
-        Runs offered in this ``schedule()`` and not taken are no longer held."""
+        for them), then the asynchronous ones beside compute. Each kind goes to the copier as one batch,
+        whose fence every load of it shares: one request's run alone is often a few blocks, which the
+        copy paths move well below the link's rate, and the requests of a step are retired together at
+        the next step anyway. A batch that cannot be queued fails its loads. Runs offered in this
+        ``schedule()`` and not taken are no longer held."""
         self._withdraw_all()
         queued, self._queued = self._queued, []
         queued.sort(key=lambda load: load.asynchronous)  # stable: sync first, each kind in plan order
-        for load in queued:
-            if load.failed:  # its keys left the tier before it was planned
-                self._issued.append(load)
-                continue
-            try:
-                load.fence = self.copier.load(load.block_ids, list(load.slots), block_compute=not load.asynchronous)
-            except Exception:
-                load.failed = True
-                self.counters.failed_loads += 1
-            counted = "async" if load.asynchronous else "sync"
-            setattr(self.counters, f"{counted}_loads", getattr(self.counters, f"{counted}_loads") + 1)
-            setattr(self.counters, f"{counted}_blocks", getattr(self.counters, f"{counted}_blocks") + len(load.keys))
-            self._issued.append(load)
+        for asynchronous in (False, True):
+            batch = [load for load in queued if load.asynchronous == asynchronous and not load.failed]
+            if batch:
+                self._issue_batch(batch, asynchronous)
+        self._issued.extend(queued)  # a failed one (its keys left the tier before it was planned) retires at once
+
+    def _issue_batch(self, batch: list[PlannedLoad], asynchronous: bool) -> None:
+        block_ids = [block_id for load in batch for block_id in load.block_ids]
+        slots = [slot for load in batch for slot in load.slots]
+        try:
+            fence = self.copier.load(block_ids, slots, block_compute=not asynchronous)
+        except Exception:
+            fence = None
+            self.counters.failed_loads += len(batch)
+        counted = "async" if asynchronous else "sync"
+        setattr(self.counters, f"{counted}_loads", getattr(self.counters, f"{counted}_loads") + len(batch))
+        setattr(self.counters, f"{counted}_blocks", getattr(self.counters, f"{counted}_blocks") + len(block_ids))
+        for load in batch:
+            load.fence = fence
+            load.failed = fence is None
 
     # ----------------------------------------------------------------- retire
     def retire(self) -> Retired:
