@@ -404,7 +404,8 @@ def test_upkeep_runs_its_jobs_in_order_and_only_block_pool_jobs_under_the_lock()
 
 # ------------------------------------------------------------ attach_scheduler
 def _scheduler_with(world: int = 1, pipeline: int = 1) -> types.SimpleNamespace:
-    parallel = types.SimpleNamespace(world_size=world * pipeline, pipeline_parallel_size=pipeline)
+    parallel = types.SimpleNamespace(world_size=world * pipeline, pipeline_parallel_size=pipeline,
+                                     distributed_executor_backend="mp")
     return types.SimpleNamespace(vllm_config=types.SimpleNamespace(parallel_config=parallel), connector=None)
 
 

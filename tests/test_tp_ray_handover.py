@@ -334,7 +334,7 @@ def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_pa
 def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     folder = str(shm.engine_dir(os.getpid()))
-    with pytest.raises(EngineFolderError, match="not on the engine core's host.*Set KVELASTIC_TP_CONFIRM=step"):
+    with pytest.raises(EngineFolderError, match="not on the engine core's host.*Set KVELASTIC_TP_CONFIRM=auto"):
         engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836")
     with pytest.raises(EngineFolderError, match="not on the engine core's host"):
         engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836", "board")
