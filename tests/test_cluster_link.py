@@ -57,7 +57,7 @@ def test_engines_share_one_budget_and_a_refusal_is_a_scheduling_miss(tmp_path, m
         a[0].collect()
         a[0].trim_reserve(0)  # the reclaimer does this when idle or under pressure
         b[2]._device_free_cache = (0.0, None)  # both estimates are cached briefly; skip the wait
-        b[4]._forget_mappable()
+        b[4].room.forget()
         assert b[3].get_num_free_blocks() >= 3 * 32  # a's memory flowed back to the account
     finally:
         for eng in (a, b):

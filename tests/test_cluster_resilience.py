@@ -50,7 +50,7 @@ def _logged_once(kv_log, text: str) -> bool:
 
 def _fresh_estimates(cache, queue) -> None:
     cache.forget_device_free()
-    queue._forget_mappable()
+    queue.room.forget()
 
 
 def _listed(link) -> dict:

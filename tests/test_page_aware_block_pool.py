@@ -175,7 +175,7 @@ def test_reset_prefix_cache_and_usage_follow_physical_memory():
 def test_idle_cached_groups_are_reclaimed_oldest_first():
     clock = [100.0]
     pool, views, cache, bp, queue = build(limit_groups=None)
-    queue._clock = lambda: clock[0]
+    queue._clock = queue.room.clock = lambda: clock[0]
     early = bp.get_new_blocks(63)  # blocks 1..63: the rest of group 0 and all of group 1
     bp.cache_full_blocks(StandInRequest([b"a%d" % i for i in range(63)]), early, 0, 63, BS, 0)
     bp.free_blocks(early)
@@ -199,7 +199,7 @@ def test_a_stale_estimate_is_honoured_by_going_over_the_limit(kv_log):
     pool, views, cache, bp, queue = build(limit_groups=4)
     promised = bp.get_num_free_blocks()  # the scheduler's view: 4 groups' worth
     pool.set_limit(1 * GROUP_PAGES * PAGE)  # the limit drops before the blocks are taken
-    queue._room_until = float("inf")  # and the estimate has not caught up yet
+    queue.room.valid_until = float("inf")  # and the estimate has not caught up yet
     got = bp.get_new_blocks(promised)  # no crash: vLLM already decided on this number
     assert len(got) == promised
     assert pool.stats().over_limit_bytes > 0
@@ -216,13 +216,13 @@ def test_the_room_left_is_read_from_the_pool_at_most_once_a_millisecond_and_agai
     the pool's source stack answers at most once a millisecond, and again as soon as a group is mapped."""
     clock = [100.0]
     pool, views, cache, bp, queue = build(limit_groups=4)
-    queue._clock = lambda: clock[0]
+    queue._clock = queue.room.clock = lambda: clock[0]
     taken = bp.get_new_blocks(bp.get_num_free_blocks())  # all the limit allows: no empty group is left
     assert not queue.free.empty and queue.prefetch.groups >= 1  # so each rebalance wants one more
     reads = []
     ask_pool = cache.mappable_groups
     cache.mappable_groups = lambda unmapped: reads.append(unmapped) or ask_pool(unmapped)
-    queue._forget_mappable()
+    queue.room.forget()
     for _ in range(50):
         assert bp.get_num_free_blocks() == 0
         queue._balance()

@@ -161,25 +161,27 @@ class OffloadManager:
         not make compute wait one by one; :meth:`flush` fences the copy stream
         once, after the last of them (one stream: all of them).
         """
-        if key not in self.tier:
-            self.tier.misses += 1
+        tier, queue = self.tier, self.queue  # once per block looked up: locals, not attributes
+        if key not in tier:
+            tier.misses += 1
             self.runs.end()
             return None
-        if self._piece_due():
+        if self._issue_every and self._piece_due():
             self._issued_early |= self._issue_pending(block_compute=False)
-        block = self.queue.take_block_for_load(self._matched)
+        block = queue.take_block_for_load(self._matched)
         if block is None:
             self.runs.end()
             return None
         self.runs.hit()
-        self._matched.add(block.block_id)
-        slot = self.tier.lookup(key)
+        block_id = block.block_id
+        self._matched.add(block_id)
+        slot = tier.lookup(key)
         if slot is None:  # pragma: no cover - checked just above
-            self.queue.append(block)
+            queue.append(block)
             return None
         self.enter_block(block, key)
-        self.queue.append(block)  # a free, cached block, as if it had never left
-        self._pending_loads.append((block.block_id, slot))
+        queue.append(block)  # a free, cached block, as if it had never left
+        self._pending_loads.append((block_id, slot))
         return block
 
     def _piece_due(self) -> bool:

@@ -158,6 +158,20 @@ class FreeBlockLedger:
                 taken.append(block)
                 self._free_uncached_total -= 1
 
+    def take_one_uncached(self) -> Any | None:
+        """:meth:`take_uncached` for one block (a load from the host tier, once per block): the block, or None."""
+        opened = self._open
+        while opened:
+            members = self._free_uncached.get(opened[0])
+            if not members:
+                heapq.heappop(opened)
+                continue
+            block = self._blocks[members.pop()]
+            self.order.unlink(block)
+            self._free_uncached_total -= 1
+            return block
+        return None
+
     def evict_lru(self, n: int) -> list[Any]:
         """Up to ``n`` cached free blocks, least recently used first, no longer counted as free."""
         evicted: list[Any] = []
@@ -170,11 +184,15 @@ class FreeBlockLedger:
 
     def lru_victim(self, protected: set[int]) -> Any | None:
         """The least recently used cached free block not in ``protected``, no longer counted as free."""
-        victim = next((b for b in self._cached.values() if b.block_id not in protected), None)
-        if victim is not None:
-            del self._cached[victim.block_id]
-            self.cached_count[self._group_of(victim.block_id)] -= 1
-            self.order.unlink(victim)
+        for victim in self._cached.values():  # the least recently used first; few are protected
+            if victim.block_id not in protected:
+                break
+        else:
+            return None
+        block_id = victim.block_id
+        del self._cached[block_id]
+        self.cached_count[self._group_of(block_id)] -= 1
+        self.order.unlink(victim)
         return victim
 
     def uncache(self, block: Any) -> None:
@@ -197,6 +215,13 @@ class FreeBlockLedger:
         self.num_in_use += len(blocks)
         for block in blocks:
             self._use(self._group_of(block.block_id), now)
+
+    def mark_one_taken(self, block: Any) -> None:
+        """:meth:`mark_taken` of one block, not counted as use (a load's destination, freed again at once)."""
+        self.num_in_use += 1
+        g = self._group_of(block.block_id)
+        self.in_use[g] += 1
+        self.empty.discard(g)
 
     def remove(self, block: Any, now: float) -> None:
         """vLLM took this particular free block (a prefix hit): it is in use."""
@@ -227,6 +252,17 @@ class FreeBlockLedger:
             touched.add(g)
         self.num_in_use -= len(blocks)
         self.note_empty(touched)
+
+    def mark_one_freed(self, block: Any, now: float) -> None:
+        """:meth:`mark_freed` of one block (every load from the host tier frees its block again at once)."""
+        g = self._group_of(block.block_id)
+        in_use = self.in_use
+        in_use[g] -= 1
+        self.last_used[g] = now
+        self._to_free(block, g)
+        self.num_in_use -= 1
+        if not in_use[g] and not self.cached_count[g] and g != NULL_GROUP and g in self._free_uncached:
+            self.empty.add(g)  # note_empty of the one group
 
     def to_free(self, block: Any) -> None:
         """Count ``block`` as free: cached if it holds a prefix, else holding nothing."""

@@ -29,12 +29,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 from kvelastic.scheduler.allocation_hold import AllocationHold
 from kvelastic.scheduler.free_ledger import FreeBlockLedger
+from kvelastic.scheduler.map_room import MapRoom
 from kvelastic.scheduler.prefetch import BurstPrefetch
 from kvelastic.roles import Mapper, SchedulerCache
 
 log = logging.getLogger("vllm.kvelastic")
-
-MAPPABLE_TTL_S = 0.001
 
 
 class PageAwareFreeQueue:
@@ -62,8 +61,7 @@ class PageAwareFreeQueue:
         self.last_allocation = clock()
         self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped, keep_order=keep_free_order)
         self._requested: set[int] = set()
-        self._room_until = 0.0
-        self._room_value = (0, 0)
+        self.room = MapRoom(cache, self.free, self.hold, mapper, clock)  # what could still be mapped
         self.num_total = len(blocks)
         self._balance()
 
@@ -78,7 +76,7 @@ class PageAwareFreeQueue:
             return self.num_total - self.free.num_in_use
         if self._requested:  # only a group asked for comes back mapped or refused: else no mapper call
             self._adopt_mapped()
-        return max(0, self.free.free_in_mapped + self._mappable_blocks() - self.excess_blocks)
+        return max(0, self.free.free_in_mapped + self.room.blocks() - self.excess_blocks)
 
     @num_free_blocks.setter
     def num_free_blocks(self, value: int) -> None:
@@ -139,27 +137,31 @@ class PageAwareFreeQueue:
         those for the very request whose prefix is being loaded.
         """
         self._adopt_mapped()
-        taken: list[Any] = []
-        self.free.take_uncached(1, taken)
-        if not taken:
+        free = self.free
+        block = free.take_one_uncached()
+        if block is None:
             self._map_now(1)
-            self.free.take_uncached(1, taken)
-        if not taken:
-            victim = self.free.lru_victim(protected)
-            if victim is None:
+            block = free.take_one_uncached()
+        if block is None:
+            block = free.lru_victim(protected)
+            if block is None:
                 return None
             if self.spill_hook is not None:
-                self.spill_hook([victim], before_reuse=True)
-            self._evict_cached(victim)
-            taken.append(victim)
-        self.free.mark_taken(taken, now=None)
-        return taken[0]
+                self.spill_hook([block], before_reuse=True)
+            self._evict_cached(block)
+        free.mark_one_taken(block)
+        return block
 
     def remove(self, block: Any) -> None:
         self.free.remove(block, self._clock())
 
     def append(self, block: Any) -> None:
-        self._release([block])
+        """One block is free again (every load from the host tier ends here: :meth:`_release` for one)."""
+        self.free.mark_one_freed(block, self._clock())
+        if self.transfers_in_flight is not None and self.transfers_in_flight():
+            self.free.held.add(self.cache.group_of_block(block.block_id))
+        if self.mapper.synchronous:  # _balance_within_step
+            self._balance()
 
     def append_n(self, blocks: list[Any]) -> None:
         self._release(blocks)
@@ -258,7 +260,7 @@ class PageAwareFreeQueue:
         short = blocks - self.mapped_free_blocks()
         if short <= 0:
             return True
-        mappable = self._mappable_blocks()
+        mappable = self.room.blocks()
         if short > mappable:  # vLLM will decline: the request waits
             self._report_missing(short - mappable)
             return True
@@ -277,7 +279,7 @@ class PageAwareFreeQueue:
         page, so no refusal would tell it.
         """
         if self.cache.external_want is not None:
-            self._report_missing(blocks - self.mapped_free_blocks() - self._mappable_blocks())
+            self._report_missing(blocks - self.mapped_free_blocks() - self.room.blocks())
 
     def _report_missing(self, missing: int) -> None:
         """Tell the outside budget that ``missing`` blocks are wanted (as whole groups), where it can help."""
@@ -294,33 +296,6 @@ class PageAwareFreeQueue:
         return self.free.free_in_mapped
 
     # ----------------------------------------------------------------- helpers
-    def _mappable_blocks(self) -> int:
-        """Blocks in groups the pool could still map (see :meth:`_room`).
-
-        Zero when mapping is not synchronous (ranks in other processes must
-        confirm a group first): blocks are promised only once really mapped;
-        zero too for the rest of a step in which the device refused a map.
-        """
-        if not self.mapper.synchronous or self.hold.refused:
-            return 0
-        return self._room()[1]
-
-    def _room(self) -> tuple[int, int]:
-        """``(groups, blocks)`` the pool could still map; recomputed at most every millisecond.
-
-        The free count and every rebalance ask, dozens of times a step, and
-        the answer walks the pool's source stack and the device reading.
-        Mapping, releasing or a refused map makes the next call recompute.
-        """
-        now = self._clock()
-        if now >= self._room_until:
-            cache = self.cache
-            groups = cache.mappable_groups(cache.num_groups - self.free.mapped_groups)
-            self._room_value = (groups, min(cache.num_blocks - self.free.mapped_blocks,
-                                            groups * cache.blocks_per_group))
-            self._room_until = now + MAPPABLE_TTL_S
-        return self._room_value
-
     def _room_to_request(self) -> int:
         """Groups the prefetch may still ask for: the pool's room less what is asked for already.
 
@@ -331,13 +306,10 @@ class PageAwareFreeQueue:
         allocation's wait as if the device had refused that allocation (1B
         multi-turn on an H100, ``KVELASTIC_LIMIT=2GiB``, 2026-11-28).
         """
-        groups = self._room()[0]
+        groups = self.room.groups()
         if not self.mapper.requests_hold_room:
             groups -= len(self._requested)
         return max(0, groups)
-
-    def _forget_mappable(self) -> None:
-        self._room_until = 0.0
 
     def _adopt_mapped(self) -> None:
         mapper = self.mapper
@@ -345,19 +317,19 @@ class PageAwareFreeQueue:
             g = mapper.mapped.popleft()
             self._requested.discard(g)
             self.free.adopt_group(g, free=True)
-            self._forget_mappable()
+            self.room.forget()
         while mapper.refused:
             g = mapper.refused.popleft()
             self._requested.discard(g)
             self.refused_groups += 1
             self.free.return_unmapped(g)
-            self._forget_mappable()
+            self.room.forget()
 
     def _map_now(self, blocks_short: int) -> None:
         """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
         if not self.mapper.synchronous:
             return  # ranks in other processes confirm groups a step later: nothing to wait for here
-        if not self._mappable_blocks() and not self._requested:
+        if not self.room.blocks() and not self._requested:
             return  # the pool can map nothing now: do not wait on the worker for a refusal
         wanted = -(-blocks_short // self.cache.blocks_per_group) - len(self._requested)
         groups = self.free.pop_unmapped(wanted, self._requested) if wanted > 0 else []
@@ -401,7 +373,8 @@ class PageAwareFreeQueue:
         empty = self.free.empty
         have = len(empty) + len(self._requested)
         if have < want:
-            groups = self.free.pop_unmapped(min(want - have, self._room_to_request()), self._requested)
+            count = min(want - have, self._room_to_request())  # at the limit: 0, once per free
+            groups = self.free.pop_unmapped(count, self._requested) if count > 0 else []
             if groups:
                 self._requested.update(groups)
                 self.mapper.request_map(groups)
@@ -414,5 +387,5 @@ class PageAwareFreeQueue:
         groups = self.free.release_empty(groups)
         if not groups:
             return
-        self._forget_mappable()
+        self.room.forget()
         self.mapper.request_unmap(groups, after=after)
