@@ -136,11 +136,11 @@ class PageAwareFreeQueue:
         first, but never one in ``protected``: the scheduler may have matched
         those for the very request whose prefix is being loaded.
         """
-        self._adopt_mapped()
-        free = self.free
+        mapper, free = self.mapper, self.free
+        if mapper.mapped or mapper.refused:
+            self._adopt_mapped()
         block = free.take_one_uncached()
-        if block is None:
-            self._map_now(1)
+        if block is None and self._map_now(1):
             block = free.take_one_uncached()
         if block is None:
             block = free.lru_victim(protected)
@@ -325,17 +325,19 @@ class PageAwareFreeQueue:
             self.free.return_unmapped(g)
             self.room.forget()
 
-    def _map_now(self, blocks_short: int) -> None:
-        """A burst outran the prefetch: wait for the groups already requested, map what is still missing."""
+    def _map_now(self, blocks_short: int) -> bool:
+        """A burst outran the prefetch: wait for the groups already requested, map what is still missing.
+        False if it waited for and mapped nothing (no free block can have come)."""
         if not self.mapper.synchronous:
-            return  # ranks in other processes confirm groups a step later: nothing to wait for here
+            return False  # ranks in other processes confirm groups a step later: nothing to wait for here
         if not self.room.blocks() and not self._requested:
-            return  # the pool can map nothing now: do not wait on the worker for a refusal
+            return False  # the pool can map nothing now: do not wait on the worker for a refusal
         wanted = -(-blocks_short // self.cache.blocks_per_group) - len(self._requested)
         groups = self.free.pop_unmapped(wanted, self._requested) if wanted > 0 else []
         self._requested.update(groups)
         self.mapper.map_now(groups)  # commands run in order: the earlier requests are done too
         self._adopt_mapped()
+        return True
 
     def _release(self, blocks: list[Any], *, first: bool = False) -> None:
         """``blocks`` are free again: last in vLLM's order, or (``first``) at its front."""
@@ -366,20 +368,24 @@ class PageAwareFreeQueue:
         given back there is asked for again a step later and one asked for is soon
         surplus (each cycle a driver call before a forward pass and a step of
         confirmation lag on every rank); the step's end (:meth:`want_blocks`)
-        decides with the demand of now."""
-        self._adopt_mapped()
-        self._lift_holds()
+        decides with the demand of now. Runs after every free, so once per block loaded from the host
+        tier: the calls that find nothing to do are skipped by their own first test."""
+        free, mapper = self.free, self.mapper
+        if mapper.mapped or mapper.refused:
+            self._adopt_mapped()
+        if free.held:
+            self._lift_holds()
         want = max(self.prefetch.groups, self.demand_groups)
-        empty = self.free.empty
+        empty = free.empty
         have = len(empty) + len(self._requested)
         if have < want:
             count = min(want - have, self._room_to_request())  # at the limit: 0, once per free
-            groups = self.free.pop_unmapped(count, self._requested) if count > 0 else []
+            groups = free.pop_unmapped(count, self._requested) if count > 0 else []
             if groups:
                 self._requested.update(groups)
-                self.mapper.request_map(groups)
+                mapper.request_map(groups)
         elif len(empty) > want and not self.hold.secured:
-            releasable = sorted(empty - self.free.held)
+            releasable = sorted(empty - free.held)
             self._release_groups(releasable[max(0, want - (len(empty) - len(releasable))):])
 
     def _release_groups(self, groups: list[int], after: Any = None) -> None:
