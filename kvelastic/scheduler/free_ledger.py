@@ -35,7 +35,12 @@ class FreeBlockLedger:
         ``keep_order``: keep vLLM's free-queue order too (for a connector that walks it).
         """
         self.layout = layout
-        self._group_of = layout.layout.group_of_block  # bound once: asked for every block taken or freed
+        # A group is blocks_per_group consecutive blocks (KVGroupLayout): asked for every block taken or
+        # freed, thousands of times a step with the host tier, so divided here rather than asked.
+        self._per_group = per_group = layout.layout.blocks_per_group
+        last = layout.num_groups * per_group - 1
+        if layout.group_of_block(last) != last // per_group:
+            raise AssertionError("internal: the free-block ledger expects groups of consecutive blocks")
         self._blocks = blocks
         groups = layout.num_groups
         self.in_use = [len(layout.blocks_of_group(g)) for g in range(groups)]
@@ -177,7 +182,7 @@ class FreeBlockLedger:
         evicted: list[Any] = []
         while len(evicted) < n and self._cached:
             _, block = self._cached.popitem(last=False)
-            self.cached_count[self._group_of(block.block_id)] -= 1
+            self.cached_count[block.block_id // self._per_group] -= 1
             self.order.unlink(block)
             evicted.append(block)
         return evicted
@@ -191,14 +196,14 @@ class FreeBlockLedger:
             return None
         block_id = victim.block_id
         del self._cached[block_id]
-        self.cached_count[self._group_of(block_id)] -= 1
+        self.cached_count[block_id // self._per_group] -= 1
         self.order.unlink(victim)
         return victim
 
     def uncache(self, block: Any) -> None:
         """A cached free block loses its prefix: it stays free, holding nothing."""
         del self._cached[block.block_id]
-        g = self._group_of(block.block_id)
+        g = block.block_id // self._per_group
         self.cached_count[g] -= 1
         self._add_uncached(g, block.block_id)
 
@@ -208,24 +213,24 @@ class FreeBlockLedger:
         dropped = [self._cached[b] for b in ids if self._cached[b].block_hash is None]
         for block in dropped:
             self.uncache(block)
-        self.note_empty({self._group_of(b.block_id) for b in dropped})
+        self.note_empty({b.block_id // self._per_group for b in dropped})
 
     def mark_taken(self, blocks: list[Any], now: float | None) -> None:
         """``blocks``, no longer counted as free, are in use (taken at ``now``, if it counts as use)."""
         self.num_in_use += len(blocks)
         for block in blocks:
-            self._use(self._group_of(block.block_id), now)
+            self._use(block.block_id // self._per_group, now)
 
     def mark_one_taken(self, block: Any) -> None:
         """:meth:`mark_taken` of one block, not counted as use (a load's destination, freed again at once)."""
         self.num_in_use += 1
-        g = self._group_of(block.block_id)
+        g = block.block_id // self._per_group
         self.in_use[g] += 1
         self.empty.discard(g)
 
     def remove(self, block: Any, now: float) -> None:
         """vLLM took this particular free block (a prefix hit): it is in use."""
-        g = self._group_of(block.block_id)
+        g = block.block_id // self._per_group
         if self._cached.pop(block.block_id, None) is not None:
             self.cached_count[g] -= 1
         else:
@@ -245,7 +250,7 @@ class FreeBlockLedger:
         """``blocks`` were freed at ``now``."""
         touched: set[int] = set()
         for block in blocks:
-            g = self._group_of(block.block_id)
+            g = block.block_id // self._per_group
             self.in_use[g] -= 1
             self.last_used[g] = now
             self._to_free(block, g)
@@ -255,18 +260,24 @@ class FreeBlockLedger:
 
     def mark_one_freed(self, block: Any, now: float) -> None:
         """:meth:`mark_freed` of one block (every load from the host tier frees its block again at once)."""
-        g = self._group_of(block.block_id)
+        block_id = block.block_id
+        g = block_id // self._per_group
         in_use = self.in_use
         in_use[g] -= 1
         self.last_used[g] = now
-        self._to_free(block, g)
+        self.order.append(block)  # _to_free, written out
+        if block.block_hash is not None:
+            self._cached[block_id] = block
+            self.cached_count[g] += 1
+        else:
+            self._add_uncached(g, block_id)
         self.num_in_use -= 1
         if not in_use[g] and not self.cached_count[g] and g != NULL_GROUP and g in self._free_uncached:
             self.empty.add(g)  # note_empty of the one group
 
     def to_free(self, block: Any) -> None:
         """Count ``block`` as free: cached if it holds a prefix, else holding nothing."""
-        self._to_free(block, self._group_of(block.block_id))
+        self._to_free(block, block.block_id // self._per_group)
 
     def _to_free(self, block: Any, g: int) -> None:
         self.order.append(block)
