@@ -229,16 +229,19 @@ class FreeBlockLedger:
         self.empty.discard(g)
 
     def remove(self, block: Any, now: float) -> None:
-        """vLLM took this particular free block (a prefix hit): it is in use."""
-        g = block.block_id // self._per_group
-        if self._cached.pop(block.block_id, None) is not None:
+        """vLLM took this particular free block (a prefix hit, once per block matched): it is in use."""
+        block_id = block.block_id
+        g = block_id // self._per_group
+        if self._cached.pop(block_id, None) is not None:
             self.cached_count[g] -= 1
         else:
-            self._free_uncached[g].remove(block.block_id)
+            self._free_uncached[g].remove(block_id)
             self._free_uncached_total -= 1
         self.order.unlink(block)
         self.num_in_use += 1
-        self._use(g, now)
+        self.in_use[g] += 1  # _use, written out
+        self.last_used[g] = now
+        self.empty.discard(g)
 
     def _use(self, g: int, now: float | None) -> None:
         self.in_use[g] += 1
