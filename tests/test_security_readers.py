@@ -149,3 +149,18 @@ def test_a_dead_engines_snapshot_owned_by_another_user_is_neither_read_nor_remov
     assert os.path.exists(path), "a reader deleted another user's file"
     StatsPublisher("next", tmp_path)  # the next engine sweeps what dead engines of this user left
     assert os.path.exists(path), "the sweep deleted another user's file"
+
+
+def test_a_snapshot_whose_engine_name_ends_in_a_newline_is_not_served(tmp_path):
+    """``$`` alone matches before a trailing newline: the name check matches the whole name, so a newline
+    never reaches a label of the exposition text."""
+    good = StatsPublisher("good", tmp_path)
+    good.publish({"mapped_bytes": 4096})
+    bad = StatsPublisher("bad", tmp_path)
+    bad.publish({"mapped_bytes": 1})
+    written = bad.path.read_bytes()
+    assert b'"bad"' in written
+    bad.path.write_bytes(written.replace(b'"bad"', b'"bad\\n"', 1))
+    text = _scrape(tmp_path)
+    assert 'kvelastic_mapped_bytes{instance_name="good",model_name=""} 4096.0' in text
+    assert 'instance_name="bad' not in text

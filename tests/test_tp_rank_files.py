@@ -130,6 +130,7 @@ def test_a_rank_description_out_of_range_is_refused():
                                # the scheduler opens the account a rank names: never a path out of its folder
                                (good.replace(b'"gpu-42245d53-03c8"', b'"../../etc/gpu"'), "gpu_id"),
                                (good.replace(b'"gpu-42245d53-03c8"', b'"' + b"g" * 200 + b'"'), "gpu_id"),
+                               (good.replace(b'"gpu-42245d53-03c8"', b'"gpu-42245d53-03c8\\n"'), "gpu_id"),
                                (good.replace(b'"gpu_total":', b'"gpu_total":-', 1), "gpu_total")):
             with pytest.raises(BadSharedData, match=complaint):
                 decode_info(bad, "rank1.info")

@@ -13,8 +13,9 @@ import re
 import socket
 from typing import Any
 
-#: What an account id may look like when it comes from another process's file.
-ACCOUNT_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: What an account id may look like when it comes from another process's file (matched whole with
+#: ``fullmatch``: ``$`` alone would let a trailing newline into a file name).
+ACCOUNT_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def device_identity(backend: Any) -> tuple[str, int | None]:

@@ -212,7 +212,7 @@ class StatsPublisher:
 def parse_snapshot(data: bytes, what: str) -> dict[str, Any]:
     """A snapshot as :class:`StatsPublisher` writes it, with only the known numbers; BadSharedData otherwise."""
     record = bounded_json.expect(bounded_json.loads(data, what), _SNAPSHOT, what)
-    if not _ENGINE_NAME.match(record["name"]) or len(record["model_name"]) > MAX_MODEL_NAME:
+    if not _ENGINE_NAME.fullmatch(record["name"]) or len(record["model_name"]) > MAX_MODEL_NAME:
         raise BadSharedData(f"{what}: engine name {record['name'][:80]!r} or its model name is not one "
                             f"kvelastic writes")
     known = GAUGES.keys() | COUNTERS.keys() | {k for key in HISTOGRAMS for k in histogram_keys(key)}

@@ -68,7 +68,7 @@ def temp_name() -> str:
 
 def owner_of(name: str) -> Owner | None:
     """The process a stats file, engine folder or temporary file belongs to, read from its name."""
-    match = _OWNED.match(name)
+    match = _OWNED.fullmatch(name)
     if match is None:
         return None
     return Owner(*(int(g) for g in match.groups()))

@@ -100,7 +100,7 @@ def current_scope(root: str | os.PathLike | None = None, environ: Mapping[str, s
 
 def is_scope_dir_name(name: str) -> bool:
     """Whether ``name`` is a scope's folder name: ``kvelastic-u<uid>`` or ``kvelastic-g<gid>``, nothing more."""
-    return _SCOPE_DIR.match(name) is not None
+    return _SCOPE_DIR.fullmatch(name) is not None
 
 
 def other_scopes(scope: Scope) -> list[str]:

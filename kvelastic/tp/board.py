@@ -152,7 +152,7 @@ def idle_files(folder: Path) -> list[tuple[int, int, Path]]:
         names = directory.names("idle-")
     found = []
     for name in names:
-        match = _IDLE.match(name)
+        match = _IDLE.fullmatch(name)
         if match:
             found.append((int(match.group(1)), int(match.group(2)), folder / name))
     return sorted(found)

@@ -88,7 +88,7 @@ def decode_info(data: bytes, what: str) -> RankInfo:
         _in_range(record["limit_bytes"], 0, MAX_VALUE, f"{what}: limit_bytes")
     _in_range(record["gpu_total"], 0, MAX_VALUE, f"{what}: gpu_total")
     _in_range(record["applied"], 0, MAX_VALUE, f"{what}: applied")
-    if record["gpu_id"] and not ACCOUNT_ID.match(record["gpu_id"]):
+    if record["gpu_id"] and not ACCOUNT_ID.fullmatch(record["gpu_id"]):
         raise BadSharedData(f"{what}: gpu_id {record['gpu_id'][:40]!r} is not an account id")
     layout = _decode_layout(record["layout"], what)
     host = _host(record.get("host", ""), what)
