@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh tp-spill # TP=1 through the multiprocess executor (1B), TP=2 with spills (8B)
 #   bash benchmarks/gpu_session.sh tp-step  # issue 19: `tp` with KVELASTIC_TP_CONFIRM=step (confirmations on replies)
 #   bash benchmarks/gpu_session.sh tp-step-spill  # issue 16: TP=2 spills with async host loads (needs step)
-#   bash benchmarks/gpu_session.sh step-ab  # issue 19: TP=2 board vs step against one vanilla run, PP=2 with step
+#   bash benchmarks/gpu_session.sh step-ab  # issue 19: TP=2 and PP=2, default (auto) vs board against one vanilla run each
 #   bash benchmarks/gpu_session.sh pp       # issue 19: PP=2: identical outputs, memory on both GPUs
 #   bash benchmarks/gpu_session.sh ray      # issue 19: `tp` through Ray's V2 executor (a bundle with ray)
 #   bash benchmarks/gpu_session.sh tp4      # issue 19: TP=4 8B on a 4-GPU machine: identical outputs, memory
@@ -64,14 +64,14 @@ ray)  # issue 19: `tp` through Ray's V2 executor (KVELASTIC_RAY=allow) against v
     e2e --model scripts/models/llama-8b --outdir "$W/ray" --matrix ray-tp2 --label=-ray \
         --kve-env KVELASTIC_CACHE_TTL=2 KVELASTIC_RAY=allow ${RAY_KVE_ENV:-} --summary "$W/ray/summary.json" \
         --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/ray.log" ;;
-step-ab)  # issue 19: TP=2 with board and step confirmations against one vanilla run, then PP=2 with step
-    # (about 7 min on 2 x H200: 5 engines); both GPUs' memory rising and falling in each kvelastic run
+step-ab)  # issue 19: TP=2 and PP=2, each with the default confirmations (auto: step under mp) and with board, against
+    # one vanilla run each (about 10 min on 2 x H200: 6 engines; session 18 ran TP=2 board/step and PP=2 step in 7)
     e2e --model scripts/models/llama-8b --outdir "$W/tp-ab" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
-        --variant step:KVELASTIC_TP_CONFIRM=step --summary "$W/tp-ab/summary.json" --extra --idle-after 8 \
+        --variant board:KVELASTIC_TP_CONFIRM=board --summary "$W/tp-ab/summary.json" --extra --idle-after 8 \
         --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp-ab.log"
-    e2e --model scripts/models/llama-8b --outdir "$W/pp-step" --matrix pp2 --label=-step --kve-env KVELASTIC_CACHE_TTL=2 \
-        KVELASTIC_PIPELINE=allow KVELASTIC_TP_CONFIRM=step --summary "$W/pp-step/summary.json" --extra --idle-after 8 \
-        --prompts 256 --max-tokens 128 2>&1 | tee "$W/pp-step.log" ;;
+    e2e --model scripts/models/llama-8b --outdir "$W/pp-ab" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
+        KVELASTIC_PIPELINE=allow --variant board:KVELASTIC_TP_CONFIRM=board --summary "$W/pp-ab/summary.json" \
+        --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/pp-ab.log" ;;
 pp)  # issue 19: PP=2 8B, each stage maps its own layers: identical outputs, both GPUs' memory rising and falling
     e2e --model scripts/models/llama-8b --outdir "$W/pp" --matrix pp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         KVELASTIC_PIPELINE=allow --summary "$W/pp/summary.json" --extra --idle-after 8 --prompts 256 \
