@@ -117,18 +117,9 @@ class HostTier:
 
     def admit(self, key: Hashable) -> int | None:
         """A slot to copy ``key``'s block into, or None when the tier already holds it (or the policy
-        has no slot pinned yet, or every block it holds is pinned by a load: the block is not kept).
-
-        Once per block spilled: :meth:`refresh` and :meth:`admit_held` are written out here."""
-        if self._supply is not None:
-            self._take_ready()
-        policy = self.policy
-        if policy is None:
-            return None
-        if key in self._slot_of:
-            policy.request(key)
-            return None
-        if not self._request_new(key):
+        has no slot pinned yet, or every block it holds is pinned by a load: the block is not kept)."""
+        self.refresh()
+        if self.policy is None or self.admit_held(key) or not self._request_new(key):
             return None
         slot = self.take_slot()
         self._slot_of[key] = slot

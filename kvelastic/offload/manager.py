@@ -121,8 +121,6 @@ class OffloadManager:
         group is being released) the copy is issued now and the returned fence
         passes when it is done, so the group is unmapped only after it.
         """
-        if before_reuse and self.write_through is None:
-            return self._spill_before_reuse(blocks)
         ids: list[int] = []
         slots: list[int] = []
         reading: list[Fence] = []  # write-through stores still reading blocks whose group is unmapped
@@ -151,19 +149,6 @@ class OffloadManager:
         if before_reuse or not reading:
             return None
         return reading[0] if len(reading) == 1 else AllFences(reading)
-
-    def _spill_before_reuse(self, blocks: Sequence[Any]) -> None:
-        """:meth:`spill` of blocks handed out this step, without write-through: every load from the host
-        tier that takes a cached block spills it here, so its slots go straight to the pending batch."""
-        admit, pending = self.tier.admit, self._pending_spills
-        spilled = len(pending)
-        for block in blocks:
-            key = block.block_hash
-            if key is not None:
-                slot = admit(key)
-                if slot is not None:
-                    pending.append((block.block_id, slot))
-        self.counters.spilled_blocks += len(pending) - spilled
 
     # ----------------------------------------------------------------- reload
     def load_on_miss(self, key: Hashable) -> Any | None:

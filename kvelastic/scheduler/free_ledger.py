@@ -141,7 +141,7 @@ class FreeBlockLedger:
     def cached_blocks_in(self, groups: list[int]) -> list[Any]:
         return [self._cached[b] for g in groups for b in self.layout.blocks_of_group(g) if b in self._cached]
 
-    def note_empty(self, groups: set[int]) -> None:
+    def note_empty(self, groups: Iterable[int]) -> None:
         """Of ``groups``, the mapped ones now holding no block in use or cached are empty."""
         for g in groups:
             if g != NULL_GROUP and g in self._free_uncached and not self.in_use[g] \
@@ -239,9 +239,7 @@ class FreeBlockLedger:
             self._free_uncached_total -= 1
         self.order.unlink(block)
         self.num_in_use += 1
-        self.in_use[g] += 1  # _use, written out
-        self.last_used[g] = now
-        self.empty.discard(g)
+        self._use(g, now)
 
     def _use(self, g: int, now: float | None) -> None:
         self.in_use[g] += 1
@@ -263,20 +261,12 @@ class FreeBlockLedger:
 
     def mark_one_freed(self, block: Any, now: float) -> None:
         """:meth:`mark_freed` of one block (every load from the host tier frees its block again at once)."""
-        block_id = block.block_id
-        g = block_id // self._per_group
-        in_use = self.in_use
-        in_use[g] -= 1
+        g = block.block_id // self._per_group
+        self.in_use[g] -= 1
         self.last_used[g] = now
-        self.order.append(block)  # _to_free, written out
-        if block.block_hash is not None:
-            self._cached[block_id] = block
-            self.cached_count[g] += 1
-        else:
-            self._add_uncached(g, block_id)
+        self._to_free(block, g)
         self.num_in_use -= 1
-        if not in_use[g] and not self.cached_count[g] and g != NULL_GROUP and g in self._free_uncached:
-            self.empty.add(g)  # note_empty of the one group
+        self.note_empty((g,))
 
     def to_free(self, block: Any) -> None:
         """Count ``block`` as free: cached if it holds a prefix, else holding nothing."""

@@ -160,8 +160,7 @@ class PageAwareFreeQueue:
         self.free.mark_one_freed(block, self._clock())
         if self.transfers_in_flight is not None and self.transfers_in_flight():
             self.free.held.add(self.cache.group_of_block(block.block_id))
-        if self.mapper.synchronous:  # _balance_within_step
-            self._balance()
+        self._balance_within_step()
 
     def append_n(self, blocks: list[Any]) -> None:
         self._release(blocks)
