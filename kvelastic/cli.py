@@ -191,6 +191,17 @@ def open_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[Sha
     return accounts
 
 
+def read_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[dict]:
+    """:func:`open_accounts`, read once (``status_view.snapshot``) and closed again: what ``status`` and
+    ``top`` show. Errors as :func:`open_accounts`."""
+    accounts = open_accounts(gpu, broken)
+    try:
+        return snapshot(accounts)
+    finally:
+        for account in accounts:
+            account.close()
+
+
 def resolve_gpu(text: str) -> str:
     """The account id of ``--gpu``: as ``status`` shows it, an nvidia-smi UUID, or an index (CliError(2))."""
     if account_path(text).exists():
@@ -205,16 +216,11 @@ def status_once(gpu: str | None, as_json: bool) -> int:
     sweep_scope()
     broken: list[dict] = []
     try:
-        accounts = open_accounts(gpu, broken)
+        data = read_accounts(gpu, broken)
     except CliError as error:
         if as_json and error.code == EXIT_NONE:  # a script still gets JSON it can parse
             print(json.dumps({"accounts": []}, indent=2))
         raise
-    try:
-        data = snapshot(accounts)
-    finally:
-        for account in accounts:
-            account.close()
     data += broken
     print(json.dumps({"accounts": data}, indent=2) if as_json else render_table(data))
     if broken:

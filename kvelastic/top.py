@@ -113,8 +113,7 @@ def run(gpu: str | None, interval: float, count: int | None) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from kvelastic.cli import CliError, open_accounts
-    from kvelastic.status_view import snapshot
+    from kvelastic.cli import CliError, read_accounts
 
     history = History()
     console = Console()
@@ -123,12 +122,7 @@ def run(gpu: str | None, interval: float, count: int | None) -> int:
         with Live(Text("reading accounts..."), console=console, auto_refresh=False) as live:
             while count is None or done < count:
                 try:
-                    accounts = open_accounts(gpu)
-                    try:
-                        data = snapshot(accounts)
-                    finally:
-                        for account in accounts:
-                            account.close()
+                    data = read_accounts(gpu)
                     history.add(data)
                     view = render(data, history)
                 except CliError as error:

@@ -193,12 +193,11 @@ def engine_host_tier() -> dict | None:
     evidence of spills and reloads. None when no engine of this process is found.
     """
     try:
-        from kvelastic.cli import CliError, open_accounts
-        from kvelastic.status_view import snapshot
+        from kvelastic.cli import CliError, read_accounts
     except ImportError:
         return None
     try:
-        accounts = snapshot(open_accounts(None))
+        accounts = read_accounts(None)
     except (CliError, OSError):
         return None
     me = os.getpid()

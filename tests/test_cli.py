@@ -337,17 +337,14 @@ def test_sparkline_draws_each_reading_as_its_share_of_the_scale():
 def test_top_shows_each_instance_with_the_history_of_what_it_mapped(fleet, shared):
     from rich.console import Console
 
-    from kvelastic.cli import open_accounts, snapshot
+    from kvelastic.cli import read_accounts, snapshot
     from kvelastic.top import History, render
 
     history = History(length=3)
     account, small, big = fleet
     for step in range(4):
         small.acquire(4 * GIB)
-        accounts = open_accounts(None)
-        history.add(snapshot(accounts))
-        for opened in accounts:
-            opened.close()
+        history.add(read_accounts(None))
     console = Console(record=True, width=200, color_system=None)
     console.print(render(snapshot([account]), history))
     text = console.export_text()

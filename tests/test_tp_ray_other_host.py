@@ -146,9 +146,8 @@ def test_a_gpu_on_another_host_is_left_out_of_this_hosts_account_of_the_same_nam
     """Both ranks name their GPU ``gpu-index0`` (as two hosts' first GPUs without a UUID would): the engine core
     joins this host's account for rank 0 only, charges a group at rank 0's bytes, says so once, and ``kvelastic
     status`` on this host shows one account, one member, one rank's bytes."""
-    from kvelastic.cli import open_accounts
+    from kvelastic.cli import read_accounts
     from kvelastic.startup.runtime import Runtime
-    from kvelastic.status_view import snapshot
 
     here = engine_folder.host_identity()
     connection = RankConnection(shm.engine_dir(os.getpid()), [_info(0, here, "gpu-index0"),
@@ -160,12 +159,7 @@ def test_a_gpu_on_another_host_is_left_out_of_this_hosts_account_of_the_same_nam
     try:
         assert link is not None
         connection.mapper.request_map([1, 2])  # charged to the account before the ranks hear of it
-        accounts = open_accounts(None)
-        try:
-            shown = snapshot(accounts)
-        finally:
-            for account in accounts:
-                account.close()
+        shown = read_accounts(None)
         assert [(a["gpu"], [m["name"] for m in a["members"]]) for a in shown] == [("gpu-index0", ["far-tp"])]
         assert shown[0]["charged_bytes"] == 2 * 8192, "the GPU on another host was counted in this host's account"
         # one record (the same record may be captured twice: through kv_log's handler and the root's)
