@@ -234,3 +234,47 @@ def test_a_reload_of_parked_groups_keeps_the_blocks_of_others_exact():
     reload(engine, first)  # each checked exact as it comes back
     reload(engine, second)
     close(engine)
+
+
+
+def test_regrowing_the_reserve_takes_the_pools_lock_one_page_group_at_a_time(monkeypatch):
+    """Regrowing a reload's reserve (2 GiB on the GPU: hundreds of driver calls) holds the pool's lock
+    for one chunk of pages at a time, so a map on another thread (the mapper's, which the scheduler
+    may wait on) gets through between chunks instead of after the whole growth."""
+    import kvelastic.pool.reserve_growth as growth_module
+
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    a_run_reloaded_and_given_back(engine)
+    monkeypatch.setattr(growth_module, "GROW_CHUNK_BYTES", GROUP_BYTES)
+    pool = engine.pool
+    created_per_call: list[int] = []
+    created = 0
+    original_create, original_grow = pool.backend.create_page, pool.grow_reserve
+    far_group = engine.cache.num_groups - 1  # not among the lowest unmapped groups the reserve parks at
+
+    def create_page(nbytes):
+        nonlocal created
+        created += 1
+        return original_create(nbytes)
+
+    def grow_reserve(pages):
+        before = created
+        added = original_grow(pages)
+        created_per_call.append(created - before)
+        if len(created_per_call) == 1:  # between the first chunk and the next: the lock must be free
+            other = threading.Thread(target=pool.map_groups, args=([far_group],))
+            other.start()
+            other.join(5)
+            assert not other.is_alive() and pool.is_mapped(far_group)
+        return added
+
+    monkeypatch.setattr(pool.backend, "create_page", create_page)
+    monkeypatch.setattr(pool, "grow_reserve", grow_reserve)
+    reclaimer.tick()
+    assert created_per_call[0] == GROUP_PAGES and max(created_per_call) <= GROUP_PAGES
+    grown = created - GROUP_PAGES  # the other thread's map created one group's pages too
+    assert grown == 3 * GROUP_PAGES
+    assert pool.stats().reserve_bytes == 3 * GROUP_BYTES and len(pool.parked_groups()) == 3
+    pool.unmap_groups([far_group])
+    close(engine)

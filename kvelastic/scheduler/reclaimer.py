@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvelastic.pool.reserve_growth import grow_in_chunks
 from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
@@ -150,4 +151,5 @@ class WarmReserve:
         room = pool.headroom_estimate(self.cache.device_room())  # counts the warm pages too
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
-        pool.grow_reserve(max(0, missing))  # which also parks warm pages at the groups mapped next
+        grow_in_chunks(pool, max(0, missing))  # which also parks warm pages at the groups mapped next
+

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from kvelastic.errors import KvelasticError
 from kvelastic.scheduler.elastic_cache import NULL_GROUP, ElasticKVCache
 from kvelastic.pool.backend import Fence
+from kvelastic.pool.reserve_growth import grow_in_chunks
 from kvelastic.shared.errors import SharedFileError
 from kvelastic.tp import board as shm
 from kvelastic.tp import host_supply
@@ -305,7 +306,7 @@ class RankWorker:
             pool.trim_reserve(self.reserve_pages)
         elif grow:
             missing = max(0, self.reserve_pages - have)
-            return pool.grow_reserve(missing) < missing  # which also parks recycled pages
+            return grow_in_chunks(pool, missing) < missing  # which also parks recycled pages
         return False
 
     def _report_memory(self, force: bool = False) -> None:
