@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu_session.sh offload-async # multi-turn: connector LRU and ARC, kvelastic sync and async
 #   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
+#   bash benchmarks/gpu_session.sh growth   # no vLLM needed: does regrowing 2 GiB of warm reserve hold up a map or the kernels?
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
@@ -125,6 +126,9 @@ copy)
     mkdir -p "$W/copy"
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$W/copy/gpu_tests.log"
     python3 scripts/bench_copy.py --host torch tier --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
+growth)  # issue 16: session 19's slow GPU hits after a busy reload; one call vs chunks (about 1 min)
+    mkdir -p "$W/growth"
+    python3 scripts/bench_reserve_growth.py --json "$W/growth/reserve_growth.json" 2>&1 | tee "$W/growth.log" ;;
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;

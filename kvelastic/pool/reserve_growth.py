@@ -5,10 +5,12 @@ and maps them ahead (parks them). Regrowing a host run's reserve right after a
 reload used it is 2 GiB: hundreds of driver calls, tens of milliseconds beside
 the GPU's kernels. A map the scheduler waits for (the mapper's, or a rank's
 step) needs the same lock, and would wait for all of them. Grown a chunk per
-call, it waits for one chunk at most, and the total work is the same.
+call, with a yield between calls, it waits for about one chunk, and the total work is the same.
 """
 
 from __future__ import annotations
+
+import time
 
 from kvelastic.roles import PoolView
 
@@ -31,3 +33,4 @@ def grow_in_chunks(pool: PoolView, pages: int) -> int:
         added += got
         if got < step or added >= pages:
             return added
+        time.sleep(0)  # a thread waiting for the lock takes it now: an unfair lock would go back to this one
