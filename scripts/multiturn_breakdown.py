@@ -31,6 +31,7 @@ so far (docs/offload.md, "What the multi-turn runs say"): read it as a rate.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import statistics
@@ -121,6 +122,20 @@ def waves(ttft: list[float], gap: float = 0.1) -> list[list[float]]:
     return out
 
 
+def first_waves(measured: list[dict]) -> str:
+    """How many of the later turns' requests each turn's first wave admitted, and where the pooled TTFT p50
+    falls among theirs: later-turn TTFTs form two clusters (the first wave, and those waiting for its
+    decode steps), so p50 moves with the first wave's size more than with its speed."""
+    later = [r["turns"][i]["ttft"] for r in measured for i in range(1, len(r["turns"]))]
+    first = sorted(x for ttft in later for x in waves(ttft)[0])
+    pooled = sorted(x for ttft in later for x in ttft)
+    p50 = statistics.median(pooled)
+    rank = bisect.bisect_right(first, p50) / len(first)
+    return (f"first waves of the later turns: {len(first)} of {len(pooled)} requests ({len(first) / len(pooled):.1%}),"
+            f" their median TTFT {statistics.median(first):.3f} s; the pooled p50 ({p50:.3f} s) is their"
+            f" {rank:.0%} percentile")
+
+
 def cached_until(rounds: list[dict], seconds: float) -> tuple[float, float]:
     """Cached tokens of the turns finished within ``seconds`` of the first round's start, and with the
     turn then under way added (turns in order)."""
@@ -164,6 +179,7 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
         cols.append(f"t{i} {sizes} {first:.2f}" + (f"+{statistics.median(gaps):.2f}" if gaps else ""))
     print("  waves (sizes in the first measured round; medians: first wave's TTFT + period to the second): "
           + "  ".join(cols))
+    print("  " + first_waves(measured))
     start = log.get("start")
     if "kvelastic" in log:
         k = log["kvelastic"]
