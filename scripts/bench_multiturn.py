@@ -81,8 +81,20 @@ def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -
         out.append({"seconds": elapsed, "prompt_tokens": sum(len(p) for p in prompts),
                     "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
                     "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
+                    **engine_waits([o.metrics for o in outs if o.metrics]),
                     "outputs": [list(o.outputs[0].token_ids) for o in outs]})
     return out
+
+
+def engine_waits(metrics: list) -> dict[str, list[float]]:
+    """Each request's TTFT split at its first scheduling, from the engine core's timestamps: ``queued``
+    (queued to first scheduled: waiting for room, or for its host or connector loads) and ``scheduled``
+    (first scheduled to first token: its prefill steps). Empty where the release does not stamp them."""
+    stamps = [(getattr(m, "queued_ts", 0.0), getattr(m, "scheduled_ts", 0.0), getattr(m, "first_token_ts", 0.0))
+              for m in metrics]
+    if not stamps or not all(q and s and f for q, s, f in stamps):
+        return {}
+    return {"queued": [s - q for q, s, _ in stamps], "scheduled": [f - s for _, s, f in stamps]}
 
 
 def round_summary(rnd: dict, out_len: int) -> dict:
