@@ -152,4 +152,3 @@ class WarmReserve:
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
         grow_in_chunks(pool, max(0, missing))  # which also parks warm pages at the groups mapped next
-
