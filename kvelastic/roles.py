@@ -167,6 +167,12 @@ class Mapper(Protocol):
     def map_now(self, groups: list[int], *, force: bool = False) -> None:
         """Map ``groups`` after everything requested before; wait for it where the mapper is synchronous."""
 
+    def busy(self) -> bool:
+        """Whether commands are queued or running in this process now (the warm reserve's growth waits for
+        them: it needs the pool's lock, and a map may be what the scheduler waits for). False where the
+        maps run elsewhere (the ranks)."""
+        return False
+
 
 class Copier(Protocol):
     """Copies whole KV blocks to host slots and back, one batch a call."""

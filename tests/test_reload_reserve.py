@@ -278,3 +278,40 @@ def test_regrowing_the_reserve_takes_the_pools_lock_one_page_group_at_a_time(mon
     assert pool.stats().reserve_bytes == 3 * GROUP_BYTES and len(pool.parked_groups()) == 3
     pool.unmap_groups([far_group])
     close(engine)
+
+
+def test_the_reserve_does_not_grow_while_the_mapper_has_maps_to_make(monkeypatch):
+    """Growing is never urgent and a map may be what the scheduler waits for (an idle engine's reload
+    maps its groups one by one): while the mapper thread has work, the tick grows nothing; the next
+    tick after it grows the rest."""
+    engine = make_engine()
+    reclaimer = upkeep(engine)
+    a_run_reloaded_and_given_back(engine)
+    mapper, cache = engine.queue.mapper, engine.cache
+    release, entered = threading.Event(), threading.Event()
+    original = cache.map_as_many
+
+    def slow_map(groups, *, force=False):  # the mapper thread busy with a map, before the pool's lock
+        entered.set()
+        assert release.wait(5)
+        return original(groups, force=force)
+
+    monkeypatch.setattr(cache, "map_as_many", slow_map)
+    mapper.start()
+    try:
+        far_group = cache.num_groups - 1
+        mapper.request_map([far_group])
+        assert entered.wait(5) and mapper.busy()
+        before = engine.pool.stats().reserve_bytes
+        reclaimer.tick()
+        assert engine.pool.stats().reserve_bytes == before  # nothing grown beside the map
+        release.set()
+        mapper.map_now([])  # the map done
+        assert not mapper.busy() and engine.pool.is_mapped(far_group)
+        reclaimer.tick()
+        assert engine.pool.stats().reserve_bytes == 3 * GROUP_BYTES
+    finally:
+        release.set()
+        mapper.stop()
+    engine.pool.unmap_groups([far_group])
+    close(engine)

@@ -5,12 +5,14 @@ and maps them ahead (parks them). Regrowing a host run's reserve right after a
 reload used it is 2 GiB: hundreds of driver calls, tens of milliseconds beside
 the GPU's kernels. A map the scheduler waits for (the mapper's, or a rank's
 step) needs the same lock, and would wait for all of them. Grown a chunk per
-call, with a yield between calls, it waits for about one chunk, and the total work is the same.
+call, with a yield between calls, it waits for about one chunk, and the total work is the same;
+and no chunk starts while the mapper has work (a reload's own maps, say).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from kvelastic.roles import PoolView
 
@@ -19,16 +21,20 @@ from kvelastic.roles import PoolView
 GROW_CHUNK_BYTES = 256 * 1024 * 1024
 
 
-def grow_in_chunks(pool: PoolView, pages: int) -> int:
+def grow_in_chunks(pool: PoolView, pages: int, *, wait_for: Callable[[], bool] = lambda: False) -> int:
     """``pool.grow_reserve(pages)`` a :data:`GROW_CHUNK_BYTES` at a time; return the pages added.
 
-    Stops at the first chunk the pool grows short (its limit or the device). ``pages`` 0 makes
-    one call, which still parks recycled pages.
+    Stops at the first chunk the pool grows short (its limit or the device), and before any chunk
+    while ``wait_for()`` is true (maps the scheduler may wait for are queued: growing is never
+    urgent, the caller grows the rest on its next round). ``pages`` 0 makes one call, which still
+    parks recycled pages.
     """
     chunk = max(1, GROW_CHUNK_BYTES // pool.page_bytes)
     added = 0
     while True:
         step = min(chunk, pages - added)
+        if step > 0 and wait_for():
+            return added
         got = pool.grow_reserve(step)
         added += got
         if got < step or added >= pages:

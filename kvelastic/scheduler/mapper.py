@@ -39,6 +39,7 @@ class GroupMapper(Mapper):
         self.refused: deque[int] = deque()
         self._commands: deque[tuple[str, int, threading.Event | None, Any]] = deque()
         self._wake = threading.Event()
+        self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -97,7 +98,17 @@ class GroupMapper(Mapper):
             except Exception:  # noqa: BLE001 - the worker must survive to serve the next command
                 log.exception("kvelastic: group mapper failed; continuing")
 
+    def busy(self) -> bool:
+        return self._draining or bool(self._commands)
+
     def _drain(self) -> None:
+        self._draining = True
+        try:
+            self._drain_queued()
+        finally:
+            self._draining = False
+
+    def _drain_queued(self) -> None:
         while self._commands:
             kind = self._commands[0][0]
             batch: list[tuple[str, int, threading.Event | None, Any]] = []

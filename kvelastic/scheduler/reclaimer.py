@@ -114,6 +114,11 @@ class WarmReserve:
     waits (``account``'s pressure): that part is memory held for a reload that
     may come, so it is the first to go. When the target falls (the runs aged
     out, or others began to wait) the reserve is trimmed to it at once.
+
+    It grows a page group per pool call (:func:`~kvelastic.pool.reserve_growth.grow_in_chunks`), and
+    not while the mapper has maps queued or running: each call holds the pool's lock, and a map may be
+    what the scheduler waits for (a reload's own groups on an idle engine, the next request's first
+    group after a reload used the reserve). What it did not grow, the next tick does.
     """
 
     under_scheduler_lock = False
@@ -151,4 +156,5 @@ class WarmReserve:
         room = pool.headroom_estimate(self.cache.device_room())  # counts the warm pages too
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
-        grow_in_chunks(pool, max(0, missing))  # which also parks warm pages at the groups mapped next
+        # which also parks warm pages at the groups mapped next; no chunk while maps are queued
+        grow_in_chunks(pool, max(0, missing), wait_for=self.queue.mapper.busy)
