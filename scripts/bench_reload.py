@@ -231,8 +231,9 @@ def summarize(result: dict[str, Any], base: dict[str, Any] | None) -> dict[str, 
     for key in ("cold", "reload", "gpu_hit"):
         row[f"{key}_ms"] = median(reps, key)
         row[f"{key}_ttft_metric_ms"] = median(reps, key, "ttft_ms")
-    reloads = [r["reload"]["wall_ms"] for r in reps if "reload" in r and r["reload"]["wall_ms"] is not None]
-    row["reload_range_ms"] = [min(reloads), max(reloads)] if reloads else None  # the spread the median hides
+    for key in ("reload", "gpu_hit"):  # the spread the median hides
+        walls = [r[key]["wall_ms"] for r in reps if key in r and r[key]["wall_ms"] is not None]
+        row[f"{key}_range_ms"] = [min(walls), max(walls)] if walls else None
     row["speedup"] = row["cold_ms"] / row["reload_ms"] if row["reload_ms"] else None
     row["identical"] = [sum(r["identical"] for r in reps), len(reps)]
     row["first_token_as_cold"] = [sum(r["first_token_as_cold"] for r in reps), len(reps)]
@@ -262,9 +263,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['config']:<12} {ms(r['cold_ms']):>13} {ms(r['reload_ms']):>15} {ms(r['gpu_hit_ms']):>16} "
               f"{speedup:>8} {frac(r['identical']):>10} {frac(r['first_token_as_cold']):>9} "
               f"{frac(r['verified']):>9}")
-        if r.get("reload_range_ms"):
-            low, high = r["reload_range_ms"]
-            print(f"  {r['config']}: reload TTFT over {r['reps']} reps {low:.1f}-{high:.1f} ms")
+        for key, what in (("reload", "reload"), ("gpu_hit", "GPU hit (right after the reload)")):
+            if r.get(f"{key}_range_ms"):
+                low, high = r[f"{key}_range_ms"]
+                print(f"  {r['config']}: {what} TTFT over {r['reps']} reps {low:.1f}-{high:.1f} ms")
         if r.get("warning"):
             print(f"  warning ({r['config']}): {r['warning']}")
 
