@@ -139,7 +139,8 @@ def run_trees(args: argparse.Namespace, passthrough: list[str]) -> int:
             print(f"{result['name']}: {result['tree']}", flush=True)
     rows, pairs = [summarize(r) for r in results], paired(results)
     print_table(rows, pairs)
-    Path(args.json).write_text(json.dumps({"runs": rows, "paired": pairs, "raw": str(outdir)}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": rows, "paired": pairs, "raw": str(outdir)}, indent=2))
     return 0
 
 
@@ -163,7 +164,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--tp", action="store_true", help="issue #19's TP model (sched_cpu_tp.py) instead of "
                    "the multi-turn workload on one cache")
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--json", default="bench_scheduler_cpu.json")
+    p.add_argument("--json", help="also write the table's numbers here (default: print only)")
     p.add_argument("--profile", help="cProfile output of the measured rounds (without --trees)")
     p.add_argument("--count-calls", action="store_true", help="count the calls in each step, by area and "
                    "function, instead of timing them (noise-free; the timings are slowed)")
@@ -190,7 +191,8 @@ def main() -> int:
         return 0
     row = summarize(result)
     print_table([row])
-    Path(args.json).write_text(json.dumps({"runs": [row]}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": [row]}, indent=2))
     return 0
 
 
