@@ -78,10 +78,10 @@ def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -
         elapsed = time.perf_counter() - t0
         for i, o in enumerate(outs):
             histories[i] = prompts[i] + list(o.outputs[0].token_ids)
+        metrics = [o.metrics for o in outs if o.metrics]
         out.append({"seconds": elapsed, "prompt_tokens": sum(len(p) for p in prompts),
                     "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-                    "ttft": [o.metrics.first_token_latency for o in outs if o.metrics],
-                    **engine_waits([o.metrics for o in outs if o.metrics]),
+                    "ttft": [m.first_token_latency for m in metrics], **engine_waits(metrics),
                     "outputs": [list(o.outputs[0].token_ids) for o in outs]})
     return out
 

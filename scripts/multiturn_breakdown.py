@@ -125,36 +125,34 @@ def waves(ttft: list[float], gap: float = 0.1) -> list[list[float]]:
 def first_waves(measured: list[dict]) -> str:
     """How many of the later turns' requests each turn's first wave admitted, and where the pooled TTFT p50
     falls among theirs: later-turn TTFTs form two clusters (the first wave, and those waiting for its
-    decode steps), so p50 moves with the first wave's size more than with its speed."""
-    later = [r["turns"][i]["ttft"] for r in measured for i in range(1, len(r["turns"]))]
-    first = sorted(x for ttft in later for x in waves(ttft)[0])
-    pooled = sorted(x for ttft in later for x in ttft)
+    decode steps), so p50 moves with the first wave's size more than with its speed. Where the run
+    recorded them (bench_multiturn.py since session 19), also the first waves' TTFT split at the first
+    scheduling: ``queued`` (waiting for room or loads) and ``scheduled`` (prefill)."""
+    first: list[float] = []
+    pooled: list[float] = []
+    parts: dict[str, list[float]] | None = {"queued": [], "scheduled": []}
+    for r in measured:
+        for turn in r["turns"][1:]:
+            cut = waves(turn["ttft"])[0][-1]  # the first wave's last TTFT
+            pooled += turn["ttft"]
+            first += [x for x in turn["ttft"] if x <= cut]
+            if parts is None or "queued" not in turn:
+                parts = None
+                continue
+            for ttft, queued, scheduled in zip(turn["ttft"], turn["queued"], turn["scheduled"]):
+                if ttft <= cut:
+                    parts["queued"].append(queued)
+                    parts["scheduled"].append(scheduled)
+    first.sort()
     p50 = statistics.median(pooled)
     rank = bisect.bisect_right(first, p50) / len(first)
     text = (f"first waves of the later turns: {len(first)} of {len(pooled)} requests ({len(first) / len(pooled):.1%}),"
             f" their median TTFT {statistics.median(first):.3f} s; the pooled p50 ({p50:.3f} s) is their"
             f" {rank:.0%} percentile")
-    parts = first_wave_parts(measured)
     if parts:
         text += "\n  their TTFT split at the first scheduling (median / p90, s): " + ", ".join(
             f"{key} {statistics.median(v):.3f} / {percentile(sorted(v), 90):.3f}" for key, v in parts.items())
     return text
-
-
-def first_wave_parts(measured: list[dict]) -> dict[str, list[float]]:
-    """The first waves' ``queued`` and ``scheduled`` times (bench_multiturn.py records them since session
-    19, where the release stamps them); empty for older runs."""
-    parts: dict[str, list[float]] = {"queued": [], "scheduled": []}
-    for r in measured:
-        for turn in r["turns"][1:]:
-            if "queued" not in turn:
-                return {}
-            cut = waves(turn["ttft"])[0][-1]  # the first wave's last TTFT
-            for ttft, queued, scheduled in zip(turn["ttft"], turn["queued"], turn["scheduled"]):
-                if ttft <= cut:
-                    parts["queued"].append(queued)
-                    parts["scheduled"].append(scheduled)
-    return parts
 
 
 def cached_until(rounds: list[dict], seconds: float) -> tuple[float, float]:
