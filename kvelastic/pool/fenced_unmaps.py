@@ -4,6 +4,9 @@ A page group given back while kernels that use it are still queued keeps its
 pages mapped, and counted, until the fence recorded behind those kernels
 passes. A page asked for again before then is simply revived (its data is
 still there). Fences are checked once per batch, not per page.
+
+The placer keeps a second set of the same books: pages whose zero-fill may
+still be queued, which no unmap may pull from under the fill.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class FencedUnmaps:
         for ref in refs:
             self._fence_of[ref] = fence
         self._batches.append((fence, refs))
+
+    def fences_of(self, refs: Iterable[PageRef]) -> list[Fence]:
+        """The distinct fences that ``refs`` still wait on."""
+        fences = {id(fence): fence for ref in refs if (fence := self._fence_of.get(ref)) is not None}
+        return list(fences.values())
 
     def revive(self, refs: Iterable[PageRef]) -> None:
         """``refs`` are in use again (or unmapped by other means): they no longer wait."""

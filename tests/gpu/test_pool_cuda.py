@@ -124,3 +124,20 @@ def test_parked_groups_are_adopted_without_driver_calls_and_read_as_zero(pool, m
     pool.unmap_groups([0, 1, 2])
     pool.trim_reserve(0)
     assert pool.stats().held_bytes == 0
+
+
+def test_pages_given_back_right_after_their_zero_fill_was_queued_behind_busy_kernels(pool):
+    """The fill runs only after the kernel ahead of it; unmapping before then killed the context
+    (CUDA_ERROR_ILLEGAL_ADDRESS, an H200, 2026-11-28): the pool now waits for the fill first."""
+    tensors = [pool.add_tensor(64 * MIB) for _ in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM spinning, ahead of the fills below
+    pool.grow_reserve(8)
+    pool.trim_reserve(0)
+    torch.cuda._sleep(200_000_000)
+    pool.map_groups([3])
+    pool.unmap_groups([3])  # no fence: the caller has no kernel on it, but the fill is ours
+    torch.cuda.synchronize()  # raises if a fill met an unmapped page
+    assert pool.stats().held_bytes == 0
+    pool.map_groups([0])
+    assert int(torch.count_nonzero(tensors[0][:PAGE])) == 0
