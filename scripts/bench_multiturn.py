@@ -8,6 +8,11 @@ and within the CPU budget, so what a configuration keeps (and reloads) decides
 how much it recomputes. Prints a table and writes JSON.
 
     python scripts/bench_multiturn.py --model scripts/models/llama-1b --json $OUT/multiturn.json
+
+``--interleave`` starts every configuration's engine at once and deals the rounds out in turn
+(:mod:`round_baton`), so that each round of one configuration has a neighbour of every other, and
+prints each configuration's throughput against the first's as the median of per-round ratios:
+the machine's drift, which moved whole stretches of rounds by up to a third, cancels in them.
 """
 
 from __future__ import annotations
@@ -17,13 +22,16 @@ import json
 import os
 import random
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from percentiles import percentile  # beside this file, as run_proof (the repo root on sys.path would
+from round_baton import Conductor, Player
 from run_proof import inactive_reason  # shadow kvelastic)
 from variants import parse_variant
 
@@ -42,7 +50,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
 
     kw = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, seed=0,
-              gpu_memory_utilization=0.9, max_model_len=args.max_model_len, enable_prefix_caching=True,
+              gpu_memory_utilization=memory_share(args), max_model_len=args.max_model_len, enable_prefix_caching=True,
               disable_log_stats=False)
     if not args.config.startswith("kvelastic"):
         kw["kv_cache_memory_bytes"] = args.gpu_kv_bytes
@@ -55,14 +63,30 @@ def run_one(args: argparse.Namespace) -> dict:
                                        "eviction_policy": args.config.split("-")[1]})
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.out_len, ignore_eos=True)
+    player = Player(args.baton, args.config) if args.baton else None
+    if player:
+        player.ready()
     rounds = []
     for r in range(args.warmup + args.rounds):
-        start = time.perf_counter()
+        if player:
+            player.wait_turn(r)
+        started, start = time.time(), time.perf_counter()
         turns = one_round(llm, params, conversations(args.conversations, args.first_len, args.turn_len, seed=7 + r),
                           args.turns)
         rounds.append({"round": r, "warmup": r < args.warmup, "seconds": time.perf_counter() - start,
-                       "turns": turns})
+                       "started": started, "turns": turns})
+        Path(args.outdir, f"{args.config}.json").write_text(json.dumps({"config": args.config, "rounds": rounds}))
+        if player:  # the rounds so far are on disk: a call cut short still leaves them to --collect-only
+            player.done(r)
     return {"config": args.config, "rounds": rounds}
+
+
+def memory_share(args: argparse.Namespace) -> float:
+    """vLLM's ``gpu_memory_utilization``: each engine's share when several live at once (vLLM refuses to
+    start if less than its share is free); the KV budgets are set in bytes either way."""
+    if args.gpu_memory_utilization is not None:
+        return args.gpu_memory_utilization
+    return round(0.8 / (len(args.configs) + len(args.variant)), 3) if args.interleave else 0.9
 
 
 def one_round(llm: Any, params: Any, convs: list[list[list[int]]], turns: int) -> list[dict]:
@@ -137,7 +161,58 @@ def identical(a: dict, b: dict) -> tuple[int, int]:
     return same, total
 
 
-def main() -> int:
+def launch(config: str, args: argparse.Namespace, variants: dict[str, dict[str, str]],
+           baton: str | None = None) -> subprocess.Popen:
+    """This configuration's engine process, with its environment; its output goes to ``<config>.log``."""
+    env = dict(os.environ, KVELASTIC="1" if config.startswith("kvelastic") else "0",
+               KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes),
+               KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
+    if not args.cpu_bytes:  # kvelastic without a host tier (an A/B of what is not offload)
+        del env["KVELASTIC_CPU_BYTES"]
+    env.update(variants.get(config, {}))
+    cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:], *(["--baton", baton] if baton else [])]
+    with open(Path(args.outdir, f"{config}.log"), "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _failed(config: str, args: argparse.Namespace) -> bool:
+    print(f"{config}: FAILED, see {args.outdir}/{config}.log")
+    return False
+
+
+def run_sequential(configs: list[str], args: argparse.Namespace, variants: dict[str, dict[str, str]]) -> list[str]:
+    """One engine after another, each through all its rounds; return the configurations that finished."""
+    return [config for config in configs if launch(config, args, variants).wait() == 0 or _failed(config, args)]
+
+
+def run_interleaved(configs: list[str], args: argparse.Namespace, variants: dict[str, dict[str, str]]) -> list[str]:
+    """Every engine at once, the rounds dealt out in turn; return the configurations that finished."""
+    baton = tempfile.mkdtemp(prefix="multiturn-baton-")
+    players = {config: launch(config, args, variants, baton) for config in configs}
+    conductor = Conductor(baton, players)
+    print("engines up: " + " ".join(conductor.wait_ready()), flush=True)
+    for r in range(args.warmup + args.rounds):
+        print(f"round {r}: " + " ".join(conductor.play_round(r)), flush=True)
+    finished = [c for c, process in players.items() if process.wait() == 0 or _failed(c, args)]
+    shutil.rmtree(baton, ignore_errors=True)
+    return finished
+
+
+def print_paired(rows: list[dict]) -> None:
+    """Each configuration against the first, round by round (their rounds ran side by side): the medians
+    and ranges of the per-round ratios of throughput and of TTFT p50. Stored in ``row["paired"]``."""
+    base = rows[0]
+    print(f"paired with {base['config']}, round by round: median (min-max) of the per-round ratios")
+    for row in rows[1:]:
+        tok = [a["tok_s"] / b["tok_s"] for a, b in zip(row["rounds"], base["rounds"])]
+        p50 = [a["ttft_p50"] / b["ttft_p50"] for a, b in zip(row["rounds"], base["rounds"])]
+        row["paired"] = {"with": base["config"], "tok_s_ratios": tok, "ttft_p50_ratios": p50}
+        print(f"  {row['config']:<16} tok/s {statistics.median(tok):.3f}x ({min(tok):.3f}-{max(tok):.3f})"
+              f"  TTFT p50 {statistics.median(p50):.3f}x ({min(p50):.3f}-{max(p50):.3f})"
+              f"  rounds ahead {sum(x > 1 for x in tok)}/{len(tok)}")
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-1b")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + OPTIONAL)
@@ -158,31 +233,32 @@ def main() -> int:
     p.add_argument("--outdir", default="multiturn")
     p.add_argument("--json", default="multiturn.json")
     p.add_argument("--collect-only", action="store_true", help="tabulate <outdir>/<config>.json of an earlier run")
-    args = p.parse_args()
+    p.add_argument("--interleave", action="store_true",
+                   help="start every engine first, then run the rounds in turn (paired per-round ratios)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="each engine's vLLM share (default 0.9; with --interleave 0.8 over the engines)")
+    p.add_argument("--baton", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.config:
         Path(args.outdir, f"{args.config}.json").write_text(json.dumps(run_one(args)))
         return 0
     Path(args.outdir).mkdir(parents=True, exist_ok=True)
-    rows, results = [], {}
     variants = dict(parse_variant(text) for text in args.variant)
-    for config in [*args.configs, *variants]:
-        if args.collect_only:
-            results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
-            rows.append(summarize(results[config], args.out_len))
-            continue
-        env = dict(os.environ, KVELASTIC="1" if config.startswith("kvelastic") else "0",
-                   KVELASTIC_LIMIT=str(args.gpu_kv_bytes), KVELASTIC_CPU_BYTES=str(args.cpu_bytes),
-                   KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
-        if not args.cpu_bytes:  # kvelastic without a host tier (an A/B of what is not offload)
-            del env["KVELASTIC_CPU_BYTES"]
-        env.update(variants.get(config, {}))
-        cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:]]
-        with open(Path(args.outdir, f"{config}.log"), "w") as log:
-            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        if code:
-            print(f"{config}: FAILED (exit {code}), see {args.outdir}/{config}.log")
-            continue
-        if env["KVELASTIC"] == "1" and (reason := inactive_reason(Path(args.outdir, f"{config}.log"))):
+    configs = [*args.configs, *variants]
+    if args.collect_only:
+        finished = configs
+    elif args.interleave:
+        finished = run_interleaved(configs, args, variants)
+    else:
+        finished = run_sequential(configs, args, variants)
+    rows, results = [], {}
+    for config in finished:
+        log = Path(args.outdir, f"{config}.log")
+        if not args.collect_only and config.startswith("kvelastic") and (reason := inactive_reason(log)):
             print(f"{config}: FAILED: {reason}")
             continue
         results[config] = json.loads(Path(args.outdir, f"{config}.json").read_text())
@@ -201,6 +277,8 @@ def main() -> int:
               f"{same:>9}/{total:<6}")
     print(f"medians of {args.rounds} rounds after {args.warmup} warm-up round(s) (pooled: all later-turn requests "
           "of those rounds); outputs compared in all rounds")
+    if args.interleave and len(rows) > 1:
+        print_paired(rows)
     Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
