@@ -37,6 +37,10 @@ from variants import parse_variant
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
 OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
+# With --interleave a kvelastic engine waits out the others' rounds (about 13 s for three engines), longer
+# than its idle TTL (10 s): it would give its pages back and spill its cache beside another engine's round,
+# which it never does when its rounds run back to back. Its TTL outlasts the run instead (unless set).
+IDLE_TTL_INTERLEAVED = "3600"
 
 
 def conversations(n: int, first: int, turn: int, seed: int = 7) -> list[list[list[int]]]:
@@ -169,6 +173,8 @@ def launch(config: str, args: argparse.Namespace, variants: dict[str, dict[str, 
                KVELASTIC_CPU_POLICY="lru" if config == "kvelastic-lru" else "arc")
     if not args.cpu_bytes:  # kvelastic without a host tier (an A/B of what is not offload)
         del env["KVELASTIC_CPU_BYTES"]
+    if baton and config.startswith("kvelastic") and "KVELASTIC_CACHE_TTL" not in os.environ:
+        env["KVELASTIC_CACHE_TTL"] = IDLE_TTL_INTERLEAVED
     env.update(variants.get(config, {}))
     cmd = [sys.executable, __file__, "--config", config, *sys.argv[1:], *(["--baton", baton] if baton else [])]
     with open(Path(args.outdir, f"{config}.log"), "w") as log:
