@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh growth   # no vLLM needed: does regrowing 2 GiB of warm reserve hold up a map or the kernels?
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
+#   bash benchmarks/gpu_session.sh offload-paired  # issue 16: multi-turn, all engines up at once, rounds in turn (paired ratios)
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
@@ -132,6 +133,10 @@ growth)  # issue 16: session 19's slow GPU hits after a busy reload; one call vs
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-paired)  # issue 16: about 6 min on an H200 for 4 engines x 9 measured rounds (start-up about 60 s, a round about 6.5 s)
+    # PAIRED_ROUNDS fewer when device time is short; partial rounds survive a cut (bench_multiturn.py --collect-only)
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --configs offload-lru offload-arc kvelastic --rounds ${PAIRED_ROUNDS:-9} ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \
