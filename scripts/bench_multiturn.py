@@ -21,8 +21,8 @@ import argparse
 import json
 import os
 import random
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,8 +79,9 @@ def run_one(args: argparse.Namespace) -> dict:
                           args.turns)
         rounds.append({"round": r, "warmup": r < args.warmup, "seconds": time.perf_counter() - start,
                        "started": started, "turns": turns})
+        # the rounds so far on disk: a device call cut short still leaves them to --collect-only
         Path(args.outdir, f"{args.config}.json").write_text(json.dumps({"config": args.config, "rounds": rounds}))
-        if player:  # the rounds so far are on disk: a call cut short still leaves them to --collect-only
+        if player:
             player.done(r)
     return {"config": args.config, "rounds": rounds}
 
@@ -181,14 +182,17 @@ def launch(config: str, args: argparse.Namespace, variants: dict[str, dict[str, 
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _failed(config: str, args: argparse.Namespace) -> bool:
-    print(f"{config}: FAILED, see {args.outdir}/{config}.log")
+def finished(config: str, process: subprocess.Popen, args: argparse.Namespace) -> bool:
+    """Wait for the engine's process: True if it exited cleanly, else say where its log is."""
+    if process.wait() == 0:
+        return True
+    print(f"{config}: FAILED (exit {process.returncode}), see {args.outdir}/{config}.log")
     return False
 
 
 def run_sequential(configs: list[str], args: argparse.Namespace, variants: dict[str, dict[str, str]]) -> list[str]:
     """One engine after another, each through all its rounds; return the configurations that finished."""
-    return [config for config in configs if launch(config, args, variants).wait() == 0 or _failed(config, args)]
+    return [config for config in configs if finished(config, launch(config, args, variants), args)]
 
 
 def run_interleaved(configs: list[str], args: argparse.Namespace, variants: dict[str, dict[str, str]]) -> list[str]:
@@ -199,9 +203,9 @@ def run_interleaved(configs: list[str], args: argparse.Namespace, variants: dict
     print("engines up: " + " ".join(conductor.wait_ready()), flush=True)
     for r in range(args.warmup + args.rounds):
         print(f"round {r}: " + " ".join(conductor.play_round(r)), flush=True)
-    finished = [c for c, process in players.items() if process.wait() == 0 or _failed(c, args)]
+    done = [config for config, process in players.items() if finished(config, process, args)]
     shutil.rmtree(baton, ignore_errors=True)
-    return finished
+    return done
 
 
 def print_paired(rows: list[dict]) -> None:
@@ -256,13 +260,13 @@ def main() -> int:
     variants = dict(parse_variant(text) for text in args.variant)
     configs = [*args.configs, *variants]
     if args.collect_only:
-        finished = configs
+        done = configs
     elif args.interleave:
-        finished = run_interleaved(configs, args, variants)
+        done = run_interleaved(configs, args, variants)
     else:
-        finished = run_sequential(configs, args, variants)
+        done = run_sequential(configs, args, variants)
     rows, results = [], {}
-    for config in finished:
+    for config in done:
         log = Path(args.outdir, f"{config}.log")
         if not args.collect_only and config.startswith("kvelastic") and (reason := inactive_reason(log)):
             print(f"{config}: FAILED: {reason}")
