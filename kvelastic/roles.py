@@ -178,6 +178,8 @@ class Copier(Protocol):
     """Copies whole KV blocks to host slots and back, one batch a call."""
 
     bytes_per_block: int
+    #: Whether :meth:`store_beside` can run beside the other copies (a second stream in this process).
+    side_stores: bool = False
 
     @abstractmethod
     def store(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = False) -> "Fence":
@@ -187,6 +189,15 @@ class Copier(Protocol):
     def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> "Fence":
         """Host slots into blocks; ``block_compute``: the next forward pass waits for it (it reads the
         blocks). False: an asynchronous load, whose request is scheduled only once the fence passed."""
+
+    def store_beside(self, block_ids: Sequence[int], slots: Sequence[int]) -> "Fence":
+        """A write-through store beside the other copies, where the copier has a stream for it
+        (``KVELASTIC_CPU_STORE_STREAM=own``); by default an ordinary store nothing waits for."""
+        return self.store(block_ids, slots, block_compute=False)
+
+    def wait_for(self, fences: Sequence["Fence"]) -> None:
+        """The next copies start only once ``fences`` (of :meth:`store_beside`) passed; nothing to do where
+        every copy runs on one stream."""
 
     @abstractmethod
     def fence_compute(self) -> None:

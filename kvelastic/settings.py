@@ -135,6 +135,10 @@ class Settings:
     cpu_store: str = "eviction"
     cpu_ahead_bytes: int | None = None  # write-through's share of the tier; None: a quarter of it
     cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
+    #: Where write-through's stores run: on the one copy stream, ahead of the next step's loads (``shared``),
+    #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``shared``
+    #: until a GPU run shows ``own`` keeps outputs identical and wins (docs/offload.md).
+    cpu_store_stream: str = "shared"
     #: How host-tier hits load: ``sync`` in front of the step's forward pass (every request of the step
     #: waits), or ``async`` while their request waits and the others compute (docs/offload-async-loads.md).
     #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
@@ -273,6 +277,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
+    "cpu_store_stream": ("KVELASTIC_CPU_STORE_STREAM", _choice("shared", "own")),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),

@@ -27,6 +27,7 @@ from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.offload.store_ahead import AheadCopies
+from kvelastic.offload.side_stores import SideStoreCopier, side_stores_apply
 from kvelastic.offload.write_through import WriteThrough, ahead_slots
 from kvelastic.patches.host_tier_lookup import CACHE_FULL_BLOCKS, GET_ONE_BLOCK, hash_assigner, named_full
 from kvelastic.patching.apply import Change, Patcher
@@ -82,7 +83,11 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
     """
     write_through = None
     if settings is not None and settings.cpu_store == "write-through":
-        write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block)
+        beside = side_stores_apply(copier, settings.cpu_store_stream)
+        write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block,
+                                     beside=beside)
+        if beside:
+            copier = SideStoreCopier(copier, write_through)  # type: ignore[arg-type]
     pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill

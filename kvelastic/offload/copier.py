@@ -94,6 +94,8 @@ class BlockCopier(Copier):
         self.host = host
         self.bytes_per_block = host.shape[1]
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
+        self._side_stream: Any = None  # write-through's stores, when they run beside (store_beside)
+        self._side_tail: EventFence | None = None  # the last of them
         self.clock = CopyClock() if self.cuda else None
         self.path = resolve_path(path, block_views)
         try:
@@ -134,13 +136,43 @@ class BlockCopier(Copier):
         """
         if not block_ids:
             return DoneFence()
-        with self._on_copy_stream():
-            start = self._start()
+        with self._on(self.stream):
+            start = self._start(self.stream)
             self.mover.store(block_ids, slots, self._indices)
-            fence = self._done("store", len(block_ids), start)
+            fence = self._done("store", len(block_ids), start, self.stream)
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
+
+    @property
+    def side_stores(self) -> bool:
+        """Whether :meth:`store_beside` may run beside the copy stream: on any path but ``staged``, whose
+        staging buffer two streams would share (on a CPU every copy is synchronous anyway)."""
+        return self.path != "staged"
+
+    def store_beside(self, block_ids: Sequence[int], slots: Sequence[int]) -> Fence:
+        """A store on a second stream (write-through's): it follows the work queued so far on the legacy
+        default stream and on the copy stream, and nothing waits for it unless told to
+        (:meth:`wait_for`, :meth:`fence_compute`). Without :attr:`side_stores`, an ordinary :meth:`store`."""
+        if not (self.cuda and self.side_stores and block_ids):
+            return self.store(block_ids, slots)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        side = self._side_stream
+        with self._on(side, after=self.stream):
+            start = self._start(side)
+            self.mover.store(block_ids, slots, self._indices)
+            fence = self._done("store", len(block_ids), start, side)
+        self._side_tail = fence
+        return fence
+
+    def wait_for(self, fences: Sequence[Fence]) -> None:
+        """The copy stream's next copies start only once ``fences`` (of :meth:`store_beside`) passed."""
+        if not self.cuda:
+            return
+        for fence in fences:
+            if isinstance(fence, EventFence):
+                self.stream.wait_event(fence.event)
 
     def load(self, block_ids: Sequence[int], slots: Sequence[int], *, block_compute: bool = True) -> Fence:
         """Copy host slots into GPU blocks; the returned fence passes when the copy is done.
@@ -151,45 +183,53 @@ class BlockCopier(Copier):
         """
         if not block_ids:
             return DoneFence()
-        with self._on_copy_stream():
-            start = self._start()
+        with self._on(self.stream):
+            start = self._start(self.stream)
             self.mover.load(block_ids, slots, self._indices)
-            fence = self._done("load", len(block_ids), start)
+            fence = self._done("load", len(block_ids), start, self.stream)
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
 
     def fence_compute(self) -> None:
-        """Later compute on the legacy stream waits for every copy issued so far (one stream: all of them)."""
+        """Later compute on the legacy stream waits for every copy issued so far (the copy stream's, and
+        the last side store, which follows every side store before it)."""
         if not self.cuda:
             return
         event = torch.cuda.Event()
         event.record(self.stream)
-        torch.cuda.default_stream(self.device).wait_event(event)
+        compute = torch.cuda.default_stream(self.device)
+        compute.wait_event(event)
+        if self._side_tail is not None and not self._side_tail.is_done():
+            compute.wait_event(self._side_tail.event)
 
-    def _on_copy_stream(self) -> Any:
+    def _on(self, stream: Any, after: Any = None) -> Any:
+        """Copies queued on ``stream`` from here follow the legacy default stream's work so far (and
+        ``after``'s, another stream)."""
         if not self.cuda:
             return _Nothing()
-        queued = torch.cuda.Event()
-        queued.record(torch.cuda.default_stream(self.device))
-        self.stream.wait_event(queued)
-        return torch.cuda.stream(self.stream)
+        for before in (torch.cuda.default_stream(self.device), after):
+            if before is not None:
+                queued = torch.cuda.Event()
+                queued.record(before)
+                stream.wait_event(queued)
+        return torch.cuda.stream(stream)
 
     def copy_times(self) -> dict[str, float] | None:
         """GPU seconds and bytes of the batches done so far, per direction (:class:`CopyClock`); None on a CPU."""
         return self.clock.totals() if self.clock is not None else None
 
-    def _start(self) -> "torch.cuda.Event | None":
-        return self.clock.start(self.stream) if self.clock is not None else None
+    def _start(self, stream: Any) -> "torch.cuda.Event | None":
+        return self.clock.start(stream) if self.clock is not None else None
 
-    def _done(self, direction: Direction, blocks: int, start: "torch.cuda.Event | None") -> Fence:
+    def _done(self, direction: Direction, blocks: int, start: "torch.cuda.Event | None", stream: Any) -> Fence:
         if self.clock is None:
             return DoneFence()
         event = torch.cuda.Event()  # no timing: CUDA's lightest event to wait on and to query
-        event.record(self.stream)
+        event.record(stream)
         if start is not None:  # the clock's end mark is an event of its own, so fences stay light
             end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
+            end.record(stream)
             self.clock.finish(direction, blocks * self.bytes_per_block, start, end)
         return EventFence(event)
 

@@ -11,7 +11,9 @@ else the GPU runs beside it.
 The engine thread only records and appends; whoever reads the totals (the
 upkeep thread's log line and metrics) takes the finished batches off the front,
 asking each end event whether it has fired (``query``, never ``synchronize``).
-All batches run on one stream, in order, so they finish in the order appended.
+The copy stream's batches finish in the order appended; write-through's stores on a stream of their
+own (``KVELASTIC_CPU_STORE_STREAM=own``) may finish out of it, and a batch is then read once every
+batch before it is done too. Their seconds may overlap the copy stream's.
 """
 
 from __future__ import annotations

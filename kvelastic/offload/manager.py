@@ -208,11 +208,17 @@ class OffloadManager:
         waited = self._issue_pending(block_compute=True)
         early, self._issued_early = self._issued_early, False
         wt = self.write_through
-        stores_only = wt is not None and wt.fence_needed and not (waited or early)
-        if not waited and (early or stores_only):  # one fence covers everything on the one stream
+        covered = False  # whether compute now waits for every copy issued, write-through's stores too
+        if waited:  # the loads' wait covers the copy stream, and the stores only where they share it
+            covered = wt is None or not wt.beside
+        elif early:
+            self.copier.fence_compute()  # covers the side stores too
+            covered = True
+        if wt is not None and wt.fence_needed and not covered:
             self.copier.fence_compute()
-            self.counters.store_fences += int(stores_only)
-        if wt is not None and (waited or early or wt.fence_needed):
+            self.counters.store_fences += 1
+            covered = True
+        if wt is not None and covered:
             wt.fenced()
 
     def _issue_pending(self, *, block_compute: bool) -> bool:
@@ -259,12 +265,13 @@ class OffloadManager:
         if not ids:
             return
         try:
-            fence = self.copier.store(ids, slots, block_compute=False)
+            fence = (self.copier.store_beside(ids, slots) if wt.beside
+                     else self.copier.store(ids, slots, block_compute=False))
         except BaseException:
             for bid in ids:  # never leave a slot claimed for a copy that was not queued
                 wt.ahead.forget_block(bid)
             raise
-        wt.issued(ids, fence)
+        wt.issued(ids, slots, fence)
         self.counters.stored_ahead_blocks += len(ids)
         self.counters.spill_batches += 1
 
@@ -313,6 +320,8 @@ class OffloadManager:
             values.update(stored_ahead_bytes=c.stored_ahead_blocks * size, evicted_free=c.evicted_free,
                           store_fences=c.store_fences, ahead_held=len(self.write_through.ahead),
                           ahead_dropped=self.write_through.ahead.dropped)
+            if self.write_through.beside:
+                values["copy_waits"] = self.write_through.copy_waits
         return values
 
 

@@ -24,12 +24,18 @@ it needs a fence: the manager makes the step's compute wait for the copy
 stream (one event; a step that spills or loads synchronously already waits for
 it). Every fence covers all copies issued before it, so the stores in flight
 are tracked only since the last one.
+
+With ``KVELASTIC_CPU_STORE_STREAM=own`` the stores run on a stream of their
+own (:mod:`~kvelastic.offload.side_stores`), so the copy stream's loads never
+queue behind them. Then a step's loads cover no store, and the copy stream
+itself must wait for a store it would race: a load into a block a store still
+reads, a load or spill of a slot a store still writes (:meth:`stores_touching`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, NamedTuple
+from typing import Any, Hashable, Iterable, NamedTuple, Sequence
 
 from kvelastic.offload.store_ahead import AheadCopies
 from kvelastic.pool.backend import Fence
@@ -57,14 +63,18 @@ class Due(NamedTuple):
 class WriteThrough:
     """Blocks waiting for their store, and the stores still reading GPU blocks since the last fence."""
 
-    def __init__(self, ahead: AheadCopies, step_bytes: int, bytes_per_block: int):
+    def __init__(self, ahead: AheadCopies, step_bytes: int, bytes_per_block: int, *, beside: bool = False):
+        """``beside``: the stores run on a stream of their own, which a step's loads do not cover."""
         self.ahead = ahead
+        self.beside = beside
         self.step = 0  # scheduling steps completed
         self.max_blocks_per_step = max(1, step_bytes // max(1, bytes_per_block))
         self.fence_needed = False  # a block some store still reads was reused: compute must wait
+        self.copy_waits = 0  # beside: copy-stream batches that waited for a store they would race
         self._due: OrderedDict[int, Due] = OrderedDict()  # by block id, oldest first
         self._reading: dict[int, Fence] = {}  # block id -> fence of the store reading it
-        self._batches: list[tuple[Fence, list[int]]] = []
+        self._writing: dict[int, Fence] = {}  # host slot -> fence of the store writing it
+        self._batches: list[tuple[Fence, list[int], list[int]]] = []  # (fence, block ids, slots)
 
     # ------------------------------------------------------------ scheduler side
     def computed(self, blocks: Iterable[Any]) -> None:
@@ -133,15 +143,34 @@ class WriteThrough:
             slots.append(slot)
         return ids, slots
 
-    def issued(self, block_ids: list[int], fence: Fence) -> None:
-        """The stores of ``block_ids`` are queued; ``fence`` passes when they are done."""
+    def issued(self, block_ids: list[int], slots: list[int], fence: Fence) -> None:
+        """The stores of ``block_ids`` into ``slots`` are queued; ``fence`` passes when they are done."""
         for bid in block_ids:
             self._reading[bid] = fence
-        self._batches.append((fence, block_ids))
+        for slot in slots:
+            self._writing[slot] = fence
+        self._batches.append((fence, block_ids, slots))
+
+    def stores_touching(self, blocks_written: Sequence[int], slots: Sequence[int]) -> list[Fence]:
+        """The fences of stores still in flight that a copy writing ``blocks_written`` and reading or
+        writing ``slots`` would race: stores reading those blocks, or writing those slots."""
+        if not self._reading:
+            return []
+        self._prune()
+        found: dict[int, Fence] = {}
+        for bid in blocks_written:
+            if (fence := self._reading.get(bid)) is not None:
+                found[id(fence)] = fence
+        for slot in slots:
+            if (fence := self._writing.get(slot)) is not None:
+                found[id(fence)] = fence
+        return list(found.values())
 
     def fenced(self) -> None:
-        """Compute queued from now on waits for every copy issued so far: no store is a hazard any more."""
+        """Compute queued from now on waits for every copy issued so far: no store is a hazard any more
+        (the copy stream's and the side stores' batches all start after some later compute)."""
         self._reading.clear()
+        self._writing.clear()
         self._batches.clear()
         self.fence_needed = False
 
@@ -156,7 +185,10 @@ class WriteThrough:
     def _prune(self) -> None:
         """Forget stores that are known done (in this process; a rank's are never known here)."""
         while self._batches and self._batches[0][0].is_done():
-            fence, ids = self._batches.pop(0)
+            fence, ids, slots = self._batches.pop(0)
             for bid in ids:
                 if self._reading.get(bid) is fence:
                     del self._reading[bid]
+            for slot in slots:
+                if self._writing.get(slot) is fence:
+                    del self._writing[slot]

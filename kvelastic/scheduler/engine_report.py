@@ -69,6 +69,8 @@ class StatsLog:
             if "stored_ahead_bytes" in o:  # write-through: what of the spilled bytes went beside compute
                 line += (f"; write-through {format_size(o['stored_ahead_bytes'])} of it, evictions free "
                          f"{o['evicted_free']}, fences {o['store_fences']}")
+                if "copy_waits" in o:  # KVELASTIC_CPU_STORE_STREAM=own
+                    line += f", copies after a store {o['copy_waits']}"
         return line
 
 

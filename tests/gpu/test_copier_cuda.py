@@ -129,3 +129,36 @@ def test_the_copiers_own_clock_times_finished_batches_only_and_never_waits(path)
     assert times["store_timed_bytes"] == 2048 * 512 * 1024 and times["load_timed_bytes"] == 64 * 512 * 1024
     assert 1 << 30 < times["store_timed_bytes"] / times["store_seconds"] < 200e9  # bytes per GPU second
     assert times["load_seconds"] > 0
+
+
+@pytest.mark.parametrize("path", ["direct", "runs"])
+def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(path):
+    """``KVELASTIC_CPU_STORE_STREAM=own``: a load on the copy stream does not queue behind a store on the
+    side stream; one told to wait for it (``wait_for``) reads what it wrote; ``fence_compute`` covers it."""
+    width = 64 * 1024
+    blocks = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8, device="cuda")
+    views = [blocks[:, :width], blocks[:, width:]]
+    host = torch.zeros((4096, 2 * width), dtype=torch.int8, pin_memory=True)
+    copier = BlockCopier(views, host, path=path)
+    assert copier.side_stores
+    copier.store_beside(list(range(64)), list(range(64))).wait()  # warm-up: the side stream's first use
+    copier.load(list(range(64)), list(range(64))).wait()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier._side_stream):
+        torch.cuda._sleep(400_000_000)  # keep the side stream busy: the next store queues behind it
+    store = copier.store_beside(list(range(2048)), list(range(2048)))
+    load = copier.load([4000], [4000])  # another slot, another block: races nothing
+    load.wait()
+    assert not store.is_done(), "the load waited for a store on the side stream"
+    copier.wait_for([store])
+    copier.load([3000], [5]).wait()  # slot 5 is the store's: only after it
+    assert store.is_done()
+    assert torch.equal(blocks[3000].cpu(), blocks[5].cpu())
+    with torch.cuda.stream(copier._side_stream):
+        torch.cuda._sleep(400_000_000)
+    later = copier.store_beside([7], [7])
+    copier.fence_compute()
+    marker = torch.cuda.Event()
+    marker.record(torch.cuda.default_stream())
+    marker.synchronize()
+    assert later.is_done(), "fence_compute left compute free of a store on the side stream"

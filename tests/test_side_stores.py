@@ -1,0 +1,143 @@
+"""Write-through's stores on a stream of their own (``KVELASTIC_CPU_STORE_STREAM=own``).
+
+With one copy stream every copy is ordered after the stores before it; with the stores beside it,
+nothing is, so each race must be a wait of its own: a copy-stream batch waits for a store that still
+reads a block it writes, or still writes a slot it reads or writes; and compute that reuses a block a
+store still reads waits for the side stream too, even in a step whose loads made it wait for the copy
+stream. The copier is recorded at its boundary (its streams); the CPU copies are real and synchronous.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
+from kvelastic.offload.copier import BlockCopier
+from kvelastic.offload.host_tier import HostTier
+from kvelastic.offload.side_stores import side_stores_apply
+from kvelastic.offload.store_ahead import AheadCopies
+from kvelastic.offload.write_through import DELAY_STEPS, WriteThrough
+from kvelastic.settings import Settings
+from kvelastic.tp.scheduler_side import RemoteCopier
+from tests.scheduler_harness import scheduler_patcher
+from tests.test_page_aware_block_pool import build
+from tests.test_write_through import WT, Gate, Recording, _computed, _read, _stamp
+
+pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
+
+
+class SideRecording(Recording):
+    """A recording copier with a side stream: its stores beside return a Gate; waits are recorded."""
+
+    side_stores = True
+
+    def store_beside(self, block_ids, slots):
+        self.calls.append(("beside", tuple(block_ids)))
+        self.inner.store(block_ids, slots)
+        self.gates.append(Gate(self.stores_done))
+        return self.gates[-1]
+
+    def wait_for(self, fences):
+        self.calls.append(("wait", tuple(fences)))
+
+
+def _setup_own(stores_done=False, **settings):
+    pool, views, cache, bp, queue = build(limit_groups=1)
+    values = {**WT, "cpu_store_stream": "own", **settings}
+    tier, copier = local_host_tier(cache, Settings(**values))
+    recording = SideRecording(copier, stores_done)
+    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), Settings(**values))
+    return pool, views, bp, manager, recording
+
+
+def _names(recording) -> list[str]:
+    return [c[0] for c in recording.calls]
+
+
+def _evict_and_reload(bp, views, manager, blocks, hashes):
+    """In one step: every block reused (the evictions promote the copies made ahead), five freed again,
+    and the key ``hashes[3]`` looked up: a host hit, loaded into a freed block from its slot."""
+    bp.free_blocks(blocks)
+    newer = bp.get_new_blocks(len(blocks))
+    assert manager.counters.evicted_free == len(blocks)
+    for block in newer:
+        _stamp(views, block.block_id, 99)
+    bp.free_blocks(newer[:5])
+    found = bp.get_cached_block(hashes[3], [0])
+    manager.end_step()
+    return found
+
+
+def test_stores_go_beside_and_a_reload_racing_one_waits_for_it_first():
+    pool, views, bp, manager, copier = _setup_own()
+    assert manager.write_through.beside
+    blocks, hashes = _computed(bp, views, 31, "a")
+    for _ in range(DELAY_STEPS + 1):
+        manager.end_step()
+    assert _names(copier) == ["beside"], "the store went to the side stream"
+    found = _evict_and_reload(bp, views, manager, blocks, hashes)  # the store still writes the slot
+    assert _names(copier) == ["beside", "wait", "load", "fence"]  # the fence: the reused blocks
+    assert copier.calls[1][1] == (copier.gates[0],)
+    assert _read(views, found[0].block_id) == [3 % 90 + 1]
+    assert manager.stats()["copy_waits"] == 1 and manager.counters.store_fences == 1
+    pool.close()
+
+
+def test_a_step_that_loads_still_fences_compute_for_a_reused_block_a_side_store_reads():
+    """With one stream the loads' wait covers the stores (test_write_through); beside, it does not."""
+    pool, views, bp, manager, copier = _setup_own()
+    old, hashes = _computed(bp, views, 31, "o", value=lambda i: 5)
+    for _ in range(DELAY_STEPS + 1):
+        manager.end_step()
+    bp.free_blocks(old)
+    newer = bp.get_new_blocks(31)  # reuses blocks a store still reads
+    bp.free_blocks(newer[:1])
+    assert bp.get_cached_block(hashes[0], [0]) is not None  # and loads one back
+    manager.end_step()
+    names = _names(copier)
+    assert "load" in names and "fence" in names and manager.counters.store_fences == 1
+    pool.close()
+
+
+def test_copies_that_race_no_store_do_not_wait():
+    pool, views, bp, manager, copier = _setup_own(stores_done=True)
+    blocks, hashes = _computed(bp, views, 31, "a")
+    for _ in range(DELAY_STEPS + 1):
+        manager.end_step()
+    found = _evict_and_reload(bp, views, manager, blocks, hashes)  # the same step, the stores done
+    assert _names(copier) == ["beside", "load"]
+    assert _read(views, found[0].block_id) == [3 % 90 + 1]
+    pool.close()
+
+
+def test_stores_touching_names_the_stores_a_copy_would_race_until_they_pass():
+    tier = HostTier(64 * 1024, 1024, pin=False, ahead_slots=16)
+    wt = WriteThrough(AheadCopies(tier), 1 << 20, 1024, beside=True)
+    first, second = Gate(False), Gate(False)
+    wt.issued([1, 2], [10, 11], first)
+    wt.issued([3], [12], second)
+    assert wt.stores_touching([2], []) == [first]  # a load into a block a store reads
+    assert wt.stores_touching([], [12]) == [second]  # a copy of a slot a store writes
+    assert wt.stores_touching([5], [13]) == []
+    assert set(map(id, wt.stores_touching([1], [12]))) == {id(first), id(second)}
+    first.done = True
+    assert wt.stores_touching([1], [10]) == [] and wt.stores_touching([3], []) == [second]
+
+
+def test_own_stream_applies_only_where_the_copier_has_one():
+    host = torch.zeros((8, 64), dtype=torch.int8)
+    views = [torch.zeros((8, 64), dtype=torch.int8)]
+    direct = BlockCopier(views, host, path="direct")
+    staged = BlockCopier(views, host, path="staged")
+    assert side_stores_apply(direct, "own") and not side_stores_apply(direct, "shared")
+    assert not side_stores_apply(staged, "own")  # its staging buffer would be shared by two streams
+    assert RemoteCopier.side_stores is False  # a TP rank's stores stay on its one stream
+
+
+def test_a_store_beside_on_a_cpu_copies_at_once():
+    views = [torch.arange(8 * 64, dtype=torch.int64).view(8, 64).to(torch.int8)]
+    host = torch.zeros((8, 64), dtype=torch.int8)
+    copier = BlockCopier(views, host, path="direct")
+    assert copier.store_beside([2, 5], [0, 1]).is_done()
+    assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
