@@ -38,7 +38,7 @@ import statistics
 import sys
 import tarfile
 import tempfile
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,24 @@ def cached_until(rounds: list[dict], seconds: float) -> tuple[float, float]:
     return cached, cached
 
 
+def busy_within(rounds: list[dict], start: datetime, span: float) -> float:
+    """Seconds of this engine's own rounds within ``span`` seconds of ``start`` (the log's first round).
+
+    With ``bench_multiturn.py --interleave`` the span also holds the other engines' rounds, so the
+    copies' share and the cached tokens by then are set against this engine's running time. Rounds
+    without a wall-clock stamp (runs before 2026-11-28's twentieth session) ran back to back: the span.
+    """
+    if not rounds or not all("started" in r for r in rounds):
+        return span
+    end = start + timedelta(seconds=span)
+    total = 0.0
+    for rnd in rounds:
+        began = datetime.fromtimestamp(rnd["started"]).replace(year=start.year)
+        finished = began + timedelta(seconds=rnd["seconds"])
+        total += max(0.0, (min(finished, end) - max(began, start)).total_seconds())
+    return total
+
+
 def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_bytes: float) -> None:
     rounds = data["rounds"]
     tokens = sum(t["prompt_tokens"] for t in rounds[0]["turns"]) + sum(len(t["outputs"]) for t in rounds[0]["turns"]) * out_len
@@ -203,8 +221,9 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
     if "kvelastic" in log:
         k = log["kvelastic"]
         span = (log["kvelastic_at"] - start).total_seconds() if start else float("nan")
+        busy = busy_within(rounds, start, span) if start else span
         block = log.get("block_bytes") or token_bytes * 16
-        low, high = (x * (token_bytes or block / 16) for x in cached_until(rounds, span))
+        low, high = (x * (token_bytes or block / 16) for x in cached_until(rounds, busy))
         copy = k.get("spill_s", 0) + k.get("reload_s", 0)
         if "reload_s" not in k:  # lines written before the copy clock
             print(f"  kvelastic, first {span:.0f} s: hits {k.get('hits', 0):,.0f} misses {k.get('misses', 0):,.0f};"
@@ -215,7 +234,8 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
                   f" ({k.get('reloaded', 0) / max(k.get('reload_s', 0), 1e-9) / 1e9:.1f} GB/s),"
                   f" spilled {k.get('spilled', 0) / 2**30:.2f} GiB in {k.get('spill_s', 0):.2f} s"
                   f" ({k.get('spilled', 0) / max(k.get('spill_s', 0), 1e-9) / 1e9:.1f} GB/s);"
-                  f" copy-stream {copy:.2f} s = {copy / span:.1%} of the span")
+                  f" copy-stream {copy:.2f} s = {copy / busy:.1%} of its rounds' time"
+                  + (f" ({busy:.0f} s of the {span:.0f})" if busy < span - 1 else ""))
         if "async_loads" in k:
             print(f"    loads beside compute {k['async_loads']:.0f}, in front of the step {k['sync_loads']:.0f}")
         if low:
@@ -224,7 +244,8 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
     if "connector" in log:
         c = log["connector"]
         span = (log["connector_at"] - start).total_seconds() if start else float("nan")
-        low, high = (x * token_bytes for x in cached_until(rounds, span))
+        busy = busy_within(rounds, start, span) if start else span
+        low, high = (x * token_bytes for x in cached_until(rounds, busy))
         lb, lt, sb, st = (c.get(x, 0.0) for x in ("load_bytes", "load_time", "store_bytes", "store_time"))
         print(f"  connector, {c['intervals']:.0f} intervals to {span:.0f} s: loads {lb / 2**30:.2f} GiB in {lt:.2f} s"
               f" ({lb / max(lt, 1e-9) / 1e9:.1f} GB/s, {c.get('load_size_count', 0):.0f} jobs),"
