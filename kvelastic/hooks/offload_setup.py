@@ -87,7 +87,7 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
         write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block,
                                      beside=beside)
         if beside:
-            copier = SideStoreCopier(copier, write_through)  # type: ignore[arg-type]
+            copier = SideStoreCopier(copier, write_through)
     pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill

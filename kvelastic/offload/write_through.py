@@ -154,7 +154,7 @@ class WriteThrough:
     def stores_touching(self, blocks_written: Sequence[int], slots: Sequence[int]) -> list[Fence]:
         """The fences of stores still in flight that a copy writing ``blocks_written`` and reading or
         writing ``slots`` would race: stores reading those blocks, or writing those slots."""
-        if not self._reading:
+        if not self._batches:
             return []
         self._prune()
         found: dict[int, Fence] = {}
