@@ -141,3 +141,16 @@ def test_a_store_beside_on_a_cpu_copies_at_once():
     copier = BlockCopier(views, host, path="direct")
     assert copier.store_beside([2, 5], [0, 1]).is_done()
     assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
+
+
+@pytest.mark.parametrize("store, path, why", [("eviction", "direct", "not write-through"),
+                                               ("write-through", "staged", "no second stream")])
+def test_own_stream_where_it_cannot_apply_says_so_and_keeps_one_stream(kv_log, store, path, why):
+    pool, views, cache, bp, queue = build(limit_groups=1)
+    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": "own", "copy_path": path})
+    tier, copier = local_host_tier(cache, settings)
+    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
+    assert manager.copier is copier and (manager.write_through is None or not manager.write_through.beside)
+    assert any("KVELASTIC_CPU_STORE_STREAM=own has no effect" in r.message and why in r.message
+               for r in kv_log.records)
+    pool.close()

@@ -16,6 +16,7 @@ and a :class:`BlockRows` copier on each rank.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable, Hashable
 
 import torch
@@ -27,12 +28,14 @@ from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.offload.store_ahead import AheadCopies
-from kvelastic.offload.side_stores import SideStoreCopier, side_stores_apply
+from kvelastic.offload.side_stores import SideStoreCopier, side_stores_apply, why_not_beside
 from kvelastic.offload.write_through import WriteThrough, ahead_slots
 from kvelastic.patches.host_tier_lookup import CACHE_FULL_BLOCKS, GET_ONE_BLOCK, hash_assigner, named_full
 from kvelastic.patching.apply import Change, Patcher
 from kvelastic.roles import Copier
 from kvelastic.settings import Settings
+
+log = logging.getLogger("vllm.kvelastic")
 
 
 def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
@@ -82,12 +85,15 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
     drops outside an eviction lose their copies made ahead.
     """
     write_through = None
+    beside = False
     if settings is not None and settings.cpu_store == "write-through":
         beside = side_stores_apply(copier, settings.cpu_store_stream)
         write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block,
                                      beside=beside)
         if beside:
             copier = SideStoreCopier(copier, write_through)
+    if settings is not None and settings.cpu_store_stream == "own" and not beside:
+        log.info("kvelastic: KVELASTIC_CPU_STORE_STREAM=own has no effect here: %s", why_not_beside(settings.cpu_store))
     pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill

@@ -76,3 +76,10 @@ def side_stores_apply(copier: Copier, store_stream: str) -> bool:
     this process that can give one (not ``staged``; a TP rank's copiers are remote: their stores stay
     on the one stream)."""
     return store_stream == "own" and copier.side_stores
+
+
+def why_not_beside(cpu_store: str) -> str:
+    """Why ``KVELASTIC_CPU_STORE_STREAM=own`` left the stores on the copy stream (for the log)."""
+    if cpu_store != "write-through":
+        return "it moves write-through's stores, and KVELASTIC_CPU_STORE is not write-through"
+    return "the copier has no second stream to give (KVELASTIC_COPY_PATH=staged, or copies on tensor-parallel ranks)"
