@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_session.sh growth   # no vLLM needed: does regrowing 2 GiB of warm reserve hold up a map or the kernels?
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh offload-paired  # issue 16: multi-turn, all engines up at once, rounds in turn (paired ratios)
+#   bash benchmarks/gpu_session.sh offload-paired-8b  # the same on the 8B shape (32 conversations, 4 GiB GPU, 24 GiB host)
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
@@ -137,6 +138,10 @@ offload-paired)  # issue 16: about 6 min on an H200 for 4 engines x 9 measured r
     # PAIRED_ROUNDS fewer when device time is short; partial rounds survive a cut (bench_multiturn.py --collect-only)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --configs offload-lru offload-arc kvelastic --rounds ${PAIRED_ROUNDS:-9} ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-paired-8b)  # issue 16: about 4 min on an H200: 3 engines x (1 warm-up + PAIRED_ROUNDS, default 5) rounds of about 9 s; 3 x 24 GiB pinned
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
+        --configs offload-lru offload-arc kvelastic --rounds ${PAIRED_ROUNDS:-5} ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \
