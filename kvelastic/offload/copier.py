@@ -95,7 +95,7 @@ class BlockCopier(Copier):
         self.bytes_per_block = host.shape[1]
         self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None
         self._side_stream: Any = None  # write-through's stores, when they run beside (store_beside)
-        self._side_tail: EventFence | None = None  # the last of them
+        self._side_tail: Fence | None = None  # the last of them (an EventFence: on CUDA only)
         self.clock = CopyClock() if self.cuda else None
         self.path = resolve_path(path, block_views)
         try:
@@ -134,15 +134,7 @@ class BlockCopier(Copier):
         ``block_compute``: later compute on the legacy stream waits for the copy
         (the blocks are about to be overwritten by new requests).
         """
-        if not block_ids:
-            return DoneFence()
-        with self._on(self.stream):
-            start = self._start(self.stream)
-            self.mover.store(block_ids, slots, self._indices)
-            fence = self._done("store", len(block_ids), start, self.stream)
-        if self.cuda and block_compute:
-            torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
-        return fence
+        return self._queue("store", block_ids, slots, self.stream, block_compute=block_compute)
 
     @property
     def side_stores(self) -> bool:
@@ -158,13 +150,9 @@ class BlockCopier(Copier):
             return self.store(block_ids, slots)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
-        side = self._side_stream
-        with self._on(side, after=self.stream):
-            start = self._start(side)
-            self.mover.store(block_ids, slots, self._indices)
-            fence = self._done("store", len(block_ids), start, side)
-        self._side_tail = fence
-        return fence
+        self._side_tail = self._queue("store", block_ids, slots, self._side_stream, block_compute=False,
+                                      after=self.stream)
+        return self._side_tail
 
     def wait_for(self, fences: Sequence[Fence]) -> None:
         """The copy stream's next copies start only once ``fences`` (of :meth:`store_beside`) passed."""
@@ -181,12 +169,18 @@ class BlockCopier(Copier):
         request scheduled in this step reads the blocks). False: an
         asynchronous load, polled through its fence.
         """
+        return self._queue("load", block_ids, slots, self.stream, block_compute=block_compute)
+
+    def _queue(self, direction: Direction, block_ids: Sequence[int], slots: Sequence[int], stream: Any, *,
+               block_compute: bool, after: Any = None) -> Fence:
+        """One batch on ``stream``, after the legacy default stream's work so far (and ``after``'s, another
+        stream); ``block_compute``: later compute on the legacy stream waits for it."""
         if not block_ids:
             return DoneFence()
-        with self._on(self.stream):
-            start = self._start(self.stream)
-            self.mover.load(block_ids, slots, self._indices)
-            fence = self._done("load", len(block_ids), start, self.stream)
+        with self._on(stream, after):
+            start = self._start(stream)
+            (self.mover.store if direction == "store" else self.mover.load)(block_ids, slots, self._indices)
+            fence = self._done(direction, len(block_ids), start, stream)
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]
         return fence
@@ -201,7 +195,7 @@ class BlockCopier(Copier):
         compute = torch.cuda.default_stream(self.device)
         compute.wait_event(event)
         if self._side_tail is not None and not self._side_tail.is_done():
-            compute.wait_event(self._side_tail.event)
+            compute.wait_event(self._side_tail.event)  # type: ignore[attr-defined]
 
     def _on(self, stream: Any, after: Any = None) -> Any:
         """Copies queued on ``stream`` from here follow the legacy default stream's work so far (and
