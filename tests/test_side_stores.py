@@ -22,7 +22,8 @@ from kvelastic.settings import Settings
 from kvelastic.tp.scheduler_side import RemoteCopier
 from tests.scheduler_harness import scheduler_patcher
 from tests.test_page_aware_block_pool import build
-from tests.test_write_through import WT, Gate, Recording, _computed, _read, _stamp
+from tests.test_write_through import WT, Gate, Recording, _computed, _read, _setup, _stamp, \
+    reuse_a_stored_block_and_load
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
@@ -42,13 +43,8 @@ class SideRecording(Recording):
         self.calls.append(("wait", tuple(fences)))
 
 
-def _setup_own(stores_done=False, **settings):
-    pool, views, cache, bp, queue = build(limit_groups=1)
-    values = {**WT, "cpu_store_stream": "own", **settings}
-    tier, copier = local_host_tier(cache, Settings(**values))
-    recording = SideRecording(copier, stores_done)
-    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), Settings(**values))
-    return pool, views, bp, manager, recording
+def _setup_own(stores_done=False):
+    return _setup(stores_done=stores_done, recording_class=SideRecording, cpu_store_stream="own")
 
 
 def _names(recording) -> list[str]:
@@ -87,14 +83,7 @@ def test_stores_go_beside_and_a_reload_racing_one_waits_for_it_first():
 def test_a_step_that_loads_still_fences_compute_for_a_reused_block_a_side_store_reads():
     """With one stream the loads' wait covers the stores (test_write_through); beside, it does not."""
     pool, views, bp, manager, copier = _setup_own()
-    old, hashes = _computed(bp, views, 31, "o", value=lambda i: 5)
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
-    bp.free_blocks(old)
-    newer = bp.get_new_blocks(31)  # reuses blocks a store still reads
-    bp.free_blocks(newer[:1])
-    assert bp.get_cached_block(hashes[0], [0]) is not None  # and loads one back
-    manager.end_step()
+    reuse_a_stored_block_and_load(bp, views, manager)
     names = _names(copier)
     assert "load" in names and "fence" in names and manager.counters.store_fences == 1
     pool.close()

@@ -76,11 +76,12 @@ def _read(views, block_id: int) -> list[int]:
     return sorted({int(v) for view in views for v in view[:, block_id].unique()})
 
 
-def _setup(limit_groups=1, stores_done=True, **settings):
+def _setup(limit_groups=1, stores_done=True, recording_class=None, **settings):
+    """``recording_class``: the recording copier (default :class:`Recording`)."""
     pool, views, cache, bp, queue = build(limit_groups=limit_groups)
     values = {**WT, **settings}
     tier, copier = local_host_tier(cache, Settings(**values))
-    recording = Recording(copier, stores_done)
+    recording = (recording_class or Recording)(copier, stores_done)
     manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), Settings(**values))
     return pool, views, bp, manager, recording
 
@@ -145,8 +146,8 @@ def test_the_fence_is_taken_only_for_a_block_reused_before_its_store_passed():
     pool.close()
 
 
-def test_a_step_that_loads_needs_no_separate_fence():
-    pool, views, bp, manager, copier = _setup(stores_done=False)
+def reuse_a_stored_block_and_load(bp, views, manager) -> None:
+    """Blocks stored ahead, their stores still running; in one step most are reused and one key loads back."""
     old, hashes = _computed(bp, views, 31, "o", value=lambda i: 5)
     for _ in range(DELAY_STEPS + 1):
         manager.end_step()
@@ -155,6 +156,11 @@ def test_a_step_that_loads_needs_no_separate_fence():
     bp.free_blocks(newer[:1])
     assert bp.get_cached_block(hashes[0], [0]) is not None  # and loads one back
     manager.end_step()
+
+
+def test_a_step_that_loads_needs_no_separate_fence():
+    pool, views, bp, manager, copier = _setup(stores_done=False)
+    reuse_a_stored_block_and_load(bp, views, manager)
     assert ("load",) in copier.kinds() and ("fence",) not in copier.kinds()  # the load's wait covers it
     pool.close()
 
