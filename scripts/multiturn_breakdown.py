@@ -169,6 +169,15 @@ def cached_until(rounds: list[dict], seconds: float) -> tuple[float, float]:
     return cached, cached
 
 
+def spans(rounds: list[dict], start: datetime | None, at: datetime) -> tuple[float, float]:
+    """Seconds from the log's first round to ``at`` (a report's line), and this engine's own running
+    time within them (:func:`busy_within`); NaN both when the log has no start."""
+    if start is None:
+        return float("nan"), float("nan")
+    span = (at - start).total_seconds()
+    return span, busy_within(rounds, start, span)
+
+
 def busy_within(rounds: list[dict], start: datetime, span: float) -> float:
     """Seconds of this engine's own rounds within ``span`` seconds of ``start`` (the log's first round).
 
@@ -220,8 +229,7 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
     start = log.get("start")
     if "kvelastic" in log:
         k = log["kvelastic"]
-        span = (log["kvelastic_at"] - start).total_seconds() if start else float("nan")
-        busy = busy_within(rounds, start, span) if start else span
+        span, busy = spans(rounds, start, log["kvelastic_at"])
         block = log.get("block_bytes") or token_bytes * 16
         low, high = (x * (token_bytes or block / 16) for x in cached_until(rounds, busy))
         copy = k.get("spill_s", 0) + k.get("reload_s", 0)
@@ -243,8 +251,7 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
                   f"-{k.get('reloaded', 0) / low:.2f} (with / without the turn under way)")
     if "connector" in log:
         c = log["connector"]
-        span = (log["connector_at"] - start).total_seconds() if start else float("nan")
-        busy = busy_within(rounds, start, span) if start else span
+        span, busy = spans(rounds, start, log["connector_at"])
         low, high = (x * token_bytes for x in cached_until(rounds, busy))
         lb, lt, sb, st = (c.get(x, 0.0) for x in ("load_bytes", "load_time", "store_bytes", "store_time"))
         print(f"  connector, {c['intervals']:.0f} intervals to {span:.0f} s: loads {lb / 2**30:.2f} GiB in {lt:.2f} s"
