@@ -139,6 +139,11 @@ class Settings:
     #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``shared``
     #: until a GPU run shows ``own`` keeps outputs identical and wins (docs/offload.md).
     cpu_store_stream: str = "shared"
+    #: How the stores on their own stream (``own``) move: as the other copies (``same``: with ``auto``, SM
+    #: kernels wherever blocks are scattered) or through a staging buffer of their own onto the copy engines
+    #: (``staged``: their SMs only gather at device-memory speed). ``same`` until a GPU run compares them: on
+    #: an H200 (2026-11-28) write-through's stores slowed the forward passes beside them by 4-13 %.
+    cpu_store_path: str = "same"
     #: How host-tier hits load: ``sync`` in front of the step's forward pass (every request of the step
     #: waits), or ``async`` while their request waits and the others compute (docs/offload-async-loads.md).
     #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
@@ -278,6 +283,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "cpu_store_stream": ("KVELASTIC_CPU_STORE_STREAM", _choice("shared", "own")),
+    "cpu_store_path": ("KVELASTIC_CPU_STORE_PATH", _choice("same", "staged")),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),

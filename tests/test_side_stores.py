@@ -121,7 +121,45 @@ def test_own_stream_applies_only_where_the_copier_has_one():
     staged = BlockCopier(views, host, path="staged")
     assert side_stores_apply(direct, "own") and not side_stores_apply(direct, "shared")
     assert not side_stores_apply(staged, "own")  # its staging buffer would be shared by two streams
+    assert side_stores_apply(BlockCopier(views, host, path="staged", side_path="staged"), "own")  # one each
     assert RemoteCopier.side_stores is False  # a TP rank's stores stay on its one stream
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_stores_beside_through_a_staging_buffer_of_their_own_land_in_their_slots(path):
+    """``KVELASTIC_CPU_STORE_PATH=staged``: scattered blocks into scattered and consecutive slots, more
+    of them than the side staging holds at once (so in several chunks), byte for byte; the copier's own
+    mover (``path``) is not the one that moved them."""
+    rows, width = 100, 64 * 1024  # 32 MiB of side staging holds 170 rows of 192 KiB: 300 stores, two chunks
+    views = [torch.randint(-128, 127, (rows, width), dtype=torch.int8),
+             torch.randint(-128, 127, (rows, 2 * width), dtype=torch.int8)]
+    host = torch.zeros((300, 3 * width), dtype=torch.int8)
+    copier = BlockCopier(views, host, path=path, side_path="staged")
+    assert copier.side_stores and copier.side_path == "staged"
+    assert copier._side_mover.rows_per_chunk == 170
+    blocks = [(7 * i) % rows for i in range(300)]
+    slots = list(range(0, 300, 2)) + list(range(299, 0, -2))
+    copier.mover = None  # any use of the main mover would fail
+    assert copier.store_beside(blocks, slots).is_done()
+    for block, slot in zip(blocks, slots):
+        assert torch.equal(host[slot], torch.cat([views[0][block], views[1][block]]))
+
+
+def test_an_unknown_side_path_is_refused():
+    views = [torch.zeros((8, 64), dtype=torch.int8)]
+    with pytest.raises(ValueError, match="side path 'engines'"):
+        BlockCopier(views, torch.zeros((8, 64), dtype=torch.int8), side_path="engines")
+
+
+@pytest.mark.parametrize("store, stream, side_path", [("write-through", "own", "staged"),
+                                                      ("write-through", "shared", "same"),
+                                                      ("eviction", "own", "same")])
+def test_the_side_staging_is_allocated_only_where_stores_run_on_their_own_stream(store, stream, side_path):
+    pool, views, cache, bp, queue = build(limit_groups=1)
+    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": stream, "cpu_store_path": "staged"})
+    tier, copier = local_host_tier(cache, settings)
+    assert copier.side_path == side_path and (copier._side_mover is not None) == (side_path == "staged")
+    pool.close()
 
 
 def test_a_store_beside_on_a_cpu_copies_at_once():
@@ -142,4 +180,16 @@ def test_own_stream_where_it_cannot_apply_says_so_and_keeps_one_stream(kv_log, s
     assert manager.copier is copier and (manager.write_through is None or not manager.write_through.beside)
     assert any("KVELASTIC_CPU_STORE_STREAM=own has no effect" in r.message and why in r.message
                for r in kv_log.records)
+    pool.close()
+
+
+def test_a_store_path_without_its_own_stream_says_so(kv_log):
+    pool, views, cache, bp, queue = build(limit_groups=1)
+    settings = Settings(**{**WT, "cpu_store_stream": "shared", "cpu_store_path": "staged"})
+    tier, copier = local_host_tier(cache, settings)
+    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
+    assert not manager.write_through.beside
+    assert [r.message for r in kv_log.records if "KVELASTIC_CPU_STORE_PATH=staged has no effect" in r.message
+            and "KVELASTIC_CPU_STORE_STREAM is not own" in r.message]
+    assert not any("KVELASTIC_CPU_STORE_STREAM=" in r.message for r in kv_log.records)  # its default: silent
     pool.close()

@@ -28,7 +28,7 @@ from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.offload.store_ahead import AheadCopies
-from kvelastic.offload.side_stores import SideStoreCopier, side_stores_apply, why_not_beside
+from kvelastic.offload.side_stores import SideStoreCopier, side_path_for, side_stores_apply, why_not_beside
 from kvelastic.offload.write_through import WriteThrough, ahead_slots
 from kvelastic.patches.host_tier_lookup import CACHE_FULL_BLOCKS, GET_ONE_BLOCK, hash_assigner, named_full
 from kvelastic.patching.apply import Change, Patcher
@@ -59,9 +59,11 @@ class BlockRows:
         self.slot_bytes = sum(v.shape[1] for v in self.views)
         self.pin = self.views[0].device.type == "cuda"  # pinned host memory serves a GPU's copies only
 
-    def copier(self, memory: HostMemory, path: str) -> BlockCopier:
-        """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own)."""
-        return BlockCopier(self.views, memory.buffer, path=path, breaks=memory.breaks)  # type: ignore[arg-type]
+    def copier(self, memory: HostMemory, path: str, side_path: str = "same") -> BlockCopier:
+        """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own); ``side_path``: how
+        write-through's stores on their own stream move (:func:`side_path_for`)."""
+        return BlockCopier(self.views, memory.buffer, path=path, breaks=memory.breaks,  # type: ignore[arg-type]
+                           side_path=side_path)  # type: ignore[arg-type]
 
 
 def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
@@ -72,7 +74,7 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
                     ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes),
                     pin_at_start=settings.cpu_pin == "at-start")
     assert tier.memory is not None  # a tier that allocates (the default) always has its memory
-    return tier, rows.copier(tier.memory, settings.copy_path)
+    return tier, rows.copier(tier.memory, settings.copy_path, side_path_for(settings))
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,
@@ -92,8 +94,12 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
                                      beside=beside)
         if beside:
             copier = SideStoreCopier(copier, write_through)
-    if settings is not None and settings.cpu_store_stream == "own" and not beside:
-        log.info("kvelastic: KVELASTIC_CPU_STORE_STREAM=own has no effect here: %s", why_not_beside(settings.cpu_store))
+    if settings is not None and not beside:
+        for variable, value, default in (
+                ("KVELASTIC_CPU_STORE_STREAM", settings.cpu_store_stream, Settings.cpu_store_stream),
+                ("KVELASTIC_CPU_STORE_PATH", settings.cpu_store_path, Settings.cpu_store_path)):
+            if value != default:
+                log.info("kvelastic: %s=%s has no effect here: %s", variable, value, why_not_beside(settings))
     pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill

@@ -16,6 +16,12 @@ too small for one DMA call each. These paths move whole batches instead:
 - ``auto`` (the default): ``runs`` where every piece of a block is at least
   :data:`RUNS_MIN_PIECE_BYTES` wide, ``direct`` otherwise (:func:`resolve_path`).
 
+Write-through's stores on a stream of their own (:meth:`BlockCopier.store_beside`)
+take the same path, or (``side_path="staged"``, ``KVELASTIC_CPU_STORE_PATH``) a
+staging buffer of their own: their SM work is then a gather at device-memory
+speed, and the PCIe writes run on the copy engines, while with ``direct`` the
+kernels hold their SMs for as long as the writes take, beside the forward pass.
+
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
 that stream wait for it, so no host thread ever blocks on the GPU. A store
@@ -49,12 +55,17 @@ from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
 
-__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "auto_path", "resolve_path"]
+__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "SidePath", "auto_path",
+           "resolve_path"]
 
 CopyPath = Literal["auto", "staged", "direct", "fused", "runs"]
+SidePath = Literal["same", "staged"]
 #: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
 DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
+#: The side stores' own staging buffer (``side_path="staged"``): a step's write-through batch is usually
+#: a few blocks (decode) and at most ``KVELASTIC_CPU_STORE_STEP``, which goes through it chunk by chunk.
+SIDE_STAGING_BYTES = 32 * 1024 * 1024
 #: ``auto`` sends runs to the copy engines only where every piece is at least this wide. On an H100
 #: (bench_copy.py, 2026-11-28) strided transfers of 32 KiB pieces (8B shape) beat the direct kernels
 #: at every batch size (1024 blocks: 51.3 / 50.3 against 49.3 / 47.3 GB/s each way) and let the
@@ -86,8 +97,10 @@ class BlockCopier(Copier):
 
     def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
                  path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES,
-                 breaks: AbstractSet[int] = frozenset()):
-        """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one)."""
+                 breaks: AbstractSet[int] = frozenset(), side_path: SidePath = "same"):
+        """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one).
+        ``side_path``: how :meth:`store_beside` moves its blocks: as the other copies (``same``), or
+        through a staging buffer of its own onto the copy engines (``staged``)."""
         columns = BlockColumns.of(block_views, host)
         self.device = block_views[0].device
         self.cuda = self.device.type == "cuda"
@@ -108,6 +121,12 @@ class BlockCopier(Copier):
         if path == "auto":  # which path ``auto`` took cannot be read from the settings line
             log.info("kvelastic: copy path auto -> %s (narrowest piece of a block %s)", self.path,
                      format_size(min(piece_bytes(block_views))))
+        self.side_path = side_path
+        self._side_mover: StagedCopy | DirectCopy | FusedCopy | RunCopy | None = None
+        if side_path == "staged":  # allocated now: a shortage of GPU memory shows at start-up, not mid-step
+            self._side_mover = StagedCopy(columns, host, self.device, SIDE_STAGING_BYTES, breaks)
+        elif side_path != "same":
+            raise ValueError(f"unknown side path {side_path!r}: use 'same' or 'staged'")
 
     def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
                breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:
@@ -138,20 +157,24 @@ class BlockCopier(Copier):
 
     @property
     def side_stores(self) -> bool:
-        """Whether :meth:`store_beside` may run beside the copy stream: on any path but ``staged``, whose
-        staging buffer two streams would share (on a CPU every copy is synchronous anyway)."""
-        return self.path != "staged"
+        """Whether :meth:`store_beside` may run beside the copy stream: with a mover of its own, or on any
+        path but ``staged``, whose staging buffer two streams would share (on a CPU every copy is
+        synchronous anyway)."""
+        return self._side_mover is not None or self.path != "staged"
 
     def store_beside(self, block_ids: Sequence[int], slots: Sequence[int]) -> Fence:
         """A store on a second stream (write-through's): it follows the work queued so far on the legacy
         default stream and on the copy stream, and nothing waits for it unless told to
         (:meth:`wait_for`, :meth:`fence_compute`). Without :attr:`side_stores`, an ordinary :meth:`store`."""
-        if not (self.cuda and self.side_stores and block_ids):
+        if not (self.side_stores and block_ids):
             return self.store(block_ids, slots)
+        mover = self._side_mover or self.mover
+        if not self.cuda:  # synchronous: no stream to put it on
+            return self._queue("store", block_ids, slots, None, block_compute=False, mover=mover)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(self.device)
         self._side_tail = self._queue("store", block_ids, slots, self._side_stream, block_compute=False,
-                                      after=self.stream)
+                                      after=self.stream, mover=mover)
         return self._side_tail
 
     def wait_for(self, fences: Sequence[Fence]) -> None:
@@ -172,14 +195,16 @@ class BlockCopier(Copier):
         return self._queue("load", block_ids, slots, self.stream, block_compute=block_compute)
 
     def _queue(self, direction: Direction, block_ids: Sequence[int], slots: Sequence[int], stream: Any, *,
-               block_compute: bool, after: Any = None) -> Fence:
-        """One batch on ``stream``, after the legacy default stream's work so far (and ``after``'s, another
-        stream); ``block_compute``: later compute on the legacy stream waits for it."""
+               block_compute: bool, after: Any = None, mover: Any = None) -> Fence:
+        """One batch on ``stream`` through ``mover`` (the copier's own by default), after the legacy default
+        stream's work so far (and ``after``'s, another stream); ``block_compute``: later compute on the
+        legacy stream waits for it."""
         if not block_ids:
             return DoneFence()
+        mover = mover or self.mover
         with self._on(stream, after):
             start = self._start(stream)
-            (self.mover.store if direction == "store" else self.mover.load)(block_ids, slots, self._indices)
+            (mover.store if direction == "store" else mover.load)(block_ids, slots, self._indices)
             fence = self._done(direction, len(block_ids), start, stream)
         if self.cuda and block_compute:
             torch.cuda.default_stream(self.device).wait_event(fence.event)  # type: ignore[attr-defined]

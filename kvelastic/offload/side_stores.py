@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvelastic.offload.copier import SidePath
 from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
+from kvelastic.settings import Settings
 
 
 class SideStoreCopier(Copier):
@@ -73,13 +75,25 @@ class SideStoreCopier(Copier):
 
 def side_stores_apply(copier: Copier, store_stream: str) -> bool:
     """Whether write-through's stores get a stream of their own: asked for (``own``) and a copier in
-    this process that can give one (not ``staged``; a TP rank's copiers are remote: their stores stay
-    on the one stream)."""
+    this process that can give one (not ``staged`` without a staging buffer for them; a TP rank's
+    copiers are remote: their stores stay on the one stream)."""
     return store_stream == "own" and copier.side_stores
 
 
-def why_not_beside(cpu_store: str) -> str:
-    """Why ``KVELASTIC_CPU_STORE_STREAM=own`` left the stores on the copy stream (for the log)."""
-    if cpu_store != "write-through":
+def side_path_for(settings: Settings) -> SidePath:
+    """How the stores on their own stream move (``KVELASTIC_CPU_STORE_PATH``), where there are such stores:
+    the copier allocates a staging buffer for them only then."""
+    if settings.cpu_store == "write-through" and settings.cpu_store_stream == "own":
+        return settings.cpu_store_path  # type: ignore[return-value]
+    return "same"
+
+
+def why_not_beside(settings: Settings) -> str:
+    """Why write-through's stores stayed on the copy stream, for the log line that says a setting about
+    them (``KVELASTIC_CPU_STORE_STREAM``, ``KVELASTIC_CPU_STORE_PATH``) had no effect."""
+    if settings.cpu_store != "write-through":
         return "it moves write-through's stores, and KVELASTIC_CPU_STORE is not write-through"
-    return "the copier has no second stream to give (KVELASTIC_COPY_PATH=staged, or copies on tensor-parallel ranks)"
+    if settings.cpu_store_stream != "own":
+        return "it moves the stores on their own stream, and KVELASTIC_CPU_STORE_STREAM is not own"
+    return ("the copier has no second stream to give (KVELASTIC_COPY_PATH=staged without "
+            "KVELASTIC_CPU_STORE_PATH=staged, or copies on tensor-parallel ranks)")

@@ -131,15 +131,17 @@ def test_the_copiers_own_clock_times_finished_batches_only_and_never_waits(path)
     assert times["load_seconds"] > 0
 
 
-@pytest.mark.parametrize("path", ["direct", "runs"])
-def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(path):
+@pytest.mark.parametrize("path, side_path", [("direct", "same"), ("runs", "same"), ("direct", "staged"),
+                                             ("staged", "staged")])
+def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(path, side_path):
     """``KVELASTIC_CPU_STORE_STREAM=own``: a load on the copy stream does not queue behind a store on the
-    side stream; one told to wait for it (``wait_for``) reads what it wrote; ``fence_compute`` covers it."""
+    side stream; one told to wait for it (``wait_for``) reads what it wrote; ``fence_compute`` covers it.
+    ``side_path="staged"`` (``KVELASTIC_CPU_STORE_PATH``): the same through a staging buffer of its own."""
     width = 64 * 1024
     blocks = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8, device="cuda")
     views = [blocks[:, :width], blocks[:, width:]]
     host = torch.zeros((4096, 2 * width), dtype=torch.int8, pin_memory=True)
-    copier = BlockCopier(views, host, path=path)
+    copier = BlockCopier(views, host, path=path, side_path=side_path)
     assert copier.side_stores
     copier.store_beside(list(range(64)), list(range(64))).wait()  # warm-up: the side stream's first use
     copier.load(list(range(64)), list(range(64))).wait()
