@@ -26,54 +26,16 @@ import argparse
 import json
 import random
 import statistics
-import threading
 import time
 
 import torch
 
 from kvelastic.offload.copier import BlockCopier
+from gpu_steps import Steps  # beside this file
 
 MIB = 1024 * 1024
 SHAPES = {"8b": (32, 32), "1b": (16, 16)}  # layers, KiB per K (or V) run of a block
 CONFIGS = (("direct", "same"), ("fused", "same"), ("direct", "staged"))
-
-
-class Steps:
-    """GPU work back to back on its own thread, one step in flight; each step's milliseconds."""
-
-    def __init__(self, device: torch.device, matmul: int, copy_mib: int):
-        self.device = device
-        self.a = torch.randn(matmul, matmul, device=device, dtype=torch.bfloat16)
-        self.src = torch.empty(copy_mib * MIB, dtype=torch.int8, device=device)
-        self.dst = torch.empty_like(self.src)
-        self.times: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        cuda = self.device.type == "cuda"
-        while not self.stop.is_set():
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                began = time.perf_counter()
-            torch.mm(self.a, self.a)
-            self.dst.copy_(self.src)
-            if cuda:
-                end.record()
-                end.synchronize()
-                self.times.append(start.elapsed_time(end))
-            else:
-                self.times.append((time.perf_counter() - began) * 1e3)
-
-    def __enter__(self) -> "Steps":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def kv_views(device: torch.device, shape: str, num_blocks: int) -> list[torch.Tensor]:
@@ -88,7 +50,7 @@ def kv_views(device: torch.device, shape: str, num_blocks: int) -> list[torch.Te
 
 
 def steps_alone(device: torch.device, args: argparse.Namespace) -> list[float]:
-    steps = Steps(device, args.matmul, args.copy_mib)
+    steps = Steps(args.matmul, args.copy_mib, device)
     with steps:
         time.sleep(args.seconds)
     return steps.times[args.skip:]
@@ -98,7 +60,7 @@ def beside(copier: BlockCopier, num_blocks: int, device: torch.device, args: arg
     """The steps while stores run beside them; the stores' bytes per wall second."""
     slots = list(range(args.batch))
     copier.store_beside(random.sample(range(num_blocks), args.batch), slots).wait()  # first use: allocations
-    steps = Steps(device, args.matmul, args.copy_mib)
+    steps = Steps(args.matmul, args.copy_mib, device)
     moved = 0
     with steps:
         began = time.perf_counter()

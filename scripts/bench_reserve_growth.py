@@ -36,36 +36,10 @@ import torch
 
 from kvelastic.pool import HostBackend, PagePool
 from kvelastic.pool.reserve_growth import grow_in_chunks
+from gpu_steps import Steps  # beside this file
 
 MIB = 1024 * 1024
 PAGE = 8 * MIB
-
-
-class Steps:
-    """GPU work back to back on its own thread; each step's GPU milliseconds (CUDA events)."""
-
-    def __init__(self, matmul: int):
-        self.a = torch.randn(matmul, matmul, device="cuda", dtype=torch.bfloat16)
-        self.times: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.mm(self.a, self.a)
-            end.record()
-            end.synchronize()  # one step in flight, as an engine's
-            self.times.append(start.elapsed_time(end))
-
-    def __enter__(self) -> "Steps":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def timed(call: Callable[[], Any]) -> float:
