@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from kvelastic.errors import ConfigError
+from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.fused_copy import kernel_for
+from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.settings import Settings
 from tests.copier_cases import round_trip, strided_views
 
@@ -176,3 +178,44 @@ def test_the_kernel_compiles_to_wide_accesses_for_an_h100(monkeypatch, align, ev
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     moves = set(re.findall(r"(?:ld|st)\.global\.(\S+?) ", ptx))
     assert {"b64", access} == moves, f"expected {access} accesses (b64: the table and indices), got {moves}"
+
+
+def test_a_staged_copy_with_a_fused_gather_is_exact_across_chunks(interpreted):
+    """``KVELASTIC_CPU_STORE_PATH=staged``'s mover: one fused kernel gathers a chunk into the staging rows
+    (and scatters it back), five rows a chunk here, so a batch of twelve takes three chunks each way."""
+    raws, views = kv_views(3, [1000, 24], [1008, 40], num_blocks=40)
+    host = torch.zeros((24, sum(v.shape[1] for v in views)), dtype=torch.int8)
+    columns = BlockColumns.of(views, host)
+    mover = StagedCopy(columns, host, torch.device("cpu"), 5 * columns.row_bytes, fused=True)
+    assert mover.fused is not None and mover.rows_per_chunk == 5
+    rng = random.Random(5)
+    sources, slots = rng.sample(range(40), 12), rng.sample(range(24), 12)
+    want = {s: block_bytes(views, s).clone() for s in sources}
+    mover.store(sources, slots, _indices)
+    for block, slot in zip(sources, slots):
+        assert torch.equal(host[slot], want[block])
+    destinations = rng.sample([b for b in range(40) if b not in sources], 12)
+    mover.load(destinations, slots, _indices)
+    for block, source in zip(destinations, sources):
+        assert torch.equal(block_bytes(views, block), want[source])
+
+
+def test_side_stores_gather_with_one_kernel_where_triton_runs(interpreted):
+    raws, views = kv_views(2, [4096, 4096], [4096, 4096], num_blocks=8)
+    host = torch.zeros((8, 4 * 4096), dtype=torch.int8)
+    copier = BlockCopier(views, host, path="direct", side_path="staged")
+    assert copier._side_mover.fused is not None
+    copier.store_beside([3, 6], [1, 0]).wait()
+    assert torch.equal(host[1], block_bytes(views, 3)) and torch.equal(host[0], block_bytes(views, 6))
+
+
+def test_side_stores_gather_piece_by_piece_where_triton_cannot_run_and_say_so(monkeypatch, kv_log):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter: no kernel
+    raws, views = kv_views(2, [4096, 4096], [4096, 4096], num_blocks=8)
+    copier = BlockCopier(views, torch.zeros((8, 4 * 4096), dtype=torch.int8), side_path="staged", path="direct")
+    assert copier._side_mover.fused is None
+    assert any("staged stores gather piece by piece" in r.message for r in kv_log.records)
+
+
+def _indices(values):
+    return torch.tensor(list(values), dtype=torch.int64)

@@ -124,7 +124,7 @@ class BlockCopier(Copier):
         self.side_path = side_path
         self._side_mover: StagedCopy | DirectCopy | FusedCopy | RunCopy | None = None
         if side_path == "staged":  # allocated now: a shortage of GPU memory shows at start-up, not mid-step
-            self._side_mover = StagedCopy(columns, host, self.device, SIDE_STAGING_BYTES, breaks)
+            self._side_mover = _side_staging(columns, host, self.device, breaks)
         elif side_path != "same":
             raise ValueError(f"unknown side path {side_path!r}: use 'same' or 'staged'")
 
@@ -251,6 +251,17 @@ class BlockCopier(Copier):
             end.record(stream)
             self.clock.finish(direction, blocks * self.bytes_per_block, start, end)
         return EventFence(event)
+
+
+def _side_staging(columns: BlockColumns, host: torch.Tensor, device: torch.device,
+                  breaks: AbstractSet[int]) -> StagedCopy:
+    """The side stores' staging mover: one fused gather kernel a chunk where Triton can run it (a batch of
+    many chunks would otherwise cost the issuing thread a launch per piece per chunk), else per piece."""
+    try:
+        return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks, fused=True)
+    except ConfigError as e:
+        log.info("kvelastic: write-through's staged stores gather piece by piece: %s", e)
+        return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks)
 
 
 class _Nothing:
