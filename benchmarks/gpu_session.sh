@@ -23,7 +23,7 @@
 #   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh growth   # no vLLM needed: does regrowing 2 GiB of warm reserve hold up a map or the kernels?
-#   bash benchmarks/gpu_session.sh copy-beside  # no vLLM needed: what write-through's stores cost the compute beside them, per path
+#   bash benchmarks/gpu_session.sh copy-beside  # no vLLM needed: what stores and async loads cost the compute beside them, per path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh offload-paired  # issue 16: multi-turn, all engines up at once, rounds in turn (paired ratios)
 #   bash benchmarks/gpu_session.sh offload-paired-8b  # the same on the 8B shape (32 conversations, 4 GiB GPU, 24 GiB host)
@@ -131,7 +131,7 @@ copy)
     python3 scripts/bench_copy.py --host torch tier --json "$W/copy/bench_copy.json" 2>&1 | tee "$W/copy/bench_copy.log" ;;
 copy-beside)  # issue 16: session 21's write-through slowed turn 0 by 4-13 %: SM store kernels vs the copy engines (about 1 min)
     mkdir -p "$W/copy-beside"
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_copier_cuda.py -k beside 2>&1 | tee "$W/copy-beside/gpu_tests.log"
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_copier_cuda.py tests/gpu/test_fused_copy_cuda.py 2>&1 | tee "$W/copy-beside/gpu_tests.log"
     python3 scripts/bench_copy_beside.py --json "$W/copy-beside/copy_beside.json" 2>&1 | tee "$W/copy-beside.log" ;;
 growth)  # issue 16: session 19's slow GPU hits after a busy reload; one call vs chunks (about 1 min)
     mkdir -p "$W/growth"

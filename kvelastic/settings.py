@@ -149,6 +149,10 @@ class Settings:
     #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
     cpu_load: str = "sync"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
+    #: How the asynchronous loads move: as the other copies (``same``) or through a staging buffer of their
+    #: own (``staged``: DMA on the copy engines, then a scatter at device-memory speed), as
+    #: ``cpu_store_path`` does for the stores, and for the same reason: they too run beside compute.
+    cpu_load_path: str = "same"
     #: When a step's synchronous host loads go out: a page group's worth at a time as vLLM looks the blocks
     #: up, each copy beside the next group's mapping, within a run of host hits two groups long (``long-runs``)
     #: or any run (``group``); or all at the step's end (``off``). ``long-runs``: on an H100 (2026-11-27, two
@@ -286,6 +290,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_store_path": ("KVELASTIC_CPU_STORE_PATH", _choice("same", "staged")),
     "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
+    "cpu_load_path": ("KVELASTIC_CPU_LOAD_PATH", _choice("same", "staged")),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("auto", "board", "step")),

@@ -214,7 +214,7 @@ def test_side_stores_gather_piece_by_piece_where_triton_cannot_run_and_say_so(mo
     raws, views = kv_views(2, [4096, 4096], [4096, 4096], num_blocks=8)
     copier = BlockCopier(views, torch.zeros((8, 4 * 4096), dtype=torch.int8), side_path="staged", path="direct")
     assert copier._side_mover.fused is None
-    assert any("staged stores gather piece by piece" in r.message for r in kv_log.records)
+    assert any("the staged side copies move piece by piece" in r.message for r in kv_log.records)
 
 
 def _indices(values):

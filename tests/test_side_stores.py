@@ -145,6 +145,35 @@ def test_stores_beside_through_a_staging_buffer_of_their_own_land_in_their_slots
         assert torch.equal(host[slot], torch.cat([views[0][block], views[1][block]]))
 
 
+def test_asynchronous_loads_go_through_a_staging_buffer_of_their_own_and_the_others_do_not():
+    """``KVELASTIC_CPU_LOAD_PATH=staged``: ``load(block_compute=False)`` through the loads' own staging
+    mover, byte for byte over several chunks; a load compute waits for through the copier's own mover."""
+    rows, width = 300, 64 * 1024
+    views = [torch.zeros((rows, width), dtype=torch.int8), torch.zeros((rows, 2 * width), dtype=torch.int8)]
+    host = torch.randint(-128, 127, (rows, 3 * width), dtype=torch.int8)
+    copier = BlockCopier(views, host, path="direct", async_load_path="staged")
+    main, copier.mover = copier.mover, None  # any use of the copier's own mover would fail
+    targets, slots = [(7 * i) % rows for i in range(rows)], [(11 * i + 3) % rows for i in range(rows)]
+    assert copier.load(targets, slots, block_compute=False).is_done()
+    for block, slot in zip(targets, slots):
+        assert torch.equal(torch.cat([views[0][block], views[1][block]]), host[slot])
+    copier.mover, copier._async_load_mover = main, None  # and now any use of the loads' own would fail
+    host[5].fill_(9)
+    copier.load([0], [5])
+    assert bool((views[0][0] == 9).all())
+
+
+@pytest.mark.parametrize("load, path", [("async", "staged"), ("sync", "same")])
+def test_the_loads_staging_is_allocated_only_with_asynchronous_loads(kv_log, load, path):
+    pool, views, cache, bp, queue = build(limit_groups=1)
+    settings = Settings(**{**WT, "cpu_load": load, "cpu_load_path": "staged"})
+    tier, copier = local_host_tier(cache, settings)
+    assert copier.async_load_path == path and (copier._async_load_mover is not None) == (path == "staged")
+    said = any("KVELASTIC_CPU_LOAD_PATH=staged has no effect here" in r.message for r in kv_log.records)
+    assert said == (load == "sync")
+    pool.close()
+
+
 def test_an_unknown_side_path_is_refused():
     views = [torch.zeros((8, 64), dtype=torch.int8)]
     with pytest.raises(ValueError, match="side path 'engines'"):

@@ -59,11 +59,13 @@ class BlockRows:
         self.slot_bytes = sum(v.shape[1] for v in self.views)
         self.pin = self.views[0].device.type == "cuda"  # pinned host memory serves a GPU's copies only
 
-    def copier(self, memory: HostMemory, path: str, side_path: str = "same") -> BlockCopier:
+    def copier(self, memory: HostMemory, path: str, side_path: str = "same",
+               async_load_path: str = "same") -> BlockCopier:
         """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own); ``side_path``: how
-        write-through's stores on their own stream move (:func:`side_path_for`)."""
+        write-through's stores on their own stream move (:func:`side_path_for`); ``async_load_path``: how
+        the asynchronous loads move (:func:`async_load_path_for`)."""
         return BlockCopier(self.views, memory.buffer, path=path, breaks=memory.breaks,  # type: ignore[arg-type]
-                           side_path=side_path)  # type: ignore[arg-type]
+                           side_path=side_path, async_load_path=async_load_path)  # type: ignore[arg-type]
 
 
 def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
@@ -74,7 +76,18 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
                     ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes),
                     pin_at_start=settings.cpu_pin == "at-start")
     assert tier.memory is not None  # a tier that allocates (the default) always has its memory
-    return tier, rows.copier(tier.memory, settings.copy_path, side_path_for(settings))
+    return tier, rows.copier(tier.memory, settings.copy_path, side_path_for(settings), async_load_path_for(settings))
+
+
+def async_load_path_for(settings: Settings) -> str:
+    """``KVELASTIC_CPU_LOAD_PATH`` where there are asynchronous loads (the copier allocates a staging buffer
+    for them only then); said in the log where set without them."""
+    if settings.cpu_load == "async":
+        return settings.cpu_load_path
+    if settings.cpu_load_path != Settings.cpu_load_path:
+        log.info("kvelastic: KVELASTIC_CPU_LOAD_PATH=%s has no effect here: it moves the asynchronous loads, "
+                 "and KVELASTIC_CPU_LOAD is not async", settings.cpu_load_path)
+    return "same"
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,

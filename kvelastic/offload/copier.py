@@ -21,6 +21,8 @@ take the same path, or (``side_path="staged"``, ``KVELASTIC_CPU_STORE_PATH``) a
 staging buffer of their own: their SM work is then a gather at device-memory
 speed, and the PCIe writes run on the copy engines, while with ``direct`` the
 kernels hold their SMs for as long as the writes take, beside the forward pass.
+Asynchronous loads, which also run beside compute, may do the same
+(``async_load_path="staged"``, ``KVELASTIC_CPU_LOAD_PATH``).
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
@@ -65,6 +67,7 @@ DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
 #: The side stores' own staging buffer (``side_path="staged"``): a step's write-through batch is usually
 #: a few blocks (decode) and at most ``KVELASTIC_CPU_STORE_STEP``, which goes through it chunk by chunk.
+#: The asynchronous loads' (``async_load_path="staged"``) is as large.
 SIDE_STAGING_BYTES = 32 * 1024 * 1024
 #: ``auto`` sends runs to the copy engines only where every piece is at least this wide. On an H100
 #: (bench_copy.py, 2026-11-28) strided transfers of 32 KiB pieces (8B shape) beat the direct kernels
@@ -97,10 +100,12 @@ class BlockCopier(Copier):
 
     def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
                  path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES,
-                 breaks: AbstractSet[int] = frozenset(), side_path: SidePath = "same"):
+                 breaks: AbstractSet[int] = frozenset(), side_path: SidePath = "same",
+                 async_load_path: SidePath = "same"):
         """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one).
         ``side_path``: how :meth:`store_beside` moves its blocks: as the other copies (``same``), or
-        through a staging buffer of its own onto the copy engines (``staged``)."""
+        through a staging buffer of its own onto the copy engines (``staged``); ``async_load_path``: the
+        same for the loads nothing waits for (``load(block_compute=False)``: asynchronous loads)."""
         columns = BlockColumns.of(block_views, host)
         self.device = block_views[0].device
         self.cuda = self.device.type == "cuda"
@@ -121,12 +126,11 @@ class BlockCopier(Copier):
         if path == "auto":  # which path ``auto`` took cannot be read from the settings line
             log.info("kvelastic: copy path auto -> %s (narrowest piece of a block %s)", self.path,
                      format_size(min(piece_bytes(block_views))))
-        self.side_path = side_path
-        self._side_mover: StagedCopy | DirectCopy | FusedCopy | RunCopy | None = None
-        if side_path == "staged":  # allocated now: a shortage of GPU memory shows at start-up, not mid-step
-            self._side_mover = _side_staging(columns, host, self.device, breaks)
-        elif side_path != "same":
-            raise ValueError(f"unknown side path {side_path!r}: use 'same' or 'staged'")
+        self.side_path, self.async_load_path = side_path, async_load_path
+        # Staging buffers of their own, allocated now: a shortage of GPU memory shows at start-up, not mid-step.
+        # The side stores' is used on the side stream only, the asynchronous loads' on the copy stream only.
+        self._side_mover = _beside_mover(side_path, "side", columns, host, self.device, breaks)
+        self._async_load_mover = _beside_mover(async_load_path, "async load", columns, host, self.device, breaks)
 
     def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
                breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:
@@ -190,9 +194,11 @@ class BlockCopier(Copier):
 
         ``block_compute``: later compute on the legacy stream waits for it (a
         request scheduled in this step reads the blocks). False: an
-        asynchronous load, polled through its fence.
+        asynchronous load, polled through its fence (through the staging
+        buffer of its own, with ``async_load_path="staged"``).
         """
-        return self._queue("load", block_ids, slots, self.stream, block_compute=block_compute)
+        mover = None if block_compute else self._async_load_mover
+        return self._queue("load", block_ids, slots, self.stream, block_compute=block_compute, mover=mover)
 
     def _queue(self, direction: Direction, block_ids: Sequence[int], slots: Sequence[int], stream: Any, *,
                block_compute: bool, after: Any = None, mover: Any = None) -> Fence:
@@ -253,14 +259,19 @@ class BlockCopier(Copier):
         return EventFence(event)
 
 
-def _side_staging(columns: BlockColumns, host: torch.Tensor, device: torch.device,
-                  breaks: AbstractSet[int]) -> StagedCopy:
-    """The side stores' staging mover: one fused gather kernel a chunk where Triton can run it (a batch of
-    many chunks would otherwise cost the issuing thread a launch per piece per chunk), else per piece."""
+def _beside_mover(path: SidePath, what: str, columns: BlockColumns, host: torch.Tensor, device: torch.device,
+                  breaks: AbstractSet[int]) -> StagedCopy | None:
+    """None for ``same`` (the copier's own mover); for ``staged`` a staging mover of its own, gathering (or
+    scattering) with one fused kernel a chunk where Triton can run it (a batch of many chunks would
+    otherwise cost the issuing thread a launch per piece per chunk), else piece by piece."""
+    if path == "same":
+        return None
+    if path != "staged":
+        raise ValueError(f"unknown {what} path {path!r}: use 'same' or 'staged'")
     try:
         return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks, fused=True)
     except ConfigError as e:
-        log.info("kvelastic: write-through's staged stores gather piece by piece: %s", e)
+        log.info("kvelastic: the staged %s copies move piece by piece: %s", what, e)
         return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks)
 
 

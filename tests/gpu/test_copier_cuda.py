@@ -164,3 +164,29 @@ def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(pa
     marker.record(torch.cuda.default_stream())
     marker.synchronize()
     assert later.is_done(), "fence_compute left compute free of a store on the side stream"
+
+
+@pytest.mark.parametrize("path", ["direct", "runs"])
+def test_an_asynchronous_load_through_its_own_staging_leaves_compute_free_and_lands_exactly(path):
+    """``KVELASTIC_CPU_LOAD_PATH=staged``: a load nothing waits for (``block_compute=False``) goes through
+    the staging buffer of its own, compute queued after it runs at once, and the blocks get the slots'
+    bytes, scattered blocks from scattered slots, over several chunks (256 MiB through 32 MiB)."""
+    width = 64 * 1024
+    blocks = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8, device="cuda")
+    views = [blocks[:, :width], blocks[:, width:]]
+    host = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8).pin_memory()
+    copier = BlockCopier(views, host, path=path, async_load_path="staged")
+    copier.load([1], [1], block_compute=False).wait()  # warm-up: first-use allocations
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(400_000_000)  # keep the copy stream busy: the load queues behind it
+    targets = [(7 * i) % 4096 for i in range(1024)]
+    sources = [(11 * i + 3) % 4096 for i in range(1024)]
+    fence = copier.load(targets, sources, block_compute=False)
+    marker = torch.cuda.Event()
+    marker.record(torch.cuda.default_stream())
+    marker.synchronize()
+    assert not fence.is_done(), "compute waited for an asynchronous load"
+    fence.wait()
+    got = blocks[targets].cpu()
+    assert torch.equal(got, host[sources])
