@@ -57,11 +57,11 @@ from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
 
-__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "SidePath", "auto_path",
+__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "BesidePath", "auto_path",
            "resolve_path"]
 
 CopyPath = Literal["auto", "staged", "direct", "fused", "runs"]
-SidePath = Literal["same", "staged"]
+BesidePath = Literal["same", "staged"]
 #: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
 DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
 STAGING_BYTES = 64 * 1024 * 1024
@@ -100,8 +100,8 @@ class BlockCopier(Copier):
 
     def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
                  path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES,
-                 breaks: AbstractSet[int] = frozenset(), side_path: SidePath = "same",
-                 async_load_path: SidePath = "same"):
+                 breaks: AbstractSet[int] = frozenset(), side_path: BesidePath = "same",
+                 async_load_path: BesidePath = "same"):
         """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one).
         ``side_path``: how :meth:`store_beside` moves its blocks: as the other copies (``same``), or
         through a staging buffer of its own onto the copy engines (``staged``); ``async_load_path``: the
@@ -259,7 +259,7 @@ class BlockCopier(Copier):
         return EventFence(event)
 
 
-def _beside_mover(path: SidePath, what: str, columns: BlockColumns, host: torch.Tensor, device: torch.device,
+def _beside_mover(path: BesidePath, what: str, columns: BlockColumns, host: torch.Tensor, device: torch.device,
                   breaks: AbstractSet[int]) -> StagedCopy | None:
     """None for ``same`` (the copier's own mover); for ``staged`` a staging mover of its own, gathering (or
     scattering) with one fused kernel a chunk where Triton can run it (a batch of many chunks would

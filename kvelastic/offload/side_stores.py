@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvelastic.offload.copier import SidePath
+from kvelastic.offload.copier import BesidePath
 from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
@@ -80,7 +80,7 @@ def side_stores_apply(copier: Copier, store_stream: str) -> bool:
     return store_stream == "own" and copier.side_stores
 
 
-def side_path_for(settings: Settings) -> SidePath:
+def side_path_for(settings: Settings) -> BesidePath:
     """How the stores on their own stream move (``KVELASTIC_CPU_STORE_PATH``), where there are such stores:
     the copier allocates a staging buffer for them only then."""
     if settings.cpu_store == "write-through" and settings.cpu_store_stream == "own":
