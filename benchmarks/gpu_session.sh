@@ -27,6 +27,8 @@
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh offload-paired  # issue 16: multi-turn, all engines up at once, rounds in turn (paired ratios)
 #   bash benchmarks/gpu_session.sh offload-paired-8b  # the same on the 8B shape (32 conversations, 4 GiB GPU, 24 GiB host)
+#   bash benchmarks/gpu_session.sh offload-beside     # issue 16: interleaved 1B, copies beside compute through staging or not (6 engines)
+#   bash benchmarks/gpu_session.sh offload-beside-8b  # the same on the 8B shape: write-through on its own stream, staged or not
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
@@ -147,6 +149,20 @@ offload-paired-8b)  # issue 16: about 4 min on an H200: 3 engines x (1 warm-up +
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
         --configs offload-lru offload-arc kvelastic --rounds ${PAIRED_ROUNDS:-5} ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-beside)  # issue 16: about 8 min on an H200 (6 engines x (1 + PAIRED_ROUNDS, default 8) rounds; 6 x 16 GiB pinned)
+    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-8} --variant async:KVELASTIC_CPU_LOAD=async \
+        --variant asyncst:KVELASTIC_CPU_LOAD=async,KVELASTIC_CPU_LOAD_PATH=staged --variant wtown:$wt \
+        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-beside-8b)  # issue 16: about 6 min on an H200 (4 engines x 6 rounds of about 9 s; 4 x 24 GiB pinned)
+    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
+        --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-5} --variant wtown:$wt \
+        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \

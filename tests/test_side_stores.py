@@ -89,6 +89,28 @@ def test_a_step_that_loads_still_fences_compute_for_a_reused_block_a_side_store_
     pool.close()
 
 
+class ThroughSideMover(SideRecording):
+    """The real copier's own :meth:`store_beside` (its staging mover with ``KVELASTIC_CPU_STORE_PATH=staged``)."""
+
+    def store_beside(self, block_ids, slots):
+        self.calls.append(("beside", tuple(block_ids)))
+        return self.inner.store_beside(block_ids, slots)
+
+
+def test_blocks_stored_through_the_side_staging_come_back_exact_after_eviction():
+    pool, views, bp, manager, copier = _setup(recording_class=ThroughSideMover, cpu_store_stream="own",
+                                               cpu_store_path="staged")
+    assert copier.inner._side_mover is not None and manager.write_through.beside
+    blocks, hashes = _computed(bp, views, 31, "a")
+    for _ in range(DELAY_STEPS + 1):
+        manager.end_step()
+    assert _names(copier) == ["beside"] and manager.counters.stored_ahead_blocks == 31
+    found = _evict_and_reload(bp, views, manager, blocks, hashes)  # evictions free: the copies made ahead
+    assert "store" not in _names(copier)
+    assert _read(views, found[0].block_id) == [3 % 90 + 1]
+    pool.close()
+
+
 def test_copies_that_race_no_store_do_not_wait():
     pool, views, bp, manager, copier = _setup_own(stores_done=True)
     blocks, hashes = _computed(bp, views, 31, "a")
