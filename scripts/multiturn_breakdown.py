@@ -9,6 +9,8 @@ as ``bench_multiturn.py`` writes them under its ``--outdir``):
   which the turn's requests started (TTFTs more than 0.1 s apart split them): the first
   wave's TTFT (what admission costs: loads and spills in front of the prefill) and the
   period to the next (mostly the first wave's decode steps);
+- per turn, each configuration's seconds over ``--reference``'s (default the connector with LRU)
+  in the same round, the median of the rounds' ratios (turn 0 loads nothing: the compute's own cost);
 - from the engine log: start-up, whether torch.compile's cache was hit, and
   - kvelastic: its last periodic line (hits, misses, spilled, reloaded, the
     copies' GPU seconds and GB/s), with the span of the run it covers and
@@ -263,12 +265,33 @@ def describe(name: str, data: dict, log: dict[str, Any], out_len: int, token_byt
                   " (with / without the turn under way)")
 
 
+def turn_ratios(runs: dict[str, dict], reference: str) -> None:
+    """Each configuration's turn seconds over ``reference``'s in the same round (the same conversations;
+    with ``--interleave`` also the same stretch of the machine): the median of the rounds' ratios, per turn.
+    Turn 0 loads nothing, so it shows what a configuration costs the compute itself."""
+    if reference not in runs:
+        return
+    ref = {r["round"]: r for r in runs[reference]["rounds"] if not r["warmup"]}
+    print(f"\nper turn, seconds over {reference}'s in the same round (median of the rounds' ratios):")
+    for name, data in runs.items():
+        rounds = [r for r in data["rounds"] if not r["warmup"] and r["round"] in ref]
+        if name == reference or not rounds:
+            continue
+        cols = []
+        for i in range(len(rounds[0]["turns"])):
+            ratio = statistics.median(r["turns"][i]["seconds"] / ref[r["round"]]["turns"][i]["seconds"]
+                                      for r in rounds)
+            cols.append(f"t{i} {ratio:.3f}")
+        print(f"  {name:20} " + "  ".join(cols) + f"  ({len(rounds)} rounds)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a tarball holding multiturn/<config>.json, or such a folder")
     p.add_argument("--out-len", type=int, default=64, help="bench_multiturn.py's --out-len")
     p.add_argument("--token-bytes", type=float, default=0,
                    help="KV bytes per token (1B 32768, 8B 131072); 0: from kvelastic's log, else 32768")
+    p.add_argument("--reference", default="offload-lru", help="the configuration the per-turn ratios divide by")
     args = p.parse_args()
     src = Path(args.source)
     with tempfile.TemporaryDirectory() as tmp:
@@ -283,10 +306,13 @@ def main() -> int:
         logs = {x: log_summary(x.with_suffix(".log")) for x in found}
         token_bytes = args.token_bytes or next((lg["block_bytes"] / 16 for lg in logs.values() if "block_bytes" in lg),
                                                32768.0)
+        runs = {}
         for path in found:
             data = json.loads(path.read_text())
             if isinstance(data, dict) and "rounds" in data:  # one engine's run, not a summary
                 describe(path.stem, data, logs[path], args.out_len, token_bytes)
+                runs[path.stem] = data
+        turn_ratios(runs, args.reference)
     return 0
 
 
