@@ -196,6 +196,23 @@ def test_the_loads_staging_is_allocated_only_with_asynchronous_loads(kv_log, loa
     pool.close()
 
 
+def test_a_staging_buffer_the_device_refuses_leaves_those_copies_on_the_copiers_path(monkeypatch, kv_log):
+    """Out of GPU memory for the 32 MiB buffer (the device's answer, simulated at its boundary): the copier
+    is built all the same, its side stores and asynchronous loads take its own path, and the log says so."""
+    def refuse(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 MiB")
+
+    monkeypatch.setattr("kvelastic.offload.copier.StagedCopy", refuse)
+    views = [torch.arange(8 * 64, dtype=torch.int64).view(8, 64).to(torch.int8)]
+    host = torch.zeros((8, 64), dtype=torch.int8)
+    copier = BlockCopier(views, host, path="direct", side_path="staged", async_load_path="staged")
+    assert copier._side_mover is None and copier._async_load_mover is None
+    copier.store_beside([2, 5], [0, 1])
+    assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
+    said = {r.message for r in kv_log.records if "for the staged" in r.message}
+    assert len(said) == 2 and all("copier's own path" in m and "Tried to allocate 32.00 MiB" in m for m in said)
+
+
 def test_an_unknown_side_path_is_refused():
     views = [torch.zeros((8, 64), dtype=torch.int8)]
     with pytest.raises(ValueError, match="side path 'engines'"):

@@ -263,16 +263,23 @@ def _beside_mover(path: BesidePath, what: str, columns: BlockColumns, host: torc
                   breaks: AbstractSet[int]) -> StagedCopy | None:
     """None for ``same`` (the copier's own mover); for ``staged`` a staging mover of its own, gathering (or
     scattering) with one fused kernel a chunk where Triton can run it (a batch of many chunks would
-    otherwise cost the issuing thread a launch per piece per chunk), else piece by piece."""
+    otherwise cost the issuing thread a launch per piece per chunk), else piece by piece. A device that
+    refuses the staging buffer leaves these copies on the copier's own path, said in the log: an
+    engine that starts with a slower copy beats one that does not start."""
     if path == "same":
         return None
     if path != "staged":
         raise ValueError(f"unknown {what} path {path!r}: use 'same' or 'staged'")
     try:
-        return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks, fused=True)
-    except ConfigError as e:
-        log.info("kvelastic: the staged %s copies move piece by piece: %s", what, e)
-        return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks)
+        try:
+            return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks, fused=True)
+        except ConfigError as e:
+            log.info("kvelastic: the staged %s copies move piece by piece: %s", what, e)
+            return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks)
+    except torch.OutOfMemoryError as e:
+        log.warning("kvelastic: no %s of GPU memory for the staged %s copies' buffer (%s); they take the "
+                    "copier's own path", format_size(SIDE_STAGING_BYTES), what, str(e).splitlines()[0])
+        return None
 
 
 class _Nothing:
