@@ -126,7 +126,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=2048, help="KV blocks per shape (8B: 2 MiB each)")
     p.add_argument("--batch", type=int, default=32, help="blocks per copy (scattered ids, consecutive slots)")
     p.add_argument("--seconds", type=float, default=3.0, help="per configuration, and for the steps alone")
-    p.add_argument("--matmul", type=int, default=8192, help="square bf16 matmul of each step (about 2 ms on an H200)")
+    p.add_argument("--matmul", type=int, default=8192, help="square bf16 matmul of each step (some 2 ms on an H200 by its peak rate; not measured)")
     p.add_argument("--copy-mib", type=int, default=512, help="device-memory copy of each step")
     p.add_argument("--skip", type=int, default=5, help="first steps of each run left out")
     p.add_argument("--device", default="cuda")
