@@ -29,6 +29,7 @@
 #   bash benchmarks/gpu_session.sh offload-paired-8b  # the same on the 8B shape (32 conversations, 4 GiB GPU, 24 GiB host)
 #   bash benchmarks/gpu_session.sh offload-beside     # issue 16: interleaved 1B, copies beside compute through staging or not (6 engines)
 #   bash benchmarks/gpu_session.sh offload-beside-8b  # the same on the 8B shape: write-through on its own stream, staged or not
+#   bash benchmarks/gpu_session.sh offload-bound      # issue 16: interleaved 1B with `ideal` (everything on the GPU): how far +15 % is possible
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
@@ -163,6 +164,10 @@ offload-beside-8b)  # issue 16: about 6 min on an H200 (4 engines x 6 rounds of 
         --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-5} --variant wtown:$wt \
         --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-bound)  # issue 16: about 5 min on an H200 (4 engines x 9 rounds); `ideal` holds 18 GiB of KV in its 0.2 share
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --configs offload-lru offload-arc ideal --rounds ${PAIRED_ROUNDS:-8} \
+        --variant async:KVELASTIC_CPU_LOAD=async ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \

@@ -9,6 +9,9 @@ how much it recomputes. Prints a table and writes JSON.
 
     python scripts/bench_multiturn.py --model scripts/models/llama-1b --json $OUT/multiturn.json
 
+``--configs ... ideal`` adds vanilla vLLM holding the GPU and CPU budgets together on the GPU: no
+offload, no recompute, the bound for every other configuration (its engine needs that much memory).
+
 ``--interleave`` starts every configuration's engine at once and deals the rounds out in turn
 (:mod:`round_baton`), so that each round of one configuration has a neighbour of every other, and
 prints each configuration's throughput against the first's as the median of per-round ratios:
@@ -36,7 +39,9 @@ from run_proof import inactive_reason  # shadow kvelastic)
 from variants import parse_variant
 
 CONFIGS = ("vanilla", "offload-lru", "offload-arc", "kvelastic")
-OPTIONAL = ("kvelastic-lru",)  # kvelastic with KVELASTIC_CPU_POLICY=lru, on request
+#: On request: kvelastic with KVELASTIC_CPU_POLICY=lru; ``ideal``, vanilla vLLM with the GPU and CPU budgets
+#: together on the GPU: nothing to offload or recompute, the bound any host tier can only approach.
+OPTIONAL = ("kvelastic-lru", "ideal")
 # With --interleave a kvelastic engine waits out the others' rounds (about 13 s for three engines), longer
 # than its idle TTL (10 s): it would give its pages back and spill its cache beside another engine's round,
 # which it never does when its rounds run back to back. Its TTL outlasts the run instead (unless set).
@@ -57,7 +62,7 @@ def run_one(args: argparse.Namespace) -> dict:
               gpu_memory_utilization=memory_share(args), max_model_len=args.max_model_len, enable_prefix_caching=True,
               disable_log_stats=False)
     if not args.config.startswith("kvelastic"):
-        kw["kv_cache_memory_bytes"] = args.gpu_kv_bytes
+        kw["kv_cache_memory_bytes"] = vllm_kv_bytes(args)
     if args.config.startswith("offload"):
         from vllm.config import KVTransferConfig
 
@@ -84,6 +89,12 @@ def run_one(args: argparse.Namespace) -> dict:
         if player:
             player.done(r)
     return {"config": args.config, "rounds": rounds}
+
+
+def vllm_kv_bytes(args: argparse.Namespace) -> int:
+    """The KV cache a vanilla or connector engine is given (kvelastic's is ``KVELASTIC_LIMIT``): the GPU
+    budget; for ``ideal`` the GPU and CPU budgets both, so that the histories never leave the GPU."""
+    return args.gpu_kv_bytes + (args.cpu_bytes if args.config == "ideal" else 0)
 
 
 def memory_share(args: argparse.Namespace) -> float:

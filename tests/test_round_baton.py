@@ -70,3 +70,13 @@ def test_an_engine_that_dies_is_dropped_and_the_others_play_on(tmp_path: Path) -
     assert conductor.gone == {"bb"}
     assert players["a"].wait(timeout=30) == 0 and players["bb"].wait(timeout=30) == 3
     assert sorted(_intervals(tmp_path, "a")) == [0, 1, 2]
+
+
+def test_the_ideal_config_holds_the_gpu_and_cpu_budgets_on_the_gpu_and_the_others_the_gpu_budget():
+    """``bench_multiturn.py --configs ... ideal``: the bound, vanilla vLLM with everything on the GPU."""
+    import argparse
+
+    from bench_multiturn import vllm_kv_bytes
+
+    for config, want in (("ideal", 18), ("vanilla", 2), ("offload-lru", 2)):
+        assert vllm_kv_bytes(argparse.Namespace(config=config, gpu_kv_bytes=2, cpu_bytes=16)) == want
