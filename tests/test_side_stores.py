@@ -17,12 +17,12 @@ from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.side_stores import side_stores_apply
 from kvelastic.offload.store_ahead import AheadCopies
-from kvelastic.offload.write_through import DELAY_STEPS, WriteThrough
+from kvelastic.offload.write_through import WriteThrough
 from kvelastic.settings import Settings
 from kvelastic.tp.scheduler_side import RemoteCopier
 from tests.scheduler_harness import scheduler_patcher
 from tests.test_page_aware_block_pool import build
-from tests.test_write_through import WT, Gate, Recording, _computed, _read, _setup, _stamp, \
+from tests.test_write_through import WT, Gate, Recording, _computed_and_issued, _read, _setup, _stamp, \
     reuse_a_stored_block_and_load
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
@@ -68,9 +68,7 @@ def _evict_and_reload(bp, views, manager, blocks, hashes):
 def test_stores_go_beside_and_a_reload_racing_one_waits_for_it_first():
     pool, views, bp, manager, copier = _setup_own()
     assert manager.write_through.beside
-    blocks, hashes = _computed(bp, views, 31, "a")
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    blocks, hashes = _computed_and_issued(bp, views, manager, 31, "a")
     assert _names(copier) == ["beside"], "the store went to the side stream"
     found = _evict_and_reload(bp, views, manager, blocks, hashes)  # the store still writes the slot
     assert _names(copier) == ["beside", "wait", "load", "fence"]  # the fence: the reused blocks
@@ -101,9 +99,7 @@ def test_blocks_stored_through_the_side_staging_come_back_exact_after_eviction()
     pool, views, bp, manager, copier = _setup(recording_class=ThroughSideMover, cpu_store_stream="own",
                                                cpu_store_path="staged")
     assert copier.inner._side_mover is not None and manager.write_through.beside
-    blocks, hashes = _computed(bp, views, 31, "a")
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    blocks, hashes = _computed_and_issued(bp, views, manager, 31, "a")
     assert _names(copier) == ["beside"] and manager.counters.stored_ahead_blocks == 31
     found = _evict_and_reload(bp, views, manager, blocks, hashes)  # evictions free: the copies made ahead
     assert "store" not in _names(copier)
@@ -113,9 +109,7 @@ def test_blocks_stored_through_the_side_staging_come_back_exact_after_eviction()
 
 def test_copies_that_race_no_store_do_not_wait():
     pool, views, bp, manager, copier = _setup_own(stores_done=True)
-    blocks, hashes = _computed(bp, views, 31, "a")
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    blocks, hashes = _computed_and_issued(bp, views, manager, 31, "a")
     found = _evict_and_reload(bp, views, manager, blocks, hashes)  # the same step, the stores done
     assert _names(copier) == ["beside", "load"]
     assert _read(views, found[0].block_id) == [3 % 90 + 1]

@@ -96,6 +96,14 @@ def _computed(bp, views, count: int, tag: str, value=lambda i: i % 90 + 1):
     return blocks, hashes
 
 
+def _computed_and_issued(bp, views, manager, count: int, tag: str, **kw):
+    """:func:`_computed`, then the steps after which write-through has issued their stores."""
+    blocks, hashes = _computed(bp, views, count, tag, **kw)
+    for _ in range(DELAY_STEPS + 1):
+        manager.end_step()
+    return blocks, hashes
+
+
 def test_a_computed_block_is_stored_two_steps_later_and_its_eviction_copies_nothing():
     pool, views, bp, manager, copier = _setup()
     blocks, hashes = _computed(bp, views, 31, "a")
@@ -125,9 +133,7 @@ def test_a_computed_block_is_stored_two_steps_later_and_its_eviction_copies_noth
 
 def test_the_fence_is_taken_only_for_a_block_reused_before_its_store_passed():
     pool, views, bp, manager, copier = _setup(stores_done=False)
-    blocks, _ = _computed(bp, views, 20, "a")
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    blocks, _ = _computed_and_issued(bp, views, manager, 20, "a")
     assert copier.kinds() == [("store", False)]
     bp.free_blocks(blocks[:10])
     others, _ = _computed(bp, views, 11, "x")  # the 11 free uncached blocks: no eviction, no fence
@@ -148,9 +154,7 @@ def test_the_fence_is_taken_only_for_a_block_reused_before_its_store_passed():
 
 def reuse_a_stored_block_and_load(bp, views, manager) -> None:
     """Blocks stored ahead, their stores still running; in one step most are reused and one key loads back."""
-    old, hashes = _computed(bp, views, 31, "o", value=lambda i: 5)
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    old, hashes = _computed_and_issued(bp, views, manager, 31, "o", value=lambda i: 5)
     bp.free_blocks(old)
     newer = bp.get_new_blocks(31)  # reuses blocks a store still reads
     bp.free_blocks(newer[:1])
@@ -207,9 +211,7 @@ def test_the_step_cap_spreads_stores_over_steps():
 
 def test_group_release_waits_for_a_store_still_reading_it():
     pool, views, bp, manager, copier = _setup(limit_groups=None, stores_done=False)
-    blocks, _ = _computed(bp, views, 40, "a")
-    for _ in range(DELAY_STEPS + 1):
-        manager.end_step()
+    blocks, _ = _computed_and_issued(bp, views, manager, 40, "a")
     bp.free_blocks(blocks)
     leaving = [b for b in blocks if b.block_id >= 32]  # group 1's blocks; group 0 holds the null block
     fence = manager.spill(leaving, before_reuse=False)
