@@ -30,6 +30,7 @@
 #   bash benchmarks/gpu_session.sh offload-beside     # issue 16: interleaved 1B, copies beside compute through staging or not (6 engines)
 #   bash benchmarks/gpu_session.sh offload-beside-8b  # the same on the 8B shape: write-through on its own stream, staged or not
 #   bash benchmarks/gpu_session.sh offload-bound      # issue 16: interleaved 1B with `ideal` (everything on the GPU): how far +15 % is possible
+#   bash benchmarks/gpu_session.sh offload-bound-8b   # the same on the 8B shape: is there room for +15 % at all?
 #   bash benchmarks/gpu_session.sh serve    # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh connectors-simple   # issue 17: SimpleCPUOffloadConnector eager, lazy (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload  # issue 17: OffloadingConnector lru, arc (1B)
@@ -168,6 +169,14 @@ offload-bound)  # issue 16: about 5 min on an H200 (4 engines x 9 rounds); `idea
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --configs offload-lru offload-arc ideal --rounds ${PAIRED_ROUNDS:-8} \
         --variant async:KVELASTIC_CPU_LOAD=async ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
+offload-bound-8b)  # issue 16: about 5 min on an H200: LRU, `ideal` (28 GiB of KV on the GPU) and write-through staged,
+    # 3 engines x (1 + PAIRED_ROUNDS, default 3) rounds; a share of 0.3 each (ideal needs about 46 GiB; the KV is set in bytes)
+    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
+    python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
+        --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
+        --gpu-memory-utilization 0.3 --configs offload-lru ideal --rounds ${PAIRED_ROUNDS:-3} \
+        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         --configs offload-lru offload-arc kvelastic --variant async:KVELASTIC_CPU_LOAD=async \
