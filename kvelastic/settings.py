@@ -130,29 +130,39 @@ class Settings:
     #: engine serves) or ``at-start`` (one torch pinned allocation before it serves, as before 2026-11-26):
     #: the multi-turn A/B of 2026-11-27 found the tier 9 % slower than a tree that used torch's allocation.
     cpu_pin: str = "background"
-    #: When blocks are copied to the host: as they leave the GPU, or once computed (docs/offload.md).
-    #: ``eviction`` until a GPU run shows write-through wins: it moves more bytes and shrinks the policy's share.
-    cpu_store: str = "eviction"
+    #: When blocks are copied to the host: once computed, beside the forward passes (``write-through``), or as
+    #: they leave the GPU, in front of the step that reuses them (``eviction``; docs/offload.md); ``auto``:
+    #: ``write-through`` where the KV cache is in the engine's process (its stores then get a stream and a
+    #: staging buffer of their own, below), ``eviction`` where tensor-parallel ranks hold it (their stores
+    #: would share the ranks' copy stream: never run on a GPU). ``auto`` since the H200 calls of 2026-11-28
+    #: (8B multi-turn, two calls): TTFT p50 0.87x and 0.97x the OffloadingConnector with LRU, throughput
+    #: 1.005x and 1.012x, where ``eviction`` had 1.31x (the spills of the blocks a turn's loads go into).
+    cpu_store: str = "auto"
     cpu_ahead_bytes: int | None = None  # write-through's share of the tier; None: a quarter of it
     cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
     #: Where write-through's stores run: on the one copy stream, ahead of the next step's loads (``shared``),
-    #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``shared``
-    #: until a GPU run shows ``own`` keeps outputs identical and wins (docs/offload.md).
-    cpu_store_stream: str = "shared"
+    #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``own``:
+    #: token-identical in every GPU run (H200, 2026-11-28) and ahead of ``shared`` once staged (below).
+    cpu_store_stream: str = "own"
     #: How the stores on their own stream (``own``) move: as the other copies (``same``: with ``auto``, SM
     #: kernels wherever blocks are scattered) or through a staging buffer of their own onto the copy engines
-    #: (``staged``: their SMs only gather at device-memory speed). ``same`` until a GPU run compares them: on
-    #: an H200 (2026-11-28) write-through's stores slowed the forward passes beside them by 4-13 %.
-    cpu_store_path: str = "same"
+    #: (``staged``: their SMs only gather at device-memory speed). ``staged``: on an H200 (2026-11-28,
+    #: scripts/bench_copy_beside.py) stores of 8B-shaped blocks beside a compute loop slowed it 4.4 % on the
+    #: direct kernels, 48 % on the fused one, 0 % staged; multi-turn 8B 1.005x the connector staged, 0.965x not.
+    cpu_store_path: str = "staged"
     #: How host-tier hits load: ``sync`` in front of the step's forward pass (every request of the step
-    #: waits), or ``async`` while their request waits and the others compute (docs/offload-async-loads.md).
-    #: ``sync``: on an H200 (1B multi-turn, 2026-11-27) ``async`` ran 0.89x of it.
-    cpu_load: str = "sync"
+    #: waits), ``async`` while their request waits and the others compute (docs/offload-async-loads.md), or
+    #: ``auto``: ``async`` wherever the loads can finish beside compute (the cache in the engine's process, or
+    #: ranks that report on the steps' replies), else ``sync``, said in the log. ``auto`` since the H200 calls
+    #: of 2026-11-28: on the 1B multi-turn ``async`` led ``sync`` (1.09x against 1.04x the connector, the one
+    #: call that ran both), and on the 8B its TTFT p50 was 1.18x the connector's against 1.31x.
+    cpu_load: str = "auto"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
     #: How the asynchronous loads move: as the other copies (``same``) or through a staging buffer of their
     #: own (``staged``: DMA on the copy engines, then a scatter at device-memory speed), as
     #: ``cpu_store_path`` does for the stores, and for the same reason: they too run beside compute.
-    cpu_load_path: str = "same"
+    #: ``staged``: an 8B-shaped load beside the compute loop cost it 0.4 % staged, 40 % fused (H200, 2026-11-28).
+    cpu_load_path: str = "staged"
     #: When a step's synchronous host loads go out: a page group's worth at a time as vLLM looks the blocks
     #: up, each copy beside the next group's mapping, within a run of host hits two groups long (``long-runs``)
     #: or any run (``group``); or all at the step's end (``off``). ``long-runs``: on an H100 (2026-11-27, two
@@ -282,13 +292,13 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
     "copy_path": ("KVELASTIC_COPY_PATH", _choice("auto", "direct", "staged", "fused", "runs")),
-    "cpu_store": ("KVELASTIC_CPU_STORE", _choice("eviction", "write-through")),
+    "cpu_store": ("KVELASTIC_CPU_STORE", _choice("auto", "write-through", "eviction")),
     "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
     "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
     "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
     "cpu_store_stream": ("KVELASTIC_CPU_STORE_STREAM", _choice("shared", "own")),
     "cpu_store_path": ("KVELASTIC_CPU_STORE_PATH", _choice("same", "staged")),
-    "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("sync", "async")),
+    "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("auto", "sync", "async")),
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "cpu_load_path": ("KVELASTIC_CPU_LOAD_PATH", _choice("same", "staged")),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),

@@ -10,6 +10,8 @@ checked. The connector is wired as ``attach_scheduler`` will wire it: set on
 
 from __future__ import annotations
 
+import logging
+import types
 from typing import Sequence
 
 import pytest
@@ -115,6 +117,21 @@ def test_a_planned_load_pins_its_keys_and_holds_its_blocks_until_its_fence_passe
     assert retired.finished == ["r"] and not retired.invalid_block_ids
     assert not any(tier.policy.is_pinned(k) for k in "ab") and [b.refs for b in blocks] == [1, 1]
     assert copier.gpu == {5: ("data", "a"), 6: ("data", "b")} and not loads.in_flight
+
+
+def test_a_planned_run_counts_toward_the_longest_run_the_warm_reserve_covers():
+    """The warm reserve for reloads sizes itself from ``HostRuns.longest``: planned asynchronous loads
+    feed it as the synchronous lookups do, each request's run whole; a failed plan counts nothing."""
+    from kvelastic.offload.host_runs import HostRuns
+
+    runs = HostRuns()
+    loads, tier, copier = ledger(["a", "b", "c"], runs=runs)
+    loads.plan("r1", ["a", "b", "c"], [Block(1), Block(2), Block(3)], asynchronous=True)
+    loads.plan("r2", ["a"], [Block(4)], asynchronous=True)
+    assert runs.longest() == 3 and runs.current == 0
+    tier.clear()
+    loads.plan("r3", ["a", "b", "c", "a"], [Block(5), Block(6), Block(7), Block(8)], asynchronous=True)  # gone: fails
+    assert runs.longest() == 3
 
 
 def test_loads_retire_in_issue_order_and_a_refused_copy_is_reported_as_failed_blocks():
@@ -346,18 +363,33 @@ def test_a_run_below_the_async_minimum_loads_in_front_of_the_step_and_runs_at_on
     assert block_compute and len(ids) == 19
 
 
-def test_asynchronous_loads_are_refused_where_ranks_cannot_report_them_and_off_by_default():
+def test_loads_are_asynchronous_by_default_where_they_can_finish_beside_compute_and_refused_if_asked_elsewhere(caplog):
+    """``auto`` (the default): asynchronous where the connection can finish loads beside compute, else in
+    front of the step, said in the log; ``async`` asked for where ranks cannot report loads: refused."""
     from kvelastic.errors import ConfigError
     from kvelastic.hooks.host_loads import attach_host_loads
+    from kvelastic.hooks.scheduler import _loads_beside_compute
     from kvelastic.settings import Settings
 
-    assert Settings().cpu_load == "sync"
-    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20), beside_compute=True) is None
+    assert Settings().cpu_load == "auto"
+    tier = Settings(cpu_bytes=1 << 20)
+    plain, with_connector = types.SimpleNamespace(connector=None), types.SimpleNamespace(connector=object())
+    reporting, silent = types.SimpleNamespace(async_loads=True), types.SimpleNamespace(async_loads=False)
+    assert _loads_beside_compute(plain, tier, reporting)
+    with caplog.at_level(logging.INFO, logger="vllm.kvelastic"):
+        assert not _loads_beside_compute(plain, tier, silent)
+    assert "host-tier hits load in front of the step (KVELASTIC_CPU_LOAD=auto)" in caplog.text
+    assert not _loads_beside_compute(with_connector, tier, reporting)  # vLLM's own connector has the seam
+    assert not _loads_beside_compute(plain, Settings(), reporting)  # no host tier
+    assert not _loads_beside_compute(plain, Settings(cpu_bytes=1 << 20, cpu_load="sync"), reporting)
+    asked = Settings(cpu_bytes=1 << 20, cpu_load="async")
+    assert _loads_beside_compute(plain, asked, silent)  # passed on, to be refused where it is attached:
     with pytest.raises(ConfigError, match="set KVELASTIC_TP_CONFIRM=auto or step"):  # ranks that confirm on boards
-        attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="async"), beside_compute=False)
+        attach_host_loads(None, None, None, asked, beside_compute=False)
+    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="sync"), beside_compute=True) is None
     env = Settings.from_env({"KVELASTIC_CPU_LOAD": "async", "KVELASTIC_CPU_LOAD_ASYNC_MIN": "16MiB"})
     assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)
-    with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD"):
+    with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD='later' is not one of: auto, sync, async"):
         Settings.from_env({"KVELASTIC_CPU_LOAD": "later"})
 
 

@@ -77,7 +77,8 @@ def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_pa
     scheduler = types.SimpleNamespace()
     manager = _attach_offload(scheduler, bp, queue, LocalConnection(cache, None), settings,  # as the patch does
                               scheduler_patcher())
-    assert scheduler.kvelastic_offload is manager and manager.copier.path == copy_path
+    copier = getattr(manager.copier, "inner", manager.copier)  # write-through (the default) wraps it
+    assert scheduler.kvelastic_offload is manager and copier.path == copy_path
     assert type(manager.tier.policy).__name__ == policy.upper()
     blocks = bp.get_new_blocks(40)
     for i, block in enumerate(blocks):

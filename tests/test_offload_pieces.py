@@ -65,7 +65,8 @@ def _values(views, block_id: int) -> set[int]:
 def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end(pieces):
     """``off``: the same data, all of it in one batch at the step's end; ``long-runs`` (the default): the
     first piece goes once the run is two groups long, then a group at a time."""
-    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_CPU_LOAD_PIECES": pieces})
+    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_CPU_LOAD_PIECES": pieces,
+                                  "KVELASTIC_CPU_STORE": "eviction", "KVELASTIC_CPU_LOAD": "sync"})  # spills, then loads in front of the step
     pool, views, cache, bp, queue = build(limit_groups=None)
     tier, copier = local_host_tier(cache, settings)
     recording = Recording(copier)

@@ -182,7 +182,8 @@ def test_attaching_changes_the_schedulers_objects_and_revert_puts_every_one_back
     objects = scheduler_objects(scheduler)
     before = state(*objects)
     patcher = scheduler_patcher()
-    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES), patcher)
+    # host hits loaded in front of the step: the lookup hook on vLLM's prefix map (async loads: a connector)
+    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES, cpu_load="sync"), patcher)
     try:
         unchanged = [type(o).__name__ for b, o in zip(before, objects) if same_state([b], state(o))]
         assert unchanged == ["KVCacheManager"]  # only read: the others each carry a change
@@ -204,7 +205,7 @@ def test_the_lookup_hook_follows_the_prefix_map_through_resets_without_piling_up
     pool, views, cache = build_cache(4)
     scheduler = make_scheduler()
     patcher = scheduler_patcher()
-    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES), patcher)
+    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES, cpu_load="sync"), patcher)
     block_pool = scheduler.kv_cache_manager.block_pool
     try:
         for _ in range(3):

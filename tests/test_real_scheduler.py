@@ -72,10 +72,11 @@ def test_under_a_tight_limit_every_request_finishes_within_it(patched):
 @pytest.mark.parametrize("cpu", [False, True, "async"], ids=["no-host-tier", "host-tier", "host-tier-async-loads"])
 def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, cpu):
     """a, then unrelated work that evicts a's blocks, then a's prompts again (loaded in front of the step,
-    or while b's requests wait, through kvelastic's connector: KVELASTIC_CPU_LOAD=async)."""
+    KVELASTIC_CPU_LOAD=sync, or while b's requests wait, through kvelastic's connector: the default, auto,
+    in a process that holds its cache)."""
     settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}  # room for every block the test caches
-    if cpu == "async":
-        settings["cpu_load"] = "async"
+    if cpu is True:
+        settings["cpu_load"] = "sync"
     scheduler, pool, _ = patched(limit_groups=3, **settings)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     trace = drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler, make_requests("b", 4, 320, 320, seed=0)],

@@ -179,14 +179,17 @@ def test_asynchronous_loads_go_through_a_staging_buffer_of_their_own_and_the_oth
     assert bool((views[0][0] == 9).all())
 
 
-@pytest.mark.parametrize("load, path", [("async", "staged"), ("sync", "same")])
-def test_the_loads_staging_is_allocated_only_with_asynchronous_loads(kv_log, load, path):
+@pytest.mark.parametrize("load, asked, path", [("async", "staged", "staged"), ("auto", "staged", "staged"),
+                                               ("sync", "staged", "same"), ("sync", "same", "same")])
+def test_the_loads_staging_is_allocated_only_with_asynchronous_loads(kv_log, load, asked, path):
+    """Said where a value other than the default moves nothing (the default, ``staged``, goes unsaid)."""
     pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_load": load, "cpu_load_path": "staged"})
+    settings = Settings(**{**WT, "cpu_load": load, "cpu_load_path": asked})
     tier, copier = local_host_tier(cache, settings)
     assert copier.async_load_path == path and (copier._async_load_mover is not None) == (path == "staged")
-    said = any("KVELASTIC_CPU_LOAD_PATH=staged has no effect here" in r.message for r in kv_log.records)
-    assert said == (load == "sync")
+    said = sorted({r.message for r in kv_log.records if "KVELASTIC_CPU_LOAD_PATH=" in r.message})
+    assert said == ([f"kvelastic: KVELASTIC_CPU_LOAD_PATH={asked} has no effect here: it moves the asynchronous "
+                     "loads, and KVELASTIC_CPU_LOAD is sync"] if (load, asked) == ("sync", "same") else [])
     pool.close()
 
 
@@ -232,26 +235,32 @@ def test_a_store_beside_on_a_cpu_copies_at_once():
     assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
 
 
-@pytest.mark.parametrize("store, path, why", [("eviction", "direct", "not write-through"),
-                                               ("write-through", "staged", "no second stream")])
-def test_own_stream_where_it_cannot_apply_says_so_and_keeps_one_stream(kv_log, store, path, why):
+@pytest.mark.parametrize("store, stream, path, said", [
+    ("eviction", "shared", "direct", "KVELASTIC_CPU_STORE_STREAM=shared has no effect here: it moves write-through's "
+                                     "stores, and KVELASTIC_CPU_STORE is not write-through"),
+    ("eviction", "own", "direct", None),  # the defaults, where they move nothing: unsaid
+    ("write-through", "own", "staged", "write-through's stores share the copy stream: the copier has no second "
+                                       "stream to give")])
+def test_own_stream_where_it_cannot_apply_says_so_and_keeps_one_stream(kv_log, store, stream, path, said):
+    """``KVELASTIC_COPY_PATH=staged`` with the stores' path ``same``: no staging buffer for a second stream."""
     pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": "own", "copy_path": path})
+    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": stream, "copy_path": path,
+                           "cpu_store_path": "same" if path == "staged" else "staged"})
     tier, copier = local_host_tier(cache, settings)
     manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
     assert manager.copier is copier and (manager.write_through is None or not manager.write_through.beside)
-    assert any("KVELASTIC_CPU_STORE_STREAM=own has no effect" in r.message and why in r.message
-               for r in kv_log.records)
+    messages = sorted({r.message for r in kv_log.records if "STORE_STREAM=" in r.message or "copy stream" in r.message})
+    assert messages == ([] if said is None else [m for m in messages if said in m]) and len(messages) == (said is not None)
     pool.close()
 
 
 def test_a_store_path_without_its_own_stream_says_so(kv_log):
     pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_store_stream": "shared", "cpu_store_path": "staged"})
+    settings = Settings(**{**WT, "cpu_store_stream": "shared", "cpu_store_path": "same"})
     tier, copier = local_host_tier(cache, settings)
     manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
     assert not manager.write_through.beside
-    assert [r.message for r in kv_log.records if "KVELASTIC_CPU_STORE_PATH=staged has no effect" in r.message
+    assert [r.message for r in kv_log.records if "KVELASTIC_CPU_STORE_PATH=same has no effect" in r.message
             and "KVELASTIC_CPU_STORE_STREAM is not own" in r.message]
-    assert not any("KVELASTIC_CPU_STORE_STREAM=" in r.message for r in kv_log.records)  # its default: silent
+    assert not any("KVELASTIC_CPU_STORE_STREAM=" in r.message for r in kv_log.records)  # it applies: unsaid
     pool.close()

@@ -19,7 +19,7 @@ from tests.test_page_aware_block_pool import BS, StandInRequest, build
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
-WT = dict(cpu_store="write-through", cpu_bytes=1 << 20)
+WT = dict(cpu_store="write-through", cpu_store_stream="shared", cpu_bytes=1 << 20)  # the one copy stream; own: test_side_stores
 
 
 class Gate(Fence):

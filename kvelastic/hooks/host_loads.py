@@ -54,24 +54,25 @@ def make_host_loads(loads: AsyncLoads, scheduler: Any) -> Any:
 
 def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patcher", settings: "Settings",
                       *, beside_compute: bool) -> Any | None:
-    """With ``KVELASTIC_CPU_LOAD=async``: kvelastic's connector on ``scheduler`` over ``offload``'s tier and
-    copier, joined to ``offload``'s step; None where host hits stay synchronous (the default, or a connector
-    vLLM made). ``beside_compute``: the connection's loads can finish beside compute (the cache is in this
-    process, or its worker ranks report their loads on the steps' replies)."""
-    if settings.cpu_load != "async":
+    """With ``KVELASTIC_CPU_LOAD`` ``async`` (or ``auto``, where the caller found ``beside_compute``):
+    kvelastic's connector on ``scheduler`` over ``offload``'s tier and copier, joined to ``offload``'s step;
+    None where host hits stay synchronous (``sync``). ``beside_compute``: the connection's loads can finish
+    beside compute (the cache is in this process, or its worker ranks report their loads on the steps'
+    replies)."""
+    if settings.cpu_load == "sync":
         return None
     if not beside_compute:
         raise ConfigError("KVELASTIC_CPU_LOAD=async needs, where the KV cache lives in worker processes "
                           "(tensor parallelism, or the multiprocess executor), the ranks' reports on the steps' "
                           "replies: set KVELASTIC_TP_CONFIRM=auto or step on vLLM's multiprocess or Ray V2 "
-                          "executor, or unset KVELASTIC_CPU_LOAD (host hits then load in front of the step, as "
-                          "by default)")
+                          "executor, or set KVELASTIC_CPU_LOAD=auto or sync (host hits then load in front of the "
+                          "step)")
     from kvelastic.patches.host_loads import hold_blocks
     from kvelastic.patches.scheduler_block_pool import SCHEDULER
 
     block_pool = scheduler.kv_cache_manager.block_pool
     loads = AsyncLoads(offload.tier, offload.copier, hold_blocks(patcher, block_pool), block_pool.free_blocks,
-                       async_min_bytes=settings.cpu_load_async_min_bytes)
+                       async_min_bytes=settings.cpu_load_async_min_bytes, runs=offload.runs)
     connector = make_host_loads(loads, scheduler)
     patcher.replace_attribute(scheduler, SCHEDULER, "connector", connector)
     offload.join(connector)

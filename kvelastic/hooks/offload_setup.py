@@ -15,6 +15,7 @@ and a :class:`BlockRows` copier on each rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Hashable
@@ -79,14 +80,25 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
     return tier, rows.copier(tier.memory, settings.copy_path, side_path_for(settings), async_load_path_for(settings))
 
 
+def store_mode_for(settings: Settings, *, in_process: bool) -> Settings:
+    """``settings`` with ``KVELASTIC_CPU_STORE=auto`` made ``write-through`` where the KV cache is in this
+    process (``in_process``), ``eviction`` where tensor-parallel ranks hold it (said in the log)."""
+    if settings.cpu_store != "auto":
+        return settings
+    if not in_process:
+        log.info("kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): "
+                 "under tensor parallelism write-through's stores would share the ranks' copy stream")
+    return dataclasses.replace(settings, cpu_store="write-through" if in_process else "eviction")
+
+
 def async_load_path_for(settings: Settings) -> str:
-    """``KVELASTIC_CPU_LOAD_PATH`` where there are asynchronous loads (the copier allocates a staging buffer
-    for them only then); said in the log where set without them."""
-    if settings.cpu_load == "async":
+    """``KVELASTIC_CPU_LOAD_PATH`` where there may be asynchronous loads (``async``, ``auto``: the copier
+    allocates a staging buffer for them only then); said in the log where set without them."""
+    if settings.cpu_load != "sync":
         return settings.cpu_load_path
     if settings.cpu_load_path != Settings.cpu_load_path:
         log.info("kvelastic: KVELASTIC_CPU_LOAD_PATH=%s has no effect here: it moves the asynchronous loads, "
-                 "and KVELASTIC_CPU_LOAD is not async", settings.cpu_load_path)
+                 "and KVELASTIC_CPU_LOAD is sync", settings.cpu_load_path)
     return "same"
 
 
@@ -108,11 +120,7 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
         if beside:
             copier = SideStoreCopier(copier, write_through)
     if settings is not None and not beside:
-        for variable, value, default in (
-                ("KVELASTIC_CPU_STORE_STREAM", settings.cpu_store_stream, Settings.cpu_store_stream),
-                ("KVELASTIC_CPU_STORE_PATH", settings.cpu_store_path, Settings.cpu_store_path)):
-            if value != default:
-                log.info("kvelastic: %s=%s has no effect here: %s", variable, value, why_not_beside(settings))
+        _say_stores_share_the_copy_stream(settings)
     pieces = settings.cpu_load_pieces if settings is not None else "off"
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill
@@ -122,6 +130,20 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
         queue.drop_hook = manager.dropped
         patcher.wrap_instance(block_pool, CACHE_FULL_BLOCKS, functools.partial(_named_full, manager))
     return manager
+
+
+def _say_stores_share_the_copy_stream(settings: Settings) -> None:
+    """Write-through's stores asked for (or left at) a stream of their own and sharing the copy stream: why;
+    a setting about them changed from its default where it moves nothing: that it has no effect."""
+    if settings.cpu_store == "write-through" and settings.cpu_store_stream == "own":
+        log.info("kvelastic: write-through's stores share the copy stream: %s", why_not_beside(settings))
+        return
+    moot = [("KVELASTIC_CPU_STORE_PATH", settings.cpu_store_path, Settings.cpu_store_path)]
+    if settings.cpu_store != "write-through":
+        moot.insert(0, ("KVELASTIC_CPU_STORE_STREAM", settings.cpu_store_stream, Settings.cpu_store_stream))
+    for variable, value, default in moot:
+        if value != default:
+            log.info("kvelastic: %s=%s has no effect here: %s", variable, value, why_not_beside(settings))
 
 
 def _named_full(manager: OffloadManager, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:

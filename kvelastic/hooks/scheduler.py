@@ -75,7 +75,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
     vllm_connector = scheduler.connector is not None  # read before kvelastic may put its own there
-    async_loads = _loads_beside_compute(scheduler, settings)
+    async_loads = _loads_beside_compute(scheduler, settings, connection)
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
@@ -164,8 +164,9 @@ def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, 
     them instead)."""
     if not settings.cpu_bytes:
         return None
-    from kvelastic.hooks.offload_setup import wire_offload
+    from kvelastic.hooks.offload_setup import store_mode_for, wire_offload
 
+    settings = store_mode_for(settings, in_process=connection.unmaps_between_steps)
     offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher, settings,
                            serve_misses=serve_misses)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
@@ -182,14 +183,21 @@ def _reload_reserve(offload: OffloadManager | None, cache: Any, settings: Settin
     return ReloadReserve(offload.runs, cache, lambda: tier.stats().slots_used, settings.reserve_host_runs_bytes)
 
 
-def _loads_beside_compute(scheduler: Any, settings: Settings) -> bool:
-    """Whether host-tier hits load while their request waits: ``KVELASTIC_CPU_LOAD=async`` with a host
-    tier, where vLLM made no KV connector (the seam it uses is the connector's)."""
-    if not settings.cpu_bytes or settings.cpu_load != "async":
+def _loads_beside_compute(scheduler: Any, settings: Settings, connection: CacheConnection) -> bool:
+    """Whether host-tier hits load while their request waits: ``KVELASTIC_CPU_LOAD`` ``async`` or ``auto``
+    with a host tier, where vLLM made no KV connector (the seam it uses is the connector's). ``auto`` loads
+    in front of the step where the connection cannot finish loads beside compute; ``async`` is refused there
+    (:func:`~kvelastic.hooks.host_loads.attach_host_loads`)."""
+    if not settings.cpu_bytes or settings.cpu_load == "sync":
         return False
     if scheduler.connector is not None:
         log.info("kvelastic: vLLM has a KV connector (%s): host-tier hits load in front of the step "
-                 "(KVELASTIC_CPU_LOAD=async applies only without one)", type(scheduler.connector).__name__)
+                 "(KVELASTIC_CPU_LOAD=%s applies only without one)", type(scheduler.connector).__name__,
+                 settings.cpu_load)
+        return False
+    if settings.cpu_load == "auto" and not connection.async_loads:
+        log.info("kvelastic: host-tier hits load in front of the step (KVELASTIC_CPU_LOAD=auto): the worker "
+                 "ranks do not report loads on the steps' replies here (KVELASTIC_TP_CONFIRM=step does)")
         return False
     return True
 

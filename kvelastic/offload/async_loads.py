@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
+from kvelastic.offload.host_runs import HostRuns
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
@@ -79,11 +80,15 @@ class AsyncLoads:
     """Plans, issues and retires host-tier loads for one GPU block pool."""
 
     def __init__(self, tier: HostTier, copier: Copier, hold: Callable[[Sequence[Any]], None],
-                 release: Callable[[Sequence[Any]], None], *, async_min_bytes: int = 0):
+                 release: Callable[[Sequence[Any]], None], *, async_min_bytes: int = 0,
+                 runs: HostRuns | None = None):
         """``hold(blocks)`` / ``release(blocks)``: one more / one less reference on vLLM's blocks
         (``BlockPool.touch`` / ``free_blocks``). ``async_min_bytes``: a run smaller than this loads
-        synchronously, in front of the step's forward pass (no step lost)."""
+        synchronously, in front of the step's forward pass (no step lost). ``runs``: where each planned
+        run's length goes (the warm reserve for reloads sizes itself from them, as from the synchronous
+        path's)."""
         self.tier = tier
+        self.runs = runs
         self.copier = copier
         self._hold = hold
         self._release = release
@@ -157,6 +162,8 @@ class AsyncLoads:
             slots.append(slot)
         self._withdraw(request_id)
         self._queued.append(PlannedLoad(request_id, tuple(keys), tuple(blocks), tuple(slots), asynchronous))
+        if self.runs is not None:
+            self.runs.record(len(keys))
 
     # ------------------------------------------------------------------ issue
     def issue(self) -> None:

@@ -46,8 +46,11 @@ class HostRuns:
     def end(self) -> None:
         """The current run ended (a GPU hit, a miss, the step's end); remember it if it had blocks."""
         blocks, self.current = self.current, 0
-        if not blocks:
-            return
+        if blocks:
+            self.record(blocks)
+
+    def record(self, blocks: int) -> None:
+        """A run of ``blocks`` was loaded whole (an asynchronous load plans a request's run at once)."""
         now = self._clock()
         with self._lock:
             entries = self._longest
