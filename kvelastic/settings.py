@@ -133,8 +133,9 @@ class Settings:
     #: When blocks are copied to the host: once computed, beside the forward passes (``write-through``), or as
     #: they leave the GPU, in front of the step that reuses them (``eviction``; docs/offload.md); ``auto``:
     #: ``write-through`` where the KV cache is in the engine's process (its stores then get a stream and a
-    #: staging buffer of their own, below), ``eviction`` where tensor-parallel ranks hold it (their stores
-    #: would share the ranks' copy stream: never run on a GPU). ``auto`` since the H200 calls of 2026-11-28
+    #: staging buffer of their own, below), ``eviction`` where worker ranks hold it (tensor or pipeline
+    #: parallelism, the multiprocess executor: their stores would share the ranks' copy stream, never run
+    #: on a GPU). ``auto`` since the H200 calls of 2026-11-28
     #: (8B multi-turn, two calls): TTFT p50 0.87x and 0.97x the OffloadingConnector with LRU, throughput
     #: 1.005x and 1.012x, where ``eviction`` had 1.31x (the spills of the blocks a turn's loads go into).
     cpu_store: str = "auto"
@@ -142,7 +143,7 @@ class Settings:
     cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
     #: Where write-through's stores run: on the one copy stream, ahead of the next step's loads (``shared``),
     #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``own``:
-    #: token-identical in every GPU run (H200, 2026-11-28) and ahead of ``shared`` once staged (below).
+    #: token-identical in every GPU run (H200, 2026-11-28), and with ``staged`` (below) the 8B shape's best.
     cpu_store_stream: str = "own"
     #: How the stores on their own stream (``own``) move: as the other copies (``same``: with ``auto``, SM
     #: kernels wherever blocks are scattered) or through a staging buffer of their own onto the copy engines

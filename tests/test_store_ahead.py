@@ -133,5 +133,5 @@ def test_auto_stores_as_blocks_leave_the_gpu_under_tensor_parallelism_and_says_s
     assert not [r for r in kv_log.records if "KVELASTIC_CPU_STORE=auto" in r.message]
     assert store_mode_for(Settings(), in_process=False).cpu_store == "eviction"
     assert {r.message for r in kv_log.records if "KVELASTIC_CPU_STORE=auto" in r.message} == {
-        "kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): under tensor "
-        "parallelism write-through's stores would share the ranks' copy stream"}
+        "kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): where worker "
+        "ranks hold the KV cache, write-through's stores would share their copy stream"}

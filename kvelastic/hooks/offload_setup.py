@@ -82,12 +82,12 @@ def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier
 
 def store_mode_for(settings: Settings, *, in_process: bool) -> Settings:
     """``settings`` with ``KVELASTIC_CPU_STORE=auto`` made ``write-through`` where the KV cache is in this
-    process (``in_process``), ``eviction`` where tensor-parallel ranks hold it (said in the log)."""
+    process (``in_process``), ``eviction`` where worker ranks hold it (said in the log)."""
     if settings.cpu_store != "auto":
         return settings
     if not in_process:
         log.info("kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): "
-                 "under tensor parallelism write-through's stores would share the ranks' copy stream")
+                 "where worker ranks hold the KV cache, write-through's stores would share their copy stream")
     return dataclasses.replace(settings, cpu_store="write-through" if in_process else "eviction")
 
 
