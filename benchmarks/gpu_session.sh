@@ -50,6 +50,10 @@ date -u >>"$W/gpus-$stage.txt"
     || python3 -m pip install -q --no-deps --no-build-isolation -e . >"$W/install.log" 2>&1 \
     || { echo "kvelastic could not be installed: $W/install.log"; exit 1; }
 e2e() { python3 scripts/e2e_check.py "$@"; }
+# The multi-turn stages' write-through variants, spelt out (whatever the defaults are): on its own stream with
+# asynchronous loads, and the same with both copies beside compute staged (the defaults since 2026-11-28)
+WTOWN=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
+WTOWNST=$WTOWN,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged
 tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falling together
     e2e --model scripts/models/llama-8b --outdir "$W/tp" --matrix tp2 --kve-env KVELASTIC_CACHE_TTL=2 \
         --summary "$W/tp/summary.json" --extra --idle-after 8 --prompts 256 --max-tokens 128 2>&1 | tee "$W/tp.log"
@@ -152,18 +156,16 @@ offload-paired-8b)  # issue 16: about 4 min on an H200: 3 engines x (1 warm-up +
         --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
         --configs offload-lru offload-arc kvelastic --rounds ${PAIRED_ROUNDS:-5} ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-beside)  # issue 16: about 8 min on an H200 (6 engines x (1 + PAIRED_ROUNDS, default 8) rounds; 6 x 16 GiB pinned)
-    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-8} --variant async:KVELASTIC_CPU_LOAD=async \
-        --variant asyncst:KVELASTIC_CPU_LOAD=async,KVELASTIC_CPU_LOAD_PATH=staged --variant wtown:$wt \
-        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        --variant asyncst:KVELASTIC_CPU_LOAD=async,KVELASTIC_CPU_LOAD_PATH=staged --variant wtown:$WTOWN \
+        --variant wtownst:$WTOWNST \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-beside-8b)  # issue 16: about 6 min on an H200 (4 engines x 6 rounds of about 9 s; 4 x 24 GiB pinned)
-    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
-        --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-5} --variant wtown:$wt \
-        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        --configs offload-lru offload-arc --rounds ${PAIRED_ROUNDS:-5} --variant wtown:$WTOWN \
+        --variant wtownst:$WTOWNST \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-bound)  # issue 16: about 5 min on an H200 (4 engines x 9 rounds); `ideal` holds 18 GiB of KV in its 0.2 share
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
@@ -171,11 +173,10 @@ offload-bound)  # issue 16: about 5 min on an H200 (4 engines x 9 rounds); `idea
         --variant async:KVELASTIC_CPU_LOAD=async ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-bound-8b)  # issue 16: about 5 min on an H200: LRU, `ideal` (28 GiB of KV on the GPU) and write-through staged,
     # 3 engines x (1 + PAIRED_ROUNDS, default 3) rounds; a share of 0.3 each (ideal needs about 46 GiB; the KV is set in bytes)
-    wt=KVELASTIC_CPU_STORE=write-through,KVELASTIC_CPU_STORE_STREAM=own,KVELASTIC_CPU_LOAD=async
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" --interleave \
         --model scripts/models/llama-8b --gpu-kv-bytes $((4 << 30)) --cpu-bytes $((24 << 30)) --conversations 32 \
         --gpu-memory-utilization 0.3 --configs offload-lru ideal --rounds ${PAIRED_ROUNDS:-3} \
-        --variant wtownst:$wt,KVELASTIC_CPU_STORE_PATH=staged,KVELASTIC_CPU_LOAD_PATH=staged \
+        --variant wtownst:$WTOWNST \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
 offload-async)  # issue 16: about 7 min (4 engines); outputs of every config against the first's
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
