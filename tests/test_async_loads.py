@@ -372,14 +372,14 @@ def test_loads_are_asynchronous_by_default_where_they_can_finish_beside_compute_
     from kvelastic.settings import Settings
 
     assert Settings().cpu_load == "auto"
-    tier = Settings(cpu_bytes=1 << 20)
+    with_tier = Settings(cpu_bytes=1 << 20)
     plain, with_connector = types.SimpleNamespace(connector=None), types.SimpleNamespace(connector=object())
     reporting, silent = types.SimpleNamespace(async_loads=True), types.SimpleNamespace(async_loads=False)
-    assert _loads_beside_compute(plain, tier, reporting)
+    assert _loads_beside_compute(plain, with_tier, reporting)
     with caplog.at_level(logging.INFO, logger="vllm.kvelastic"):
-        assert not _loads_beside_compute(plain, tier, silent)
+        assert not _loads_beside_compute(plain, with_tier, silent)
     assert "host-tier hits load in front of the step (KVELASTIC_CPU_LOAD=auto)" in caplog.text
-    assert not _loads_beside_compute(with_connector, tier, reporting)  # vLLM's own connector has the seam
+    assert not _loads_beside_compute(with_connector, with_tier, reporting)  # vLLM's own connector has the seam
     assert not _loads_beside_compute(plain, Settings(), reporting)  # no host tier
     assert not _loads_beside_compute(plain, Settings(cpu_bytes=1 << 20, cpu_load="sync"), reporting)
     asked = Settings(cpu_bytes=1 << 20, cpu_load="async")
