@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_session.sh reload   # issue 4: 16k-token prefix TTFT, host tier vs recompute (8B)
 #   bash benchmarks/gpu_session.sh reload-idle-busy  # issue 16: the same reload of an idle and of a busy engine
 #   bash benchmarks/gpu_session.sh matrix   # issue 6: e2e check (1B, default and V1 runner) on the staged vLLM
-#   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes
+#   bash benchmarks/gpu_session.sh spill    # 1B, default runner: 384 MiB of GPU KV + 4 GiB host tier, 3 passes, the defaults
+#   bash benchmarks/gpu_session.sh spill-sync    # the same with KVELASTIC_CPU_LOAD=sync KVELASTIC_CPU_STORE=eviction (before 2026-11-28)
 #   bash benchmarks/gpu_session.sh spill-async   # the same with KVELASTIC_CPU_LOAD=async: identical outputs
 #   bash benchmarks/gpu_session.sh offload-async # multi-turn: connector LRU and ARC, kvelastic sync and async
 #   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
@@ -118,11 +119,15 @@ matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GP
     r=$?
     grep -h "kvelastic .* (band \|kvelastic: .*KV tensors" "$W/matrix-$ver"/*-kve-*.log  # band, patches, groups
     (exit $r) ;;
-spill|spill-async)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
+spill|spill-sync|spill-async)  # the GPU holds about a quarter of the 45k-token working set: passes 2 and 3 live on host reloads
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
-    load=sync; [ "$stage" = spill-async ] && load=async
-    e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-$load-vllm$ver" \
-        --kve-env KVELASTIC_LIMIT=384MiB KVELASTIC_CPU_BYTES=4GiB KVELASTIC_CACHE_TTL=1 KVELASTIC_CPU_LOAD=$load \
+    case $stage in  # `spill` names no copy mode: it runs whatever the defaults are
+    spill) modes=""; label=defaults ;;
+    spill-sync) modes="KVELASTIC_CPU_LOAD=sync KVELASTIC_CPU_STORE=eviction"; label=sync ;;
+    spill-async) modes="KVELASTIC_CPU_LOAD=async"; label=async ;;
+    esac
+    e2e --model scripts/models/llama-1b --outdir "$W/spill-$ver" --matrix ${SPILL_RUNNERS:-v2} --label="-spill-$label-vllm$ver" \
+        --kve-env KVELASTIC_LIMIT=384MiB KVELASTIC_CPU_BYTES=4GiB KVELASTIC_CACHE_TTL=1 $modes \
         --summary "$W/spill-$ver/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/spill-$ver.log"
     r=$?
     grep -h "kvelastic: .*host tier" "$W/spill-$ver"/*-kve-*.log | tail -5  # the host tier's hits and misses

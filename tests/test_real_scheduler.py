@@ -360,3 +360,42 @@ def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(
     # admitted request whose run stopped at a key the host lacked on the async path
     assert counts[0][0] == counts[1][0] and 0 < counts[1][1] <= counts[0][1]
     assert prefill(traces[1], "b") == prefill(traces[0], "b")  # the same prompt tokens computed
+
+
+@pytest.mark.parametrize("company", [False, True], ids=["alone", "beside-a-running-request"])
+def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_compute_otherwise(patched, company):
+    """KVELASTIC_CPU_LOAD=auto (the default): a request alone in an idle engine takes its host run as GPU
+    hits loaded in front of the step, and is scheduled in the step that finds them; with a request running
+    beside it, the connector loads the run while it waits, and the other request's step does not wait."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES)
+    filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
+    drive(scheduler, [make_requests("a", 1, 320, 320, seed=0), *filler])  # a's blocks pushed to the host
+    offload = scheduler.kvelastic_offload
+    before = offload.stats()
+    (b,) = make_requests("b", 1, 320, 320, seed=0)  # a's prompt again
+    if company:
+        (c,) = make_requests("c", 1, 64, 0, seed=3, max_tokens=50)
+        scheduler.add_request(c)
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, model_output(scheduler, out, {"c-0"}))
+        assert c.status == RequestStatus.RUNNING
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    after = offload.stats()
+    loaded = after["host_hits"] - before["host_hits"]
+    assert loaded >= 19 and after["reloaded_bytes"] - before["reloaded_bytes"] == loaded * offload.copier.bytes_per_block
+    if company:
+        assert "b-0" not in out.num_scheduled_tokens and b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert after["host_loads_async"] - before["host_loads_async"] == 1
+        assert after["load_batches"] == before["load_batches"]
+    else:
+        assert out.num_scheduled_tokens["b-0"] == 320 - loaded * 16  # only what the host lacked is computed
+        assert after["load_batches"] - before["load_batches"] == 1
+        assert after["host_loads_async"] == before["host_loads_async"]
+    done = {r for r in out.num_scheduled_tokens
+            if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
+    scheduler.update_from_output(out, model_output(scheduler, out, done))
+    drive(scheduler, [[]])  # the rest, to the end
+    assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 20

@@ -151,9 +151,11 @@ def _named_full(manager: OffloadManager, wrapped: Any, instance: Any, args: tupl
     manager.computed(named_full(args, kwargs))
 
 
-def hook_lookup(block_pool: Any, manager: OffloadManager, patcher: Patcher) -> "PrefixLookupHook":
-    """Let ``block_pool``'s prefix-cache map fall back to the host tier, now and after every reset."""
-    return PrefixLookupHook(block_pool, manager, patcher)
+def hook_lookup(block_pool: Any, manager: OffloadManager, patcher: Patcher,
+                serve_when: Callable[[], bool] | None = None) -> "PrefixLookupHook":
+    """Let ``block_pool``'s prefix-cache map fall back to the host tier, now and after every reset;
+    with ``serve_when``, only at the lookups where it says so (the others stay misses)."""
+    return PrefixLookupHook(block_pool, manager, patcher, serve_when)
 
 
 def block_entry(block_pool: Any, patcher: Patcher) -> Callable[[Any, Hashable], None]:
@@ -175,10 +177,12 @@ class PrefixLookupHook:
     hooks the new one, so the Patcher never holds more than one.
     """
 
-    def __init__(self, block_pool: Any, manager: OffloadManager, patcher: Patcher):
+    def __init__(self, block_pool: Any, manager: OffloadManager, patcher: Patcher,
+                 serve_when: Callable[[], bool] | None = None):
         self._block_pool = block_pool
         self._manager = manager
         self._patcher = patcher
+        self._serve_when = serve_when
         self._change: Change | None = None
         self.install()
         manager.on_reset(self.install)
@@ -192,6 +196,8 @@ class PrefixLookupHook:
     def _get_one_block(self, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         block = wrapped(*args, **kwargs)
         if block is None:
+            if self._serve_when is not None and not self._serve_when():
+                return None
             return self._manager.load_on_miss(args[0] if args else kwargs["key"])
         self._manager.matched(block)
         return block

@@ -79,7 +79,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
-        _attach_host_loads(scheduler, offload, runtime, patcher, connection)
+        _attach_host_loads(scheduler, offload, block_pool, runtime, patcher, connection)
     if settings.release == "preempt":
         _attach_targeted_release(scheduler, queue, cache, connection, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
@@ -213,14 +213,18 @@ def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: A
     patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
-def _attach_host_loads(scheduler: Any, offload: OffloadManager, runtime: Runtime, patcher: Patcher,
-                       connection: CacheConnection) -> None:
-    """Host hits load while their request waits. The finished loads reach vLLM in ``update_from_output``'s
-    input, fed inside the lock taken around it (wrapped here, before the lock's wrapper goes around it)."""
-    from kvelastic.hooks.host_loads import attach_host_loads, feeding_wrapper
+def _attach_host_loads(scheduler: Any, offload: OffloadManager, block_pool: Any, runtime: Runtime,
+                       patcher: Patcher, connection: CacheConnection) -> None:
+    """Host hits load while their request waits (with ``auto``, in front of the step where the request is
+    alone). The finished loads reach vLLM in ``update_from_output``'s input, fed inside the lock taken
+    around it (wrapped here, before the lock's wrapper goes around it)."""
+    from kvelastic.hooks.host_loads import InFrontWhenAlone, attach_host_loads, feeding_wrapper
+    from kvelastic.hooks.offload_setup import hook_lookup
 
     connector = attach_host_loads(scheduler, offload, patcher, runtime.settings, beside_compute=connection.async_loads)
     patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, feeding_wrapper(connector, scheduler))
+    if runtime.settings.cpu_load == "auto":
+        hook_lookup(block_pool, offload, patcher, serve_when=InFrontWhenAlone(scheduler, connector.loads))
 
 
 def _publisher(link: Any, scheduler: Any) -> Any:
