@@ -156,7 +156,9 @@ class Settings:
     #: ``auto``: ``async`` wherever the loads can finish beside compute (the cache in the engine's process, or
     #: ranks that report on the steps' replies), else ``sync``, said in the log. ``auto`` since the H200 calls
     #: of 2026-11-28: on the 1B multi-turn ``async`` led ``sync`` (1.09x against 1.04x the connector, the one
-    #: call that ran both), and on the 8B its TTFT p50 was 1.18x the connector's against 1.31x.
+    #: call that ran both), and on the 8B its TTFT p50 was 1.18x the connector's against 1.31x. Under ``auto``
+    #: a request alone in an idle engine loads in front of the step (``hooks/host_loads.InFrontWhenAlone``):
+    #: a 16k-token 8B reload took 105 ms beside compute, 72 in front (H200, 2026-11-29).
     cpu_load: str = "auto"
     cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
     #: How the asynchronous loads move: as the other copies (``same``) or through a staging buffer of their

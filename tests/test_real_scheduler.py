@@ -7,6 +7,8 @@ the steps, the invariants and the host tier's round trips are checked.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
@@ -369,6 +371,8 @@ def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_com
     beside it, the connector loads the run while it waits, and the other request's step does not wait."""
     from vllm.v1.request import RequestStatus
 
+    from kvelastic.scheduler.engine_report import StatsLog
+
     scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     drive(scheduler, [make_requests("a", 1, 320, 320, seed=0), *filler])  # a's blocks pushed to the host
@@ -394,6 +398,8 @@ def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_com
         assert out.num_scheduled_tokens["b-0"] == 320 - loaded * 16  # only what the host lacked is computed
         assert after["load_batches"] - before["load_batches"] == 1
         assert after["host_loads_async"] == before["host_loads_async"]
+    report = StatsLog(types.SimpleNamespace(pool=pool), offload).line()  # type: ignore[arg-type]
+    assert f"loads beside compute {int(company)}, in front of the step {int(not company)}," in report
     done = {r for r in out.num_scheduled_tokens
             if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
     scheduler.update_from_output(out, model_output(scheduler, out, done))

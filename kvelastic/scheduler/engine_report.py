@@ -59,9 +59,10 @@ class StatsLog:
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
-            if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async
+            if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async or auto; in front: small runs, lone requests
+                in_front = o["host_loads_sync"] + o["load_batches"]  # a lone request's lookups load as one batch
                 line += (f"; loads beside compute {o['host_loads_async']}, in front of the step "
-                         f"{o['host_loads_sync']}, failed {o['host_loads_failed']}, lookups deferred "
+                         f"{in_front}, failed {o['host_loads_failed']}, lookups deferred "
                          f"{o['host_loads_deferred']}")
             if "load_seconds" in o:  # the copies' own GPU time: what the copies cost the engine
                 line += (f"; copies on the GPU: spill {o['store_seconds']:.2f} s ({_rate(o, 'store')}), "
