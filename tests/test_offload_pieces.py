@@ -101,6 +101,7 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
         assert _values(views, block.block_id) == {i % 100 + 1}
     assert manager.counters.reloaded_blocks == n and tier.hits == n
     assert manager.runs.longest() == n  # the run's length is kept (it sizes the reserve for reloads)
+    assert manager.stats()["load_runs"] == 1  # one run in front of the step, however many pieces
     bp.free_blocks(held)
     pool.close()
 

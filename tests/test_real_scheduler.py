@@ -393,10 +393,10 @@ def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_com
     if company:
         assert "b-0" not in out.num_scheduled_tokens and b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert after["host_loads_async"] - before["host_loads_async"] == 1
-        assert after["load_batches"] == before["load_batches"]
+        assert after["load_runs"] == before["load_runs"]
     else:
         assert out.num_scheduled_tokens["b-0"] == 320 - loaded * 16  # only what the host lacked is computed
-        assert after["load_batches"] - before["load_batches"] == 1
+        assert after["load_runs"] - before["load_runs"] == 1
         assert after["host_loads_async"] == before["host_loads_async"]
     report = StatsLog(types.SimpleNamespace(pool=pool), offload).line()  # type: ignore[arg-type]
     assert f"loads beside compute {int(company)}, in front of the step {int(not company)}," in report

@@ -59,8 +59,8 @@ class StatsLog:
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
-            if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async or auto; in front: small runs, lone requests
-                in_front = o["host_loads_sync"] + o["load_batches"]  # a lone request's lookups load as one batch
+            if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async or auto
+                in_front = o["host_loads_sync"] + o["load_runs"]  # the connector's small runs; the lookups' runs (auto: a lone request)
                 line += (f"; loads beside compute {o['host_loads_async']}, in front of the step "
                          f"{in_front}, failed {o['host_loads_failed']}, lookups deferred "
                          f"{o['host_loads_deferred']}")
