@@ -111,7 +111,7 @@ def test_with_memory_to_spare_the_schedule_is_vanillas_and_every_hit_reads_its_o
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
 @pytest.mark.parametrize("cpu", [False, True], ids=["no-host-tier", "host-tier"])
 def test_under_a_tight_limit_blocks_keep_their_kv_through_eviction_and_reload(band_c_scheduler, layout, cpu):
-    settings = {"cpu_bytes": 4 * 1024 * 1024} if cpu else {}
+    settings = {"cpu_bytes": 16 * 1024 * 1024} if cpu else {}  # room for every block the test caches
     scheduler, pool, views, cache = band_c_scheduler(layout, limit_blocks=96, cache_ttl_s=0.0, **settings)
     checked: list[bool] = []
     mapped: list[int] = []
