@@ -36,6 +36,7 @@ class HostRuns:
         self.window_s = window_s
         self._clock = clock
         self.current = 0  # blocks of the run being looked up now (scheduler thread only)
+        self.ended = 0  # runs looked up to their end (scheduler thread only): each one request's prefix
         self._longest: deque[tuple[float, int]] = deque()  # (when it ended, blocks): blocks strictly falling
         self._lock = threading.Lock()
 
@@ -47,6 +48,7 @@ class HostRuns:
         """The current run ended (a GPU hit, a miss, the step's end); remember it if it had blocks."""
         blocks, self.current = self.current, 0
         if blocks:
+            self.ended += 1
             self.record(blocks)
 
     def record(self, blocks: int) -> None:

@@ -72,7 +72,6 @@ class OffloadCounters:
     reloaded_blocks: int = 0
     spill_batches: int = 0
     load_batches: int = 0
-    load_runs: int = 0  # runs of host hits loaded in front of the step: one request's prefix each
     stored_ahead_blocks: int = 0  # copied by write-through, beside the compute
     evicted_free: int = 0  # evictions that found their copy made ahead (no copy)
     store_fences: int = 0  # steps whose compute waited for a store only because its block was reused
@@ -165,13 +164,13 @@ class OffloadManager:
         tier, queue = self.tier, self.queue  # once per block looked up: locals, not attributes
         if key not in tier:
             tier.misses += 1
-            self._end_run()
+            self.runs.end()
             return None
         if self._issue_every and self._piece_due():
             self._issued_early |= self._issue_pending(block_compute=False)
         block = queue.take_block_for_load(self._matched)
         if block is None:
-            self._end_run()
+            self.runs.end()
             return None
         self.runs.hit()
         block_id = block.block_id
@@ -185,11 +184,6 @@ class OffloadManager:
         self._pending_loads.append((block_id, slot))
         return block
 
-    def _end_run(self) -> None:
-        if self.runs.current:
-            self.counters.load_runs += 1
-        self.runs.end()
-
     def _piece_due(self) -> bool:
         """Whether the pending loads go out now: a group's worth of them, in a run that is long enough."""
         return (bool(self._issue_every) and len(self._pending_loads) >= self._issue_every
@@ -198,7 +192,7 @@ class OffloadManager:
     def matched(self, block: Any) -> None:
         """The scheduler found ``block`` in the GPU prefix cache this step: never evict it for a load."""
         self._matched.add(block.block_id)
-        self._end_run()
+        self.runs.end()
 
     def flush(self) -> None:
         """Issue the pending spills, then loads, each as one batch (in that order on one stream).
@@ -210,7 +204,7 @@ class OffloadManager:
         by the last batch's fence, or by one of their own when none is left.
         """
         self._matched.clear()
-        self._end_run()
+        self.runs.end()
         waited = self._issue_pending(block_compute=True)
         early, self._issued_early = self._issued_early, False
         wt = self.write_through
@@ -318,7 +312,7 @@ class OffloadManager:
                   "host_misses": t.misses, "arc_p": t.arc_p,
                   "spilled_bytes": (c.spilled_blocks + c.stored_ahead_blocks) * size,
                   "reloaded_bytes": reloaded * size, "spill_batches": c.spill_batches,
-                  "load_batches": c.load_batches, "load_runs": c.load_runs}
+                  "load_batches": c.load_batches, "load_runs": self.runs.ended}
         values.update(self.copier.copy_times() or {})
         for part in parts:
             values.update(part)

@@ -60,7 +60,8 @@ class StatsLog:
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
             if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async or auto
-                in_front = o["host_loads_sync"] + o["load_runs"]  # the connector's small runs; the lookups' runs (auto: a lone request)
+                # in front of the step: the connector's small runs, and the runs the lookups served (auto: lone requests)
+                in_front = o["host_loads_sync"] + o["load_runs"]
                 line += (f"; loads beside compute {o['host_loads_async']}, in front of the step "
                          f"{in_front}, failed {o['host_loads_failed']}, lookups deferred "
                          f"{o['host_loads_deferred']}")
