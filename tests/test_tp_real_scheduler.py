@@ -190,7 +190,8 @@ def test_confirmations_on_the_steps_replies_keep_every_block_right_without_board
     seen: set = set()
     trace = drive_ranks_step(scheduler, ranks, waves, reports, seen)
     maps = [m for report in reports for rank in report.ranks for m in rank.maps]
-    assert len(reports) >= 3 and len(maps) >= 3 * WORLD, "the workload never needed a group mapped"
+    # How many steps the maps spread over depends on timing (on a loaded 2-core machine one step carried two).
+    assert len(reports) >= 2 and len(maps) >= 3 * WORLD, "the workload never needed a group mapped"
     assert len(seen - at_start) >= 3, "groups the ranks mapped were never adopted from their reports"
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
     assert max(ranks.mapped_bytes) <= 7 * GROUP_BYTES  # within the limit (and one group in flight)
