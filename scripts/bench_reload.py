@@ -149,6 +149,8 @@ def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | 
                              c["reloaded_bytes"] - b["reloaded_bytes"]]
     rep["cached_gpu_bytes_before_reload"] = a["cached_bytes"]
     rep["warm_bytes_before_reload"] = a["held_bytes"] - a["mapped_bytes"]  # the reserve the reload could use
+    if "pool_lock_wait_seconds" in a:  # the engine's threads waiting for the pool's lock, reload and GPU hit
+        rep["pool_lock_wait_ms"] = round((b["pool_lock_wait_seconds"] - a["pool_lock_wait_seconds"]) * 1e3, 1)
     return cached and min(rep["host_hits"]) >= args.prefix_len // block
 
 
@@ -213,7 +215,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         result["reps"].append(rep)
         times = ", ".join(f"{k} {rep[k]['wall_ms']:.1f} ms" for k in ("cold", "reload", "gpu_hit") if k in rep)
         print(f"{args.config} rep {i}{' (warmup)' if rep['warmup'] else ''}: {times}; "
-              f"identical {rep['identical']}, verified {rep['verified']}", flush=True)
+              f"identical {rep['identical']}, verified {rep['verified']}"
+              + (f", pool lock waits {rep['pool_lock_wait_ms']} ms" if "pool_lock_wait_ms" in rep else ""), flush=True)
     result["final_stats"] = kv_stats() if is_kvelastic(args.config) else None
     result["warning"] = host_tier_warning(args, block, result["final_stats"])
     return result

@@ -68,6 +68,11 @@ COUNTERS = {
     "reclaim_lapsed_waits": ("kvelastic_reclaim_lapsed_waits",
                              "Waits for the shared budget that ended without a grant: no refusal renewed the want "
                              "for its lifetime (5 s), the demand went away"),
+    "pool_lock_waits": ("kvelastic_pool_lock_waits",
+                        "Times a thread of the engine waited 1 ms or more for its page pool's lock"),
+    "pool_lock_wait_seconds": ("kvelastic_pool_lock_wait_seconds",
+                               "Seconds the engine's threads waited for its page pool's lock, in waits of 1 ms or "
+                               "more"),
     "reclaim_unserved_asks": ("kvelastic_reclaim_unserved_asks",
                               "Times other engines wanted memory back from this one and stopped wanting it before "
                               "any was released"),

@@ -14,13 +14,13 @@ asked for next, so the hot path often makes no driver call at all.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, AbstractSet, Any, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError, PoolExhausted
 from kvelastic.pool.backend import Fence, PhysicalBackend
 from kvelastic.pool.fenced_unmaps import FencedUnmaps
 from kvelastic.pool.layout import GroupLayout, PageRef, UniformLayout
+from kvelastic.pool.lock_waits import CountedLock, LockWaits
 from kvelastic.pool.parking import ParkingLot
 from kvelastic.pool.placement import PagePlacer
 from kvelastic.pool.region import Region, RegionTable
@@ -57,7 +57,7 @@ class PagePool(PoolView):
         self._reserve = source
         if zero_on_map == "fresh":
             source.watch_destroyed(self._placer.forget)
-        self._lock = threading.RLock()
+        self._lock = CountedLock()
         self._regions = RegionTable()
         self._layout: GroupLayout | None = None
         self._mapped_groups: set[int] = set()
@@ -248,6 +248,10 @@ class PagePool(PoolView):
         """
         room = self._reserve.headroom_bytes(device_free)
         return None if room is None else room + self._parking.pages * self.page_bytes
+
+    def lock_waits(self) -> LockWaits:
+        """The waits of this pool's callers for its lock so far (read without taking it)."""
+        return self._lock.waits()
 
     def stats(self) -> PoolStats:
         with self._lock:

@@ -1,0 +1,109 @@
+"""The page pool's lock counts the waits to take it; the engine's log line and metrics report them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+from kvelastic.pool.host import HostBackend
+from kvelastic.pool.lock_waits import CountedLock
+from kvelastic.pool.page_pool import PagePool
+
+PAGE = 2 * 1024 * 1024
+
+
+def hold_in_thread(lock_user, held: threading.Event) -> threading.Thread:
+    thread = threading.Thread(target=lock_user, name="holder")
+    thread.start()
+    assert held.wait(5), "the holder never took the lock"
+    return thread
+
+
+def test_taking_a_free_lock_again_and_again_counts_no_wait():
+    lock = CountedLock()
+    for _ in range(1000):
+        with lock:
+            with lock:  # re-entrant, as the pool's own calls nest
+                pass
+    assert lock.waits().count == 0 and lock.waits().longest_by == ""
+
+
+def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
+    lock = CountedLock()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(5)
+
+    thread = hold_in_thread(holder, held)
+    threading.Timer(0.05, release.set).start()
+    with lock:
+        pass
+    thread.join()
+    waits = lock.waits()
+    assert waits.count == 1 and waits.longest_by == threading.current_thread().name
+    assert 0.03 <= waits.seconds == waits.longest_s < 5
+
+
+def test_waits_under_a_millisecond_are_not_counted():
+    ticks = iter(range(1000))
+    lock = CountedLock(clock=lambda: next(ticks) * 0.0005)  # every wait reads as half a millisecond
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release.wait(5)
+
+    thread = hold_in_thread(holder, held)
+    threading.Timer(0.02, release.set).start()
+    with lock:
+        pass
+    thread.join()
+    assert lock.waits().count == 0
+
+
+class SlowPages(HostBackend):
+    """Host pages that take as long to create as a page group's driver calls under a busy engine's GIL."""
+
+    def __init__(self, creating: threading.Event):
+        super().__init__()
+        self.creating = creating
+
+    def create_page(self, nbytes: int):
+        self.creating.set()
+        time.sleep(0.03)
+        return super().create_page(nbytes)
+
+
+def test_a_step_waiting_while_the_reserve_grows_shows_in_the_log_line_and_the_metrics():
+    from kvelastic.scheduler.engine_report import MetricsPublish, StatsLog
+
+    creating = threading.Event()
+    pool = PagePool.standard(SlowPages(creating), page_bytes=PAGE)
+    try:
+        cache = types.SimpleNamespace(pool=pool, group_bytes=PAGE)
+        assert "pool lock waits" not in StatsLog(cache).line()  # type: ignore[arg-type]
+        grower = hold_in_thread(lambda: pool.grow_reserve(2), creating)  # the upkeep thread's growth
+        pool.stats()  # a step's call into the pool, behind the growth's lock
+        grower.join()
+        waits = pool.lock_waits()
+        assert waits.count == 1 and waits.longest_by == threading.current_thread().name and waits.seconds >= 0.02
+        line = StatsLog(cache).line()  # type: ignore[arg-type]
+        assert f"; pool lock waits 1 ({waits.seconds * 1e3:.0f} ms, longest " in line
+        assert line.endswith(f"by {threading.current_thread().name})")
+        queue = types.SimpleNamespace(cached_groups=lambda: 0)
+        values = MetricsPublish(None, queue, cache).snapshot()  # type: ignore[arg-type]
+        assert values["pool_lock_waits"] == 1 and values["pool_lock_wait_seconds"] == waits.seconds
+    finally:
+        pool.close()
+
+
+def test_a_pool_the_scheduler_sees_through_reports_has_no_lock_to_report():
+    from kvelastic.scheduler.engine_report import pool_lock_waits
+
+    stats = types.SimpleNamespace(mapped_bytes=0, held_bytes=0, limit_bytes=None)
+    assert pool_lock_waits(types.SimpleNamespace(pool=types.SimpleNamespace(stats=lambda: stats))) is None
