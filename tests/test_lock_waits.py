@@ -29,8 +29,8 @@ def test_taking_a_free_lock_again_and_again_counts_no_wait():
     assert lock.waits().count == 0 and lock.waits().longest_by == ""
 
 
-def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
-    lock = CountedLock()
+def wait_behind_a_holder(lock: CountedLock, hold_s: float) -> None:
+    """Take ``lock`` here while another thread holds it for about ``hold_s``."""
     held, release = threading.Event(), threading.Event()
 
     def holder() -> None:
@@ -39,10 +39,15 @@ def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
             release.wait(5)
 
     thread = hold_in_thread(holder, held)
-    threading.Timer(0.05, release.set).start()
+    threading.Timer(hold_s, release.set).start()
     with lock:
         pass
     thread.join()
+
+
+def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
+    lock = CountedLock()
+    wait_behind_a_holder(lock, 0.05)
     waits = lock.waits()
     assert waits.count == 1 and waits.longest_by == threading.current_thread().name
     assert 0.03 <= waits.seconds == waits.longest_s < 5
@@ -51,18 +56,7 @@ def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
 def test_waits_under_a_millisecond_are_not_counted():
     ticks = iter(range(1000))
     lock = CountedLock(clock=lambda: next(ticks) * 0.0005)  # every wait reads as half a millisecond
-    held, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            held.set()
-            release.wait(5)
-
-    thread = hold_in_thread(holder, held)
-    threading.Timer(0.02, release.set).start()
-    with lock:
-        pass
-    thread.join()
+    wait_behind_a_holder(lock, 0.02)
     assert lock.waits().count == 0
 
 
