@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
     from kvelastic.pool.backend import Fence
+    from kvelastic.pool.lock_waits import LockWaits
     from kvelastic.pool.stats import PoolStats
     from kvelastic.scheduler.reclaim_timing import ReclaimTiming
     from kvelastic.settings import Settings
@@ -84,6 +85,10 @@ class PoolView(Protocol):
     @abstractmethod
     def set_limit(self, limit_bytes: int | None) -> None:
         """The most bytes the pool may hold from now on (the GPU's shared account moves it at run time)."""
+
+    def lock_waits(self) -> "LockWaits | None":
+        """This process's waits for the pool's lock; None where the pool is the ranks' (tensor parallelism)."""
+        return None
 
 
 class SchedulerCache(Protocol):

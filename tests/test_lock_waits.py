@@ -96,8 +96,7 @@ def test_a_step_waiting_while_the_reserve_grows_shows_in_the_log_line_and_the_me
         pool.close()
 
 
-def test_a_pool_the_scheduler_sees_through_reports_has_no_lock_to_report():
-    from kvelastic.scheduler.engine_report import pool_lock_waits
+def test_a_pool_the_scheduler_sees_through_the_ranks_reports_has_no_lock_to_report():
+    from kvelastic.tp.sharded_cache import ShardedPoolView
 
-    stats = types.SimpleNamespace(mapped_bytes=0, held_bytes=0, limit_bytes=None)
-    assert pool_lock_waits(types.SimpleNamespace(pool=types.SimpleNamespace(stats=lambda: stats))) is None
+    assert object.__new__(ShardedPoolView).lock_waits() is None  # the ranks' pools are in their processes

@@ -59,7 +59,7 @@ def test_the_log_line_gives_the_copies_gpu_time_and_rate_where_the_copier_measur
     from kvelastic.scheduler.engine_report import StatsLog
 
     pool = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(mapped_bytes=1 << 30, held_bytes=1 << 30,
-                                                                      limit_bytes=2 << 30))
+                                                                      limit_bytes=2 << 30), lock_waits=lambda: None)
     base = {"host_bytes_used": 0, "host_hits": 3, "host_misses": 1, "spilled_bytes": 0, "reloaded_bytes": 0,
             "arc_p": 0.0}
     timed = dict(base, store_seconds=0.5, load_seconds=0.0, store_timed_bytes=20e9, load_timed_bytes=0.0)

@@ -16,7 +16,6 @@ from kvelastic.roles import SchedulerCache
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
-    from kvelastic.pool.lock_waits import LockWaits
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.metrics.metrics import StatsPublisher
     from kvelastic.scheduler.reclaim_timing import ReclaimTiming
@@ -55,7 +54,7 @@ class StatsLog:
                 f"limit {format_size(stats.limit_bytes) if stats.limit_bytes else 'none'}")
         if self.rank_held_bytes is not None:
             line += ", ranks hold " + " / ".join(format_size(b) for b in self.rank_held_bytes())
-        waits = pool_lock_waits(self.cache)
+        waits = self.cache.pool.lock_waits()
         if waits is not None and waits.count:
             line += (f"; pool lock waits {waits.count} ({waits.seconds * 1e3:.0f} ms, longest "
                      f"{waits.longest_s * 1e3:.1f} ms by {waits.longest_by})")
@@ -104,7 +103,7 @@ class MetricsPublish:
         values: dict[str, Any] = {"mapped_bytes": stats.mapped_bytes, "held_bytes": stats.held_bytes,
                                   "limit_bytes": stats.limit_bytes or 0,
                                   "cached_bytes": self.queue.cached_groups() * self.cache.group_bytes}
-        waits = pool_lock_waits(self.cache)
+        waits = self.cache.pool.lock_waits()
         if waits is not None:
             values.update(pool_lock_waits=waits.count, pool_lock_wait_seconds=waits.seconds)
         if self.offload is not None:
@@ -112,13 +111,6 @@ class MetricsPublish:
         if self.reclaim is not None:
             values.update(self.reclaim.values())
         return values
-
-
-def pool_lock_waits(cache: SchedulerCache) -> "LockWaits | None":
-    """The pool's lock waits where the pool is in this process (a :class:`~kvelastic.pool.page_pool.PagePool`);
-    None where the scheduler sees the ranks' pools through their reports (tensor parallelism)."""
-    waits = getattr(cache.pool, "lock_waits", None)
-    return waits() if callable(waits) else None
 
 
 def _rate(stats: dict[str, Any], direction: str) -> str:
