@@ -2,7 +2,7 @@
 
 The upkeep thread grows the warm reserve a page group at a time with the pool's lock held, and a map
 the scheduler waits for, or a step's call into the pool, needs the same lock. On an H200 (session 24)
-the request right after an idle engine's 16k-token reload took 30-40 ms longer in a third of the reps
+the request right after an idle engine's 16k-token reload took 15-40 ms longer in a third of the reps
 while the reserve regrew, and a bench without vLLM (``scripts/bench_grow_beside.py``) put the cost in
 the pool's calls, not on the GPU. These counts, in the engine's log line and metrics, show whether the
 engine's threads really wait there.
