@@ -190,7 +190,7 @@ def host_tier_warning(args: argparse.Namespace, block: int, stats: dict[str, Any
     if not stats.get("host_hits"):
         return "the host tier served no hit"
     block_bytes = stats["reloaded_bytes"] / stats["host_hits"]  # every hit reloads one block
-    holds = int(stats.get("host_pinned_bytes", 0) * 3 // 4 // block_bytes)  # write-through keeps a quarter
+    holds = int(policy_bytes(stats.get("host_pinned_bytes", 0), block_bytes) // block_bytes)
     if holds < per_rep * (args.reps + args.warmup):
         return (f"the host tier's policy holds {holds} blocks, the run needs about "
                 f"{per_rep * (args.reps + args.warmup)}: later reloads may miss; raise --cpu-bytes")
@@ -329,14 +329,27 @@ def default_cpu_bytes(args: argparse.Namespace) -> int:
     """16 GiB, or more where the reps' prefixes need it: the policy must never evict an earlier rep's prefix
     before its reload (nine 16k-token 8B reps missed once in 16 GiB: session 18). Sized from the model's
     ``config.json`` (K and V per layer, bf16) with a fifth to spare for the suffixes and the policy's ghosts,
-    over the three quarters of the tier that write-through (the default) leaves to the policy: eight reps
-    missed once in 20 GiB (session 24), ARC's capacity being 15 GiB of it."""
+    in the part of the tier that write-through (the default) leaves to the policy: eight reps missed once
+    in 20 GiB (session 24), ARC's capacity being 15 GiB of it."""
     config = json.loads(Path(args.model, "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
     token_bytes = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2
     tokens = (args.prefix_len + 3 * args.suffix_len + args.check_tokens) * (args.reps + args.warmup)
-    return max(16 << 30, -(-tokens * token_bytes * 6 // 5 * 4 // 3 // (1 << 30)) << 30)
+    need, gib = tokens * token_bytes * 6 // 5, 16
+    while policy_bytes(gib << 30, token_bytes * 16) < need:  # a block of 16 tokens per slot
+        gib += 1
+    return gib << 30
+
+
+def policy_bytes(tier_bytes: int, block_bytes: int) -> int:
+    """What of a host tier of ``tier_bytes`` its policy manages with the default write-through, whose share
+    for copies made ahead (:func:`kvelastic.offload.write_through.ahead_slots`) it does not."""
+    from kvelastic.offload.write_through import ahead_slots
+    from kvelastic.settings import Settings
+
+    slots = int(tier_bytes // block_bytes)
+    return (slots - ahead_slots(Settings(cpu_store="write-through"), slots, int(block_bytes))) * int(block_bytes)
 
 
 def main() -> int:

@@ -3,9 +3,9 @@
 The upkeep thread grows the warm reserve a page group at a time with the pool's lock held, and a map
 the scheduler waits for, or a step's call into the pool, needs the same lock. On an H200 (session 24)
 the request right after an idle engine's 16k-token reload took 15-40 ms longer in a third of the reps
-while the reserve regrew, and a bench without vLLM (``scripts/bench_grow_beside.py``) put the cost in
-the pool's calls, not on the GPU. These counts, in the engine's log line and metrics, show whether the
-engine's threads really wait there.
+while the reserve regrew. Off vLLM (``scripts/bench_grow_beside.py``) the growth cost the GPU's compute
+1-2 ms and a step's calls into the pool 4-6 ms, neither enough to explain it. These counts, in the
+engine's log line and metrics, show whether the engine's threads wait for the lock there.
 
 Taking the lock uncontended costs one non-blocking attempt; only a thread that must wait reads the clock.
 """
