@@ -55,7 +55,8 @@ def test_a_thread_that_waits_for_the_holder_is_counted_by_name():
 
 def test_waits_under_a_millisecond_are_not_counted():
     ticks = iter(range(1000))
-    lock = CountedLock(clock=lambda: next(ticks) * 0.0005)  # every wait reads as half a millisecond
+    # every wait reads as half a millisecond (the holder's own clock reads do not advance it)
+    lock = CountedLock(clock=lambda: 0.0 if threading.current_thread().name == "holder" else next(ticks) * 0.0005)
     wait_behind_a_holder(lock, 0.02)
     assert lock.waits().count == 0
 
@@ -88,12 +89,54 @@ def test_a_step_waiting_while_the_reserve_grows_shows_in_the_log_line_and_the_me
         assert waits.count == 1 and waits.longest_by == threading.current_thread().name and waits.seconds >= 0.02
         line = StatsLog(cache).line()  # type: ignore[arg-type]
         assert f"; pool lock waits 1 ({waits.seconds * 1e3:.0f} ms, longest " in line
-        assert line.endswith(f"by {threading.current_thread().name})")
+        me = threading.current_thread().name
+        assert f"by {me}); held long: holder in grow_reserve " in line  # the growth, named by thread and method
+        assert line.endswith(" ms behind holder in grow_reserve")  # and the step's wait behind it
+        assert f"; waited long: {me} " in line
         queue = types.SimpleNamespace(cached_groups=lambda: 0)
         values = MetricsPublish(None, queue, cache).snapshot()  # type: ignore[arg-type]
         assert values["pool_lock_waits"] == 1 and values["pool_lock_wait_seconds"] == waits.seconds
     finally:
         pool.close()
+
+
+def test_a_long_hold_is_named_by_thread_and_method_and_logged_once():
+    from kvelastic.scheduler.engine_report import StatsLog
+
+    lock = CountedLock()
+
+    def resize_slowly() -> None:
+        with lock:
+            with lock:  # nested: one hold, named by the outermost method
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=resize_slowly, name="grower")
+    thread.start()
+    thread.join()
+    with lock:
+        pass  # short: not a long hold
+    holds = lock.waits().long_holds
+    assert [h.who for h in holds] == ["grower in resize_slowly"] and 0.015 <= holds[0].seconds < 5
+    assert lock.waits().long_waits == () and lock.waits().count == 0
+
+    pool = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(mapped_bytes=0, held_bytes=0, limit_bytes=0),
+                                 lock_waits=lock.waits)
+    log = StatsLog(types.SimpleNamespace(pool=pool), period_s=0)  # type: ignore[arg-type]
+    assert "; held long: grower in resize_slowly " in log.line()
+    log.run(1.0)  # logged: the next line does not repeat it
+    assert "held long" not in log.line()
+
+
+def test_only_the_latest_long_holds_are_kept():
+    from kvelastic.pool.lock_waits import RECENT
+
+    ticks = iter(range(10_000))
+    lock = CountedLock(clock=lambda: next(ticks) * 0.01)  # every hold reads as 10 ms
+    for _ in range(RECENT + 5):
+        with lock:
+            pass
+    holds = lock.waits().long_holds
+    assert len(holds) == RECENT and holds[-1].at > holds[0].at
 
 
 def test_a_pool_the_scheduler_sees_through_the_ranks_reports_has_no_lock_to_report():

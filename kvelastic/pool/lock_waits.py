@@ -1,34 +1,53 @@
-"""The page pool's lock, with the waits to take it counted: how many, how long, and who waited longest.
+"""The page pool's lock, with the waits to take it counted, and the long holds and waits named.
 
 The upkeep thread grows the warm reserve a page group at a time with the pool's lock held, and a map
 the scheduler waits for, or a step's call into the pool, needs the same lock. On an H200 (session 24)
 the request right after an idle engine's 16k-token reload took 15-40 ms longer in a third of the reps
 while the reserve regrew. Off vLLM (``scripts/bench_grow_beside.py``) the growth cost the GPU's compute
-1-2 ms and a step's calls into the pool 4-6 ms, neither enough to explain it. These counts, in the
-engine's log line and metrics, show whether the engine's threads wait for the lock there.
+1-2 ms and a step's calls into the pool 4-6 ms, neither enough to explain it. In session 25 the counts
+showed the engine's threads waiting 16-52 ms a rep for the lock with the reserve (3-13 without), the
+longest waits the upkeep thread's; so the lock also names its recent long holds (which thread, in
+which of the pool's methods) and, for each long wait, who held the lock when it began.
 
-Taking the lock uncontended costs one non-blocking attempt; only a thread that must wait reads the clock.
+Taking the lock uncontended costs one non-blocking attempt and two clock reads for the hold.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 #: Shorter waits are not counted: a page group's driver calls take about a millisecond on an idle host.
 MIN_WAIT_S = 0.001
+#: Holds and waits at least this long are kept by name among the :data:`RECENT` latest.
+LONG_S = 0.005
+RECENT = 16
+
+
+@dataclass(frozen=True)
+class LongEvent:
+    """A hold of the lock, or a wait for it, of :data:`LONG_S` or more."""
+
+    at: float  # the lock's clock when it ended
+    seconds: float
+    who: str  # "thread in method" for a hold; the waiting thread's name for a wait
+    behind: str = ""  # a wait's holder when it began ("thread in method")
 
 
 @dataclass(frozen=True)
 class LockWaits:
-    """Waits of at least :data:`MIN_WAIT_S` since the lock was made."""
+    """Waits of at least :data:`MIN_WAIT_S` since the lock was made, and the latest long holds and waits."""
 
     count: int
     seconds: float
     longest_s: float
     longest_by: str  # the name of the thread that waited longest ("" before any wait)
+    long_holds: tuple[LongEvent, ...] = ()
+    long_waits: tuple[LongEvent, ...] = ()
 
 
 class CountedLock:
@@ -45,23 +64,46 @@ class CountedLock:
         self._seconds = 0.0
         self._longest_s = 0.0
         self._longest_by = ""
+        self._depth = 0  # the owner's nesting: only the owner changes it
+        self._held_since = 0.0
+        self._holder = ""
+        self._long_holds: deque[LongEvent] = deque(maxlen=RECENT)
+        self._long_waits: deque[LongEvent] = deque(maxlen=RECENT)
 
     def __enter__(self) -> "CountedLock":
-        if self._lock.acquire(blocking=False):
-            return self
-        start = self._clock()
-        self._lock.acquire()
-        waited = self._clock() - start
-        if waited >= MIN_WAIT_S:
-            self._count += 1
-            self._seconds += waited
-            if waited > self._longest_s:
-                self._longest_s = waited
-                self._longest_by = threading.current_thread().name
+        if not self._lock.acquire(blocking=False):
+            self._wait()
+        self._depth += 1
+        if self._depth == 1:
+            self._held_since = self._clock()
+            self._holder = f"{threading.current_thread().name} in {sys._getframe(1).f_code.co_name}"
         return self
 
+    def _wait(self) -> None:
+        behind = self._holder  # who holds it now (read racily: it names the holder of this moment)
+        start = self._clock()
+        self._lock.acquire()
+        end = self._clock()
+        waited = end - start
+        if waited < MIN_WAIT_S:
+            return
+        name = threading.current_thread().name
+        self._count += 1
+        self._seconds += waited
+        if waited > self._longest_s:
+            self._longest_s, self._longest_by = waited, name
+        if waited >= LONG_S:
+            self._long_waits.append(LongEvent(end, waited, name, behind))
+
     def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            end = self._clock()
+            held = end - self._held_since
+            if held >= LONG_S:
+                self._long_holds.append(LongEvent(end, held, self._holder))
         self._lock.release()
 
     def waits(self) -> LockWaits:
-        return LockWaits(self._count, self._seconds, self._longest_s, self._longest_by)
+        return LockWaits(self._count, self._seconds, self._longest_s, self._longest_by,
+                         tuple(self._long_holds), tuple(self._long_waits))

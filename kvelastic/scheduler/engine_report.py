@@ -16,6 +16,7 @@ from kvelastic.roles import SchedulerCache
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
+    from kvelastic.pool.lock_waits import LockWaits
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.metrics.metrics import StatsPublisher
     from kvelastic.scheduler.reclaim_timing import ReclaimTiming
@@ -38,6 +39,7 @@ class StatsLog:
         self.period_s = period_s
         self._last_log = 0.0
         self._last_line = ""
+        self._lock_events_shown = float("-inf")  # the pool lock's long holds and waits up to here are logged
 
     def run(self, now: float) -> None:
         if now - self._last_log < self.period_s:
@@ -46,6 +48,10 @@ class StatsLog:
         if line != self._last_line:
             log.info("kvelastic: %s", line)
             self._last_line = line
+            waits = self.cache.pool.lock_waits()
+            if waits is not None:
+                self._lock_events_shown = max([self._lock_events_shown]
+                                              + [e.at for e in waits.long_holds + waits.long_waits])
         self._last_log = now
 
     def line(self) -> str:
@@ -58,6 +64,8 @@ class StatsLog:
         if waits is not None and waits.count:
             line += (f"; pool lock waits {waits.count} ({waits.seconds * 1e3:.0f} ms, longest "
                      f"{waits.longest_s * 1e3:.1f} ms by {waits.longest_by})")
+        if waits is not None:
+            line += _long_lock_events(waits, self._lock_events_shown)
         if self.offload is not None:
             o = self.offload.stats()
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
@@ -111,6 +119,15 @@ class MetricsPublish:
         if self.reclaim is not None:
             values.update(self.reclaim.values())
         return values
+
+
+def _long_lock_events(waits: "LockWaits", after: float) -> str:
+    """The pool lock's long holds and waits since the last line: who held it, and who waited behind whom."""
+    holds = [f"{e.who} {e.seconds * 1e3:.1f} ms" for e in waits.long_holds if e.at > after]
+    waited = [f"{e.who} {e.seconds * 1e3:.1f} ms behind {e.behind or '?'}"
+              for e in waits.long_waits if e.at > after]
+    return ((f"; held long: {', '.join(holds)}" if holds else "")
+            + (f"; waited long: {', '.join(waited)}" if waited else ""))
 
 
 def _rate(stats: dict[str, Any], direction: str) -> str:
