@@ -139,6 +139,80 @@ def test_only_the_latest_long_holds_are_kept():
     assert len(holds) == RECENT and holds[-1].at > holds[0].at
 
 
+class SlowDriver(HostBackend):
+    """Host pages whose creation and release take as long as a page's driver calls beside a busy engine."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.started = threading.Event()
+
+    def create_page(self, nbytes: int):
+        self.started.set()
+        time.sleep(self.seconds)
+        return super().create_page(nbytes)
+
+    def release_page(self, handle) -> None:
+        self.started.set()
+        time.sleep(self.seconds)
+        super().release_page(handle)
+
+
+def wait_beside(pool: PagePool, backend: SlowDriver, work) -> tuple[float, threading.Thread]:
+    """Run ``work`` on an upkeep-like thread and, once its driver calls began, time a step's pool call."""
+    thread = threading.Thread(target=work, name="kvelastic-upkeep")
+    thread.start()
+    assert backend.started.wait(5)
+    start = time.perf_counter()
+    pool.stats()  # the step's call into the pool
+    return time.perf_counter() - start, thread
+
+
+def test_growing_the_reserve_steps_aside_for_a_thread_that_waits_for_the_lock():
+    backend = SlowDriver(0.02)
+    pool = PagePool.standard(backend, page_bytes=PAGE, park=False)
+    try:
+        start = time.perf_counter()
+        waited, grower = wait_beside(pool, backend, lambda: pool.grow_reserve(12))
+        grower.join()
+        growth = time.perf_counter() - start
+        assert growth >= 0.2  # twelve pages of 20 ms
+        assert waited < 0.1, f"the step waited {waited * 1e3:.0f} ms behind a {growth * 1e3:.0f} ms growth"
+        assert pool.stats().reserve_bytes == 12 * PAGE  # and the growth still finished
+        holds = pool.lock_waits().long_holds
+        assert len([h for h in holds if h.who == "kvelastic-upkeep in grow_reserve"]) >= 2  # it took turns
+    finally:
+        pool.close()
+
+
+def test_trimming_the_reserve_steps_aside_too_and_still_gives_every_page_back():
+    backend = SlowDriver(0.0)
+    pool = PagePool.standard(backend, page_bytes=PAGE, park=False)
+    try:
+        assert pool.grow_reserve(12) == 12
+        backend.seconds = 0.02
+        backend.started.clear()
+        waited, trimmer = wait_beside(pool, backend, lambda: pool.trim_reserve(2))
+        trimmer.join()
+        assert waited < 0.1, f"the step waited {waited * 1e3:.0f} ms behind the trim"
+        assert pool.stats().reserve_bytes == 2 * PAGE and pool.stats().held_bytes == 2 * PAGE
+    finally:
+        pool.close()
+
+
+def test_a_holder_nested_in_the_lock_never_steps_aside():
+    lock = CountedLock()
+    lock._waiters.add(-1)  # a thread waiting (a foreign ident: nothing real blocks here)
+    with lock:
+        time.sleep(0.003)  # past the shortest turn
+        assert lock.others_waiting()
+        with lock:
+            assert not lock.others_waiting()  # releasing the inner hold would not let anyone in
+    start = time.perf_counter()
+    lock.let_waiters_in(patience_s=0.02)  # the "waiter" never takes it: give up after the patience
+    assert 0.015 <= time.perf_counter() - start < 1
+
+
 def test_a_pool_the_scheduler_sees_through_the_ranks_reports_has_no_lock_to_report():
     from kvelastic.tp.sharded_cache import ShardedPoolView
 

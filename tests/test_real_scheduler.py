@@ -316,8 +316,10 @@ def test_a_reclaimer_ticking_constantly_beside_the_scheduler_breaks_nothing(patc
 
     rng = random.Random(100 + seed)
     asynchronous = seed % 2 == 1
+    # a warm reserve of two groups: a tick that grows 256 MiB of host pages in turns beside the steps lasts
+    # about as long as the drive, and this test is about many ticks
     scheduler, pool, _ = patched(limit_groups=rng.choice([3, None]), asynchronous=asynchronous, cache_ttl_s=0.0,
-                                 cpu_bytes=16 * GROUP_BYTES)
+                                 cpu_bytes=16 * GROUP_BYTES, reserve_bytes=2 * GROUP_BYTES)
     reclaimer = scheduler.kvelastic_reclaimer
     reclaimer.stop()
     ticks = []

@@ -9,6 +9,11 @@ showed the engine's threads waiting 16-52 ms a rep for the lock with the reserve
 longest waits the upkeep thread's; so the lock also names its recent long holds (which thread, in
 which of the pool's methods) and, for each long wait, who held the lock when it began.
 
+Those holds were the upkeep thread's, growing and trimming the reserve (6-20 ms a page group, 20-31 ms a
+trim) while the mapper waited. So a long holder can also step aside: :meth:`CountedLock.others_waiting`
+tells it, between two pages, that another thread waits, and :meth:`CountedLock.let_waiters_in` lets
+that thread go first before it takes the lock again.
+
 Taking the lock uncontended costs one non-blocking attempt and two clock reads for the hold.
 """
 
@@ -26,6 +31,11 @@ MIN_WAIT_S = 0.001
 #: Holds and waits at least this long are kept by name among the :data:`RECENT` latest.
 LONG_S = 0.005
 RECENT = 16
+#: A holder steps aside only once it held the lock this long, so that work done in turns still moves
+#: while another thread calls into the pool again and again (a waiter waits this, or one page, at most).
+MIN_TURN_S = 0.002
+#: How long a holder that stepped aside waits for the waiters to take the lock before it takes it again.
+STEP_ASIDE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class CountedLock:
         self._holder = ""
         self._long_holds: deque[LongEvent] = deque(maxlen=RECENT)
         self._long_waits: deque[LongEvent] = deque(maxlen=RECENT)
+        self._waiters: set[int] = set()  # threads blocked taking the lock (set.add/discard hold the GIL)
 
     def __enter__(self) -> "CountedLock":
         if not self._lock.acquire(blocking=False):
@@ -81,8 +92,13 @@ class CountedLock:
 
     def _wait(self) -> None:
         behind = self._holder  # who holds it now (read racily: it names the holder of this moment)
+        me = threading.get_ident()
         start = self._clock()
-        self._lock.acquire()
+        self._waiters.add(me)
+        try:
+            self._lock.acquire()
+        finally:
+            self._waiters.discard(me)
         end = self._clock()
         waited = end - start
         if waited < MIN_WAIT_S:
@@ -102,7 +118,21 @@ class CountedLock:
             held = end - self._held_since
             if held >= LONG_S:
                 self._long_holds.append(LongEvent(end, held, self._holder))
+            self._holder = ""
         self._lock.release()
+
+    def others_waiting(self) -> bool:
+        """Another thread waits for the lock, and the caller, holding it once for :data:`MIN_TURN_S` or
+        more, should let it in now."""
+        return (bool(self._waiters) and self._depth == 1
+                and self._clock() - self._held_since >= MIN_TURN_S)
+
+    def let_waiters_in(self, patience_s: float = STEP_ASIDE_S) -> None:
+        """Called without the lock: return once the threads waiting for it have taken it (or after
+        ``patience_s``), so that the caller's next ``with`` queues behind them instead of winning the race."""
+        deadline = time.monotonic() + patience_s
+        while self._waiters and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
     def waits(self) -> LockWaits:
         return LockWaits(self._count, self._seconds, self._longest_s, self._longest_by,

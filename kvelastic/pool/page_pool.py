@@ -14,7 +14,7 @@ asked for next, so the hot path often makes no driver call at all.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AbstractSet, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from kvelastic.errors import PoolClosedError, PoolError, PoolExhausted
 from kvelastic.pool.backend import Fence, PhysicalBackend
@@ -26,6 +26,7 @@ from kvelastic.pool.placement import PagePlacer
 from kvelastic.pool.region import Region, RegionTable
 from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
 from kvelastic.pool.stats import PoolStats, StatisticsSource
+from kvelastic.pool.warm_pages import WarmPages
 from kvelastic.roles import PoolView
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 DEFAULT_PAGE_BYTES = 2 * 1024 * 1024
 
 
-class PagePool(PoolView):
+class PagePool(WarmPages, PoolView):
     """Tensors over reserved virtual memory, backed page group by page group.
 
     The scheduler side sees it through the :class:`~kvelastic.roles.PoolView` role.
@@ -214,41 +215,6 @@ class PagePool(PoolView):
             self._collect_locked(wait=False)
             return self.stats().over_limit_bytes
 
-    def grow_reserve(self, pages: int) -> int:
-        """Create up to ``pages`` warm pages ahead of demand, within the limit; return how many.
-
-        Then park the warm pages (new and recycled) at the lowest unmapped
-        groups they fill whole, so mapping those groups later costs no driver
-        call. Call it off the hot path; ``grow_reserve(0)`` only parks.
-        """
-        with self._lock:
-            self._check_open()
-            added = self._reserve.grow(pages)
-            self._park_locked()
-            return added
-
-    def trim_reserve(self, keep_pages: int = 0) -> int:
-        """Give warm pages (parked ones included) beyond ``keep_pages`` back to the device."""
-        with self._lock:
-            parked = self._parking.pages
-            if parked > keep_pages:
-                self._unpark_locked(parked - keep_pages)
-            return self._reserve.trim(max(0, keep_pages - self._parking.pages))
-
-    def parked_groups(self) -> frozenset[int]:
-        """Unmapped groups whose pages are mapped ahead (counted as warm reserve, not as mapped)."""
-        with self._lock:
-            return self._parking.groups()
-
-    def headroom_estimate(self, device_free: int | None) -> int | None:
-        """Bytes that could be mapped now; lock-free, for hot paths that tolerate a stale answer.
-
-        The warm reserve plus what every limit in the stack and ``device_free``
-        (a recent reading of the device's free bytes, or None) still allow.
-        """
-        room = self._reserve.headroom_bytes(device_free)
-        return None if room is None else room + self._parking.pages * self.page_bytes
-
     def lock_waits(self) -> LockWaits:
         """The waits of this pool's callers for its lock so far (read without taking it)."""
         return self._lock.waits()
@@ -364,28 +330,6 @@ class PagePool(PoolView):
             except PoolExhausted:
                 self._unmap_pages(adopted)
                 raise
-
-    def _park_locked(self) -> int:
-        """Map the reserve's spare pages at the lowest unmapped groups they fill whole."""
-        spare = self._reserve.cached_pages
-        if not spare or not self._park:
-            return 0
-        layout = self.layout
-        chosen = self._parking.choose(layout, spare, lambda g: self._live_pages(layout, g),
-                                      lambda g, ref: g not in self._mapped_groups and ref not in self._handles)
-        refs = [ref for _, group_refs in chosen for ref in group_refs]
-        if not refs:
-            return 0
-        self._place(refs, self._reserve.acquire(len(refs)))
-        for group, group_refs in chosen:
-            self._parking.park(group, group_refs)
-        return len(refs)
-
-    def _unpark_locked(self, count: int | None = None, keep: AbstractSet[PageRef] = frozenset()) -> int:
-        """Unmap parked groups (highest first) until ``count`` pages are back in the reserve (None: all)."""
-        refs = self._parking.evict(count, keep=keep)
-        self._unmap_pages(refs)
-        return len(refs)
 
     def _collect_locked(self, wait: bool) -> int:
         """Unmap pages whose fence has passed."""

@@ -86,18 +86,20 @@ class ParkingLot:
                     strays.append(ref)
         return strays
 
-    def evict(self, count: int | None = None, keep: AbstractSet[PageRef] = frozenset()) -> list[PageRef]:
-        """Forget the highest parked groups until ``count`` pages are freed (None: all); return their pages.
-
-        Groups holding a page in ``keep`` stay parked.
+    def evict(self, count: int | None = None, keep: AbstractSet[PageRef] = frozenset(),
+              max_groups: int | None = None) -> list[PageRef]:
+        """Forget the highest parked groups until ``count`` pages are freed (None: all), or
+        ``max_groups`` groups went; return their pages. Groups holding a page in ``keep`` stay parked.
         """
         freed: list[PageRef] = []
+        gone = 0
         for group in sorted(self._groups, reverse=True):
-            if count is not None and len(freed) >= count:
+            if (count is not None and len(freed) >= count) or (max_groups is not None and gone >= max_groups):
                 break
             if keep and any(ref in keep for ref in self._groups[group]):
                 continue
             for ref in self._groups.pop(group):
                 del self._owner[ref]
                 freed.append(ref)
+            gone += 1
         return freed

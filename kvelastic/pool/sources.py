@@ -37,6 +37,10 @@ from kvelastic.units import format_size
 DestroyedListener = Callable[[list[Any]], None]
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class SourceReport:
     """What the layers of a stack know about its pages, each layer filling in its own fields."""
@@ -250,8 +254,9 @@ class ReserveSource(PageAdaptor):
     def outstanding_bytes(self) -> int:
         return self._outstanding
 
-    def grow(self, pages: int) -> int:
-        """Create up to ``pages`` more pages ahead of demand; stop quietly at any limit."""
+    def grow(self, pages: int, *, stop: Callable[[], bool] = _never) -> int:
+        """Create up to ``pages`` more pages ahead of demand; stop quietly at any limit, or after
+        any page once ``stop()`` says so (the pool's lock is wanted elsewhere: the caller resumes)."""
         added = 0
         while added < pages:
             try:
@@ -259,13 +264,22 @@ class ReserveSource(PageAdaptor):
             except PoolExhausted:
                 break
             added += 1
+            if stop():
+                break
         return added
 
-    def trim(self, keep_pages: int) -> int:
-        """Give cached pages beyond ``keep_pages`` back upstream; return how many went."""
+    def trim(self, keep_pages: int, *, stop: Callable[[], bool] = _never) -> int:
+        """Give cached pages beyond ``keep_pages`` back upstream; return how many went. With ``stop``
+        they go a page at a time, until ``stop()`` says so after one."""
         surplus = max(0, len(self._cached) - keep_pages)
-        if surplus:
-            self.upstream.release([self._cached.pop() for _ in range(surplus)])
+        if stop is _never:
+            if surplus:
+                self.upstream.release([self._cached.pop() for _ in range(surplus)])
+            return surplus
+        for gone in range(1, surplus + 1):
+            self.upstream.release([self._cached.pop()])
+            if stop():
+                return gone
         return surplus
 
     def _trim_excess(self) -> None:
