@@ -198,3 +198,43 @@ def test_a_refused_map_after_adopting_parked_pages_gives_them_back():
     finally:
         pool.close()
     assert pool.leak_report() == []
+
+
+class RunCountingHostBackend(CountingHostBackend):
+    """Also counts the runs: on CUDA each is one access call and one zero-fill."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def map_runs(self, runs, page_bytes, *, zero):
+        self.runs += len(runs)
+        super().map_runs(runs, page_bytes, zero=zero)
+
+
+@pytest.mark.parametrize("batch_groups, runs", [(4, 3), (1, 12)])
+def test_parking_in_turns_maps_neighbouring_small_groups_as_one_run(monkeypatch, batch_groups, runs):
+    """Parking steps aside between batches of groups; within a batch each tensor's pages of neighbouring
+    groups map as one run, so small groups (the 1B shape's) do not cost an access call each."""
+    import kvelastic.pool.warm_pages as warm_pages
+
+    monkeypatch.setattr(warm_pages, "PARK_BATCH_BYTES", batch_groups * 3 * SMALL_PAGE)  # 3 tensors: 3 pages a group
+    backend = RunCountingHostBackend()
+    pool = PagePool.standard(backend, page_bytes=SMALL_PAGE)
+    try:
+        tensors = [pool.add_tensor(8 * SMALL_PAGE) for _ in range(3)]  # kept: a dropped tensor's region goes
+        assert pool.grow_reserve(12) == 12  # four groups of three pages
+        assert pool.parked_groups() == {0, 1, 2, 3}
+        assert backend.runs == runs  # one batch: a run of 4 pages per tensor; a group a batch: 12 runs of 1
+        assert all(torch.count_nonzero(t[:4 * SMALL_PAGE]) == 0 for t in tensors)  # mapped, and zeroed
+    finally:
+        pool.close()
+
+
+def test_batches_of_groups_hold_about_the_pages_asked_and_at_least_one_group():
+    from kvelastic.pool.warm_pages import _batches
+
+    groups = [(g, [PageRef(0, g), PageRef(1, g)]) for g in range(5)]  # two pages each
+    assert [[g for g, _ in b] for b in _batches(groups, 4)] == [[0, 1], [2, 3], [4]]
+    assert [[g for g, _ in b] for b in _batches(groups, 1)] == [[0], [1], [2], [3], [4]]  # a group over the size
+    assert _batches([], 4) == []

@@ -18,6 +18,26 @@ from kvelastic.pool.parking import ParkingLot
 from kvelastic.pool.sources import ReserveSource
 
 
+#: Groups parked in one batch of driver calls when parking in turns. Neighbouring groups' pages in
+#: one tensor map as one run (one access call and one zero-fill), so a batch of a few small groups
+#: (the 1B shape's are 32 MiB) makes fewer calls than one group at a time; the 8B shape's groups
+#: (256 MiB) go one by one.
+PARK_BATCH_BYTES = 128 * 1024 * 1024
+
+
+def _batches(chosen: list[tuple[int, list[PageRef]]], pages: int) -> list[list[tuple[int, list[PageRef]]]]:
+    """``chosen`` groups cut into batches of about ``pages`` pages (at least one group each)."""
+    batches: list[list[tuple[int, list[PageRef]]]] = []
+    size = pages  # start a new batch at the first group
+    for group in chosen:
+        if size >= pages:
+            batches.append([])
+            size = 0
+        batches[-1].append(group)
+        size += len(group[1])
+    return batches
+
+
 class WarmPages:
     """Grows, trims and parks the pool's warm reserve (the pool's attributes, declared below)."""
 
@@ -91,14 +111,14 @@ class WarmPages:
 
     def _park_locked(self, stop: Callable[[], bool] | None = None) -> int:
         """Map the reserve's spare pages at the lowest unmapped groups they fill whole; with ``stop``,
-        a group at a time until ``stop()`` says so after one."""
+        a batch of groups (:data:`PARK_BATCH_BYTES`) at a time until ``stop()`` says so after one."""
         spare = self._reserve.cached_pages
         if not spare or not self._park:
             return 0
         layout = self.layout
         chosen = self._parking.choose(layout, spare, lambda g: self._live_pages(layout, g),
                                       lambda g, ref: g not in self._mapped_groups and ref not in self._handles)
-        batches = [chosen] if stop is None else [[one] for one in chosen]
+        batches = [chosen] if stop is None else _batches(chosen, max(1, PARK_BATCH_BYTES // self.page_bytes))
         parked = 0
         for batch in batches:
             refs = [ref for _, group_refs in batch for ref in group_refs]
