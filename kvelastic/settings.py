@@ -119,6 +119,10 @@ class Settings:
     #: run reloaded in the last minute (0: off). On an H100 it took a busy engine's 16k-token 8B reload from
     #: 84 to 64 ms (docs/offload.md, item 6).
     reserve_host_runs_bytes: int = 2048 * MIB
+    #: Most bytes the warm reserve grows by per upkeep tick (four a second) while requests run; between
+    #: requests it grows at once. On an H200 (session 25) 2 GiB grown at once beside the request after a
+    #: 16k-token reload cost that request 15-40 ms in a third of the reps; 256 MiB a tick, none.
+    reserve_busy_step_bytes: int = 256 * MIB
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     cpu_bytes: int | None = None
@@ -290,6 +294,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "limit_bytes": ("KVELASTIC_LIMIT", _size),
     "reserve_bytes": ("KVELASTIC_RESERVE", lambda n, t: parse_size(t, name=n)),
     "reserve_host_runs_bytes": ("KVELASTIC_RESERVE_HOST_RUNS", lambda n, t: parse_size(t, name=n)),
+    "reserve_busy_step_bytes": ("KVELASTIC_RESERVE_BUSY_STEP", _size),
     "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),

@@ -407,3 +407,11 @@ def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_com
     scheduler.update_from_output(out, model_output(scheduler, out, done))
     drive(scheduler, [[]])  # the rest, to the end
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 20
+
+
+def test_the_reserves_busy_step_reaches_the_engines_upkeep(patched):
+    from kvelastic.scheduler.reclaimer import WarmReserve
+
+    scheduler, _, _ = patched(reserve_busy_step_bytes=3 * GROUP_BYTES)
+    warm = next(job for job in scheduler.kvelastic_reclaimer.jobs if isinstance(job, WarmReserve))
+    assert warm.busy_step_bytes == 3 * GROUP_BYTES

@@ -36,11 +36,13 @@ TTL = 100.0
 RUN = 2 * BLOCKS_PER_GROUP + 5  # a run over three groups
 
 
-def make_engine(*, cap_bytes: int = 8 * GROUP_BYTES, limit_groups: int | None = None, wrap_device=None) -> Engine:
+def make_engine(*, cap_bytes: int = 8 * GROUP_BYTES, limit_groups: int | None = None, wrap_device=None,
+                **env: str) -> Engine:
     pool, views, cache = build_cache(limit_groups, wrap_device=wrap_device)
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
-    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_RESERVE_HOST_RUNS": str(cap_bytes)})
+    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_RESERVE_HOST_RUNS": str(cap_bytes),
+                                  **env})
     tier, copier = local_host_tier(cache, settings)
     manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
     return Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, tier=tier, manager=manager,
@@ -52,7 +54,7 @@ def upkeep(engine: Engine, *, reserve_pages: int = 1, account=None) -> UpkeepThr
     if account is None:
         return engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=TTL,
                              reserve_bytes=reserve_pages * PAGE, offload=engine.manager, reloads=reloads,
-                             clock=engine.clock)
+                             reserve_busy_step_bytes=engine.settings.reserve_busy_step_bytes, clock=engine.clock)
     jobs = [CacheReclaim(engine.queue, engine.cache, cache_ttl_s=TTL, account=account),
             WarmReserve(engine.queue, engine.cache, reserve_pages=reserve_pages, cache_ttl_s=TTL,
                         reloads=reloads, account=account)]
@@ -280,21 +282,18 @@ def test_regrowing_the_reserve_takes_the_pools_lock_one_page_group_at_a_time(mon
     close(engine)
 
 
-def test_while_requests_run_the_reserve_grows_a_chunk_a_tick_and_between_them_the_rest(monkeypatch):
+def test_while_requests_run_the_reserve_grows_a_step_a_tick_and_between_them_the_rest():
     """2 GiB grown at once beside a running request cost it 15-40 ms on an H200 (session 25) with no lock
-    wait to show for it: while blocks are being allocated the tick grows one chunk, and the first tick
-    after the engine's last allocation grows what is missing."""
+    wait to show for it: while blocks are being allocated the tick grows ``KVELASTIC_RESERVE_BUSY_STEP``,
+    and the first tick after the engine's last allocation grows what is missing."""
     import time
 
-    import kvelastic.pool.reserve_growth as growth_module
     import kvelastic.scheduler.reclaimer as reclaimer_module
 
-    engine = make_engine()
+    chunk = GROUP_PAGES // 2
+    engine = make_engine(KVELASTIC_RESERVE_BUSY_STEP=str(chunk * PAGE))
     reclaimer = upkeep(engine)
     a_run_reloaded_and_given_back(engine)
-    chunk = GROUP_PAGES // 2
-    for module in (growth_module, reclaimer_module):
-        monkeypatch.setattr(module, "GROW_CHUNK_BYTES", chunk * PAGE)
     start = time.monotonic()
     engine.bp.free_blocks(engine.bp.get_new_blocks(1))  # a running request's allocation
     assert engine.queue.last_allocation >= start

@@ -161,6 +161,13 @@ def test_zero_is_no_limit_size(variable):
         Settings.from_env({variable: "0"})
 
 
+def test_the_reserves_busy_step_is_a_size_above_zero():
+    assert Settings.from_env({}).reserve_busy_step_bytes == 256 * 1024 * 1024
+    assert Settings.from_env({"KVELASTIC_RESERVE_BUSY_STEP": "1GiB"}).reserve_busy_step_bytes == 1 << 30
+    with pytest.raises(ConfigError, match="KVELASTIC_RESERVE_BUSY_STEP='0' must be larger than zero"):
+        Settings.from_env({"KVELASTIC_RESERVE_BUSY_STEP": "0"})
+
+
 def test_reserve_and_prefetch_may_be_zero():
     settings = Settings.from_env({"KVELASTIC_RESERVE": "0", "KVELASTIC_PREFETCH": "0GiB"})
     assert settings.reserve_bytes == 0 and settings.prefetch_bytes == 0

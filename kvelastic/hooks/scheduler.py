@@ -89,7 +89,8 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     _wake_for_idle_work(scheduler, patcher, connection.idle_work())
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
-                              reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
+                              reserve_bytes=settings.reserve_bytes,
+                              reserve_busy_step_bytes=settings.reserve_busy_step_bytes, offload=offload, link=link,
                               publisher=_publisher(link, scheduler),
                               rank_held_bytes=connection.rank_held_bytes,
                               after_tick=runtime.retire_unused_pools,

@@ -100,7 +100,7 @@ class CacheReclaim:
         queue.shrink_by(groups_for(over, self.cache))
 
 
-#: A block allocated this recently means requests are running: the reserve grows a chunk (256 MiB) a tick.
+#: A block allocated this recently means requests are running: the reserve grows ``busy_step_bytes`` a tick.
 PACED_WITHIN_S = 0.25
 
 
@@ -123,7 +123,8 @@ class WarmReserve:
     not while the mapper has maps queued or running: each call holds the pool's lock, and a map may be
     what the scheduler waits for (a reload's own groups on an idle engine, the next request's first
     group after a reload used the reserve). What it did not grow, the next tick does. While requests
-    run (a block allocated within :data:`PACED_WITHIN_S`) it grows one chunk (256 MiB) a tick: on an H200
+    run (a block allocated within :data:`PACED_WITHIN_S`) it grows ``busy_step_bytes`` a tick
+    (``KVELASTIC_RESERVE_BUSY_STEP``, 256 MiB by default; None: a growth chunk): on an H200
     (session 25) 2 GiB grown at once beside the request after a 16k reload cost that request 15-40 ms
     in a third of the reps although no engine thread waited for the pool's lock (its driver calls
     beside the engine's launches, not established which part); between requests it grows at once.
@@ -132,7 +133,8 @@ class WarmReserve:
     under_scheduler_lock = False
 
     def __init__(self, queue: "PageAwareFreeQueue", cache: SchedulerCache, *, reserve_pages: int,
-                 cache_ttl_s: float, reloads: "ReloadReserve | None" = None, account: AccountSync | None = None):
+                 cache_ttl_s: float, reloads: "ReloadReserve | None" = None, account: AccountSync | None = None,
+                 busy_step_bytes: int | None = None):
         self.queue = queue
         self.cache = cache
         self.reserve_pages = reserve_pages
@@ -140,6 +142,7 @@ class WarmReserve:
         self.reloads = reloads
         self.account = account
         self._last_target = reserve_pages
+        self.busy_step_bytes = busy_step_bytes
 
     def target_pages(self, now: float) -> int:
         """Pages to keep warm while busy: ``reserve_pages``, or enough for a recent host run if more."""
@@ -164,7 +167,8 @@ class WarmReserve:
         room = pool.headroom_estimate(self.cache.device_room())  # counts the warm pages too
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
-        if now - self.queue.last_allocation < PACED_WITHIN_S:  # requests are running: a chunk a tick
-            missing = min(missing, max(1, GROW_CHUNK_BYTES // pool.page_bytes))
+        if now - self.queue.last_allocation < PACED_WITHIN_S:  # requests are running: a step a tick
+            step = GROW_CHUNK_BYTES if self.busy_step_bytes is None else self.busy_step_bytes
+            missing = min(missing, max(1, step // pool.page_bytes))
         # which also parks warm pages at the groups mapped next; no chunk while maps are queued
         grow_in_chunks(pool, max(0, missing), wait_for=self.queue.mapper.busy)
