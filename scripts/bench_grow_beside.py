@@ -10,6 +10,12 @@ the driver directly, no vLLM: a stand-in forward pass (``--kernels`` matmuls, la
 one as eager mode does, or replayed from a CUDA graph as vLLM's decode does) is timed step by
 step while another thread grows ``--total-mib`` in groups, against the same steps alone.
 
+Session 24 found 1-2 ms per 2 GiB with those steps, while in the engine the request beside the growth
+lost 15-40 ms (and none once the growth was paced, session 25). Their matmuls keep the GPU busy with
+work queued ahead, which would hide a growth that holds up the host's launches; the ``tiny`` rows
+(``--tiny-kernels``) make the step the launches themselves, and their ``noop calls`` growth makes as
+many driver calls of no weight, to tell the driver's work from the GIL's round trips.
+
     python scripts/bench_grow_beside.py --json $OUT/grow_beside.json
 """
 
@@ -40,9 +46,12 @@ class Grower:
         self.handles: list[int] = []
         self.group_ms: list[float] = []
 
-    def grow(self, *, zero: bool, create: bool = True, map_pages: bool = True) -> None:
+    def grow(self, *, zero: bool, create: bool = True, map_pages: bool = True, noop_calls: int = 0) -> None:
+        """``noop_calls``: instead, that many trivial driver calls a page (the GIL's round trips alone)."""
         for g in range(self.groups):
             t = time.perf_counter()
+            for _ in range(self.layers * noop_calls):
+                self.backend._driver.cuDriverGetVersion()
             handles = [self.backend.create_page(self.page) for _ in range(self.layers)] if create else []
             self.handles += handles
             if map_pages and handles:
@@ -63,15 +72,21 @@ class Grower:
             self.backend.free_address(address, self.groups * self.page)
 
 
-def make_step(kernels: int, size: int, graph: bool) -> Callable[[], None]:
-    """A stand-in forward pass: ``kernels`` bf16 matmuls of ``size``, eager or one graph replay."""
+def make_step(kernels: int, size: int, graph: bool, tiny: bool = False) -> Callable[[], None]:
+    """A stand-in forward pass: ``kernels`` bf16 matmuls of ``size``, eager or one graph replay. ``tiny``:
+    ``kernels`` launches of a kernel on a few KiB instead, so the step is the host launching them (as a
+    short prefill's or a decode's eager parts are), and anything that holds up launches shows in full."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)
+    small = torch.zeros(1024, device="cuda")
 
     def eager() -> None:
         for _ in range(kernels):
-            torch.mm(a, b, out=out)
+            if tiny:
+                small.add_(1.0)
+            else:
+                torch.mm(a, b, out=out)
 
     if not graph:
         return eager
@@ -198,6 +213,8 @@ def main() -> None:
     parser.add_argument("--page-mib", type=int, default=8)
     parser.add_argument("--kernels", type=int, default=300, help="matmuls per stand-in step")
     parser.add_argument("--size", type=int, default=2048)
+    parser.add_argument("--tiny-kernels", type=int, default=2000,
+                        help="launches per launch-bound step (rows 'tiny'; 0: none, as in session 24)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--python-ms", type=float, default=3.0, help="pure-Python work per pool step")
     parser.add_argument("--map-every", type=int, default=2, help="pool steps between two group maps")
@@ -208,8 +225,13 @@ def main() -> None:
              "create only": {"zero": False, "map_pages": False}}
     results: dict = {"args": vars(args), "device": torch.cuda.get_device_name()}
     print(f"{'step':8} {'growth':16} {'alone':>7} {'beside':>7} {'max':>7} {'grow ms':>8} {'extra ms':>9} {'n':>4}")
-    for mode in ("eager", "graph"):
-        step = make_step(args.kernels, args.size, graph=mode == "graph")
+    modes = ["eager", "graph"] + (["tiny"] if args.tiny_kernels else [])
+    for mode in modes:
+        if mode == "tiny":  # launch-bound steps; the same driver calls as a growth, but trivial ones, too
+            step = make_step(args.tiny_kernels, args.size, graph=False, tiny=True)
+            cases["noop calls"] = {"zero": False, "create": False, "noop_calls": 4}
+        else:
+            step = make_step(args.kernels, args.size, graph=mode == "graph")
         step_ms(step, 5)
         for name, how in cases.items():
             r = one_case(backend, step, args, how)
