@@ -127,6 +127,24 @@ def test_a_long_hold_is_named_by_thread_and_method_and_logged_once():
     assert "held long" not in log.line()
 
 
+def test_a_long_hold_that_ends_while_a_line_is_logged_is_in_the_next_line():
+    from kvelastic.pool.lock_waits import LockWaits, LongEvent
+    from kvelastic.scheduler.engine_report import StatsLog
+
+    first, second = LongEvent(1.0, 0.01, "a in grow_reserve"), LongEvent(2.0, 0.02, "b in trim_reserve")
+    readings = [LockWaits(0, 0.0, 0.0, "", (first,)), LockWaits(0, 0.0, 0.0, "", (first, second))]
+
+    def lock_waits() -> LockWaits:  # the first reading, then the second hold ended: every later reading
+        return readings.pop(0) if len(readings) > 1 else readings[0]
+
+    pool = types.SimpleNamespace(stats=lambda: types.SimpleNamespace(mapped_bytes=0, held_bytes=0, limit_bytes=0),
+                                 lock_waits=lock_waits)
+    log = StatsLog(types.SimpleNamespace(pool=pool), period_s=0)  # type: ignore[arg-type]
+    log.run(1.0)  # its line shows the first hold; the second ends after that reading
+    line = log.line()
+    assert "b in trim_reserve 20.0 ms" in line and "a in grow_reserve" not in line
+
+
 def test_only_the_latest_long_holds_are_kept():
     from kvelastic.pool.lock_waits import RECENT
 

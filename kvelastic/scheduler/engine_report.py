@@ -40,6 +40,7 @@ class StatsLog:
         self._last_log = 0.0
         self._last_line = ""
         self._lock_events_shown = float("-inf")  # the pool lock's long holds and waits up to here are logged
+        self._lock_events_in_line = self._lock_events_shown  # ... and up to here are in the last line built
 
     def run(self, now: float) -> None:
         if now - self._last_log < self.period_s:
@@ -48,10 +49,7 @@ class StatsLog:
         if line != self._last_line:
             log.info("kvelastic: %s", line)
             self._last_line = line
-            waits = self.cache.pool.lock_waits()
-            if waits is not None:
-                self._lock_events_shown = max([self._lock_events_shown]
-                                              + [e.at for e in waits.long_holds + waits.long_waits])
+            self._lock_events_shown = self._lock_events_in_line
         self._last_log = now
 
     def line(self) -> str:
@@ -64,8 +62,10 @@ class StatsLog:
         if waits is not None and waits.count:
             line += (f"; pool lock waits {waits.count} ({waits.seconds * 1e3:.0f} ms, longest "
                      f"{waits.longest_s * 1e3:.1f} ms by {waits.longest_by})")
-        if waits is not None:
+        if waits is not None:  # the events this line shows, from the same reading (a later one may hold more)
             line += _long_lock_events(waits, self._lock_events_shown)
+            self._lock_events_in_line = max([self._lock_events_shown]
+                                            + [e.at for e in waits.long_holds + waits.long_waits])
         if self.offload is not None:
             o = self.offload.stats()
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
