@@ -109,25 +109,24 @@ class WarmPages:
         room = self._reserve.headroom_bytes(device_free)
         return None if room is None else room + self._parking.pages * self.page_bytes
 
-    def _park_locked(self, stop: Callable[[], bool] | None = None) -> int:
-        """Map the reserve's spare pages at the lowest unmapped groups they fill whole; with ``stop``,
-        a batch of groups (:data:`PARK_BATCH_BYTES`) at a time until ``stop()`` says so after one."""
+    def _park_locked(self, stop: Callable[[], bool]) -> int:
+        """Map the reserve's spare pages at the lowest unmapped groups they fill whole, a batch of
+        groups (:data:`PARK_BATCH_BYTES`) at a time until ``stop()`` says so after one."""
         spare = self._reserve.cached_pages
         if not spare or not self._park:
             return 0
         layout = self.layout
         chosen = self._parking.choose(layout, spare, lambda g: self._live_pages(layout, g),
                                       lambda g, ref: g not in self._mapped_groups and ref not in self._handles)
-        batches = [chosen] if stop is None else _batches(chosen, max(1, PARK_BATCH_BYTES // self.page_bytes))
         parked = 0
-        for batch in batches:
+        for batch in _batches(chosen, max(1, PARK_BATCH_BYTES // self.page_bytes)):
             refs = [ref for _, group_refs in batch for ref in group_refs]
             if refs:
                 self._place(refs, self._reserve.acquire(len(refs)))
             for group, group_refs in batch:
                 self._parking.park(group, group_refs)
             parked += len(refs)
-            if stop is not None and stop():
+            if stop():
                 break
         return parked
 
