@@ -10,8 +10,8 @@ the dev HTTP route with vLLM's exception handlers, and the in-process ``LLMEngin
 Only the transport (ZMQ sockets) and the GPU workers (the executor) are stood in for.
 
 What must hold: the caller gets kvelastic's message; nothing was reset, discarded or
-unmapped (the executor never sees ``discard``, the mapped pages and the prefix cache are
-as before); the engine goes on serving and its next wave hits the prefix cache exactly as
+given back (the executor never sees ``discard``, the pool holds as many pages and the prefix
+cache as many blocks as before); the engine goes on serving and its next wave hits the prefix cache exactly as
 a vanilla scheduler's does. vLLM's own method, run the same way, resets the cache: that is
 what the refusal is told apart from.
 """
@@ -38,7 +38,7 @@ from tests.scheduler_harness import cached_blocks_are_all_mapped, drive, make_re
 from tests.test_band_c_patches import patcher_for  # noqa: E402
 from tests.test_single_backing_scheduler import band_c_scheduler  # noqa: E402, F401 (a fixture)
 
-IDLE_FOREVER = 3600.0  # no idle page is unmapped during a test: any unmapping would be the call's
+IDLE_FOREVER = 3600.0  # no cached block expires during a test: any page given back would be the call's
 REFUSED = "kvelastic: release_kv_cache_memory is not supported"
 
 pytestmark = pytest.mark.skipif(not release_kv_cache_refusal.PATCH.claims(installed_vllm_version()),
@@ -120,14 +120,17 @@ def test_refused_through_the_engine_core_with_nothing_reset_discarded_or_unmappe
     proc = engine_core(scheduler, executor)
     first = drive(scheduler, [wave("a")])
     assert utility(proc, "sleep", 0, "keep").failure_message is None  # the pause the call requires
-    cached, mapped = prefix_cache_of(scheduler), pool.stats().mapped_bytes
-    assert cached > 0 and mapped > 0
+    cached, held = prefix_cache_of(scheduler), pool.stats().held_bytes
+    assert cached > 0 and held > 0
 
     answer = utility(proc, "release_kv_cache_memory")
     assert answer.failure_message.startswith("Call to release_kv_cache_memory method failed: " + REFUSED)
     assert ("discard", ("kv_cache",)) not in executor.calls
     assert prefix_cache_of(scheduler) == cached and cached_blocks_are_all_mapped(scheduler, pool)
-    assert pool.stats().mapped_bytes >= mapped  # the mapper may map ahead; nothing was unmapped
+    # The call gave nothing back. Held, not mapped: the mapper may map ahead, or still be retiring
+    # a group the wave left empty, whose pages move from mapped to the warm reserve, both held
+    # (CI saw mapped fall by one such group while held stayed equal).
+    assert pool.stats().held_bytes >= held
     assert utility(proc, "is_scheduler_paused").result.result is True  # the pause is the user's to end
 
     assert utility(proc, "wake_up", ["scheduling"]).result.result is True
@@ -214,13 +217,13 @@ def test_the_http_endpoint_answers_with_kvelastics_message_and_the_engine_serves
     app.state.args = Namespace(log_error_stack=False)
     http = TestClient(app, raise_server_exceptions=False)
     assert http.post("/sleep", params={"level": 0, "mode": "keep"}).status_code == 200
-    mapped = pool.stats().mapped_bytes
+    held = pool.stats().held_bytes
 
     refused = http.post("/release_kv_cache_memory")
     assert refused.status_code == 500
     assert REFUSED in refused.json()["error"]["message"]
     assert ("discard", ("kv_cache",)) not in executor.calls
-    assert cached_blocks_are_all_mapped(scheduler, pool) and pool.stats().mapped_bytes >= mapped
+    assert cached_blocks_are_all_mapped(scheduler, pool) and pool.stats().held_bytes >= held  # as above
     assert http.get("/is_sleeping").json() == {"is_sleeping": True}
     assert http.post("/wake_up", params={"tags": "scheduling"}).json()["status"] == "awake"
     assert not scheduler.has_requests() and drive(scheduler, [wave("b")])
