@@ -9,6 +9,8 @@ import types
 from kvelastic.pool.host import HostBackend
 from kvelastic.pool.lock_waits import CountedLock
 from kvelastic.pool.page_pool import PagePool
+from kvelastic.pool.sources import DeviceSource, LimitedSource, ReserveSource
+from kvelastic.pool.stats import StatisticsSource
 
 PAGE = 2 * 1024 * 1024
 
@@ -176,6 +178,12 @@ class SlowDriver(HostBackend):
         super().release_page(handle)
 
 
+def slow_pool(backend: SlowDriver) -> PagePool:
+    """A pool whose reserve grows and trims two pages per call upstream (two slow driver calls a turn)."""
+    device = StatisticsSource(DeviceSource(backend, PAGE))
+    return PagePool(backend, ReserveSource(LimitedSource(device), batch_bytes=2 * PAGE), park=False)
+
+
 def wait_beside(pool: PagePool, backend: SlowDriver, work) -> tuple[float, threading.Thread]:
     """Run ``work`` on an upkeep-like thread and, once its driver calls began, time a step's pool call."""
     thread = threading.Thread(target=work, name="kvelastic-upkeep")
@@ -188,13 +196,13 @@ def wait_beside(pool: PagePool, backend: SlowDriver, work) -> tuple[float, threa
 
 def test_growing_the_reserve_steps_aside_for_a_thread_that_waits_for_the_lock():
     backend = SlowDriver(0.02)
-    pool = PagePool.standard(backend, page_bytes=PAGE, park=False)
+    pool = slow_pool(backend)
     try:
         start = time.perf_counter()
         waited, grower = wait_beside(pool, backend, lambda: pool.grow_reserve(12))
         grower.join()
         growth = time.perf_counter() - start
-        assert growth >= 0.2  # twelve pages of 20 ms
+        assert growth >= 0.2  # twelve pages of 20 ms, in six calls of two
         assert waited < 0.1, f"the step waited {waited * 1e3:.0f} ms behind a {growth * 1e3:.0f} ms growth"
         assert pool.stats().reserve_bytes == 12 * PAGE  # and the growth still finished
         holds = pool.lock_waits().long_holds
@@ -205,7 +213,7 @@ def test_growing_the_reserve_steps_aside_for_a_thread_that_waits_for_the_lock():
 
 def test_trimming_the_reserve_steps_aside_too_and_still_gives_every_page_back():
     backend = SlowDriver(0.0)
-    pool = PagePool.standard(backend, page_bytes=PAGE, park=False)
+    pool = slow_pool(backend)
     try:
         assert pool.grow_reserve(12) == 12
         backend.seconds = 0.02

@@ -149,3 +149,36 @@ def test_fresh_zeroing_refuses_a_root_that_cannot_report_destroyed_pages():
 def test_the_device_layer_checks_the_page_size_against_the_backend():
     with pytest.raises(PoolError, match="not a positive multiple of the host granularity"):
         DeviceSource(HostBackend(), 1000)
+
+
+class CallsSeen(LimitedSource):
+    """A limit that also notes the size of every call it gets (pages per acquire, per release)."""
+
+    def __init__(self, upstream: PageSource, limit_bytes: int | None = None):
+        super().__init__(upstream, limit_bytes)
+        self.acquires: list[int] = []
+        self.releases: list[int] = []
+
+    def acquire(self, count: int, *, force: bool = False) -> list:
+        self.acquires.append(count)
+        return super().acquire(count, force=force)
+
+    def release(self, handles: list) -> None:
+        self.releases.append(len(handles))
+        super().release(handles)
+
+
+def test_the_reserve_grows_and_trims_a_batch_per_call_and_still_reaches_the_limits_last_page():
+    """One call upstream per batch (a shared account's file transaction each), not one per page."""
+    backend = HostBackend()
+    calls = CallsSeen(DeviceSource(backend, PAGE), 11 * PAGE)
+    reserve = ReserveSource(calls, batch_bytes=4 * PAGE)
+    assert reserve.grow(20) == 11
+    assert calls.acquires == [4, 4, 4, 2, 2, 1, 1]  # a refused batch halves, down to the last page
+    assert calls.outstanding_bytes == 11 * PAGE
+
+    turns = iter([False, True])
+    assert reserve.trim(2, stop=lambda: next(turns)) == 8  # in turns: a batch between two looks
+    assert calls.releases == [4, 4]
+    assert reserve.trim(0) == 3 and calls.releases == [4, 4, 3]  # at once: one call
+    assert calls.outstanding_bytes == 0

@@ -37,6 +37,12 @@ from kvelastic.units import format_size
 DestroyedListener = Callable[[list[Any]], None]
 
 
+#: What the warm reserve creates or gives back per call upstream while it grows or trims in turns:
+#: one account transaction per batch, and a few driver calls (4 pages of 8 MiB) between two looks
+#: at a thread waiting for the pool's lock.
+BATCH_BYTES = 32 * 1024 * 1024
+
+
 def _never() -> bool:
     return False
 
@@ -223,12 +229,17 @@ class ReserveSource(PageAdaptor):
     Warm pages never keep the stack above a cap: whenever its upstream is over
     one (a release, a lowered limit), the reserve gives pages back until it is
     not, or until it has none left.
+
+    It grows and trims ``batch_bytes`` of pages per call upstream, not a page
+    per call: a layer may cost as much for one page as for many (a shared
+    account's file transaction is the same for 2 MiB as for 32).
     """
 
-    def __init__(self, upstream: PageSource):
+    def __init__(self, upstream: PageSource, *, batch_bytes: int = BATCH_BYTES):
         super().__init__(upstream)
         self._cached: deque[Any] = deque()
         self._outstanding = 0
+        self.batch_pages = max(1, batch_bytes // self.page_bytes)
         self.hits = 0
         self.misses = 0
 
@@ -255,32 +266,40 @@ class ReserveSource(PageAdaptor):
         return self._outstanding
 
     def grow(self, pages: int, *, stop: Callable[[], bool] = _never) -> int:
-        """Create up to ``pages`` more pages ahead of demand; stop quietly at any limit, or after
-        any page once ``stop()`` says so (the pool's lock is wanted elsewhere: the caller resumes)."""
-        added = 0
+        """Create up to ``pages`` more pages ahead of demand, :attr:`batch_pages` per request upstream.
+
+        Stops quietly at any limit: a refused batch is halved down to one page
+        first, so growth still ends at the limit's last page. ``stop()`` may end
+        it after any batch (the pool's lock is wanted elsewhere: the caller resumes).
+        """
+        added, batch = 0, self.batch_pages
         while added < pages:
+            count = min(batch, pages - added)
             try:
-                self._cached.extend(self.upstream.acquire(1))
+                self._cached.extend(self.upstream.acquire(count))
             except PoolExhausted:
-                break
-            added += 1
+                if count == 1:
+                    break
+                batch = count // 2
+                continue
+            added += count
             if stop():
                 break
         return added
 
     def trim(self, keep_pages: int, *, stop: Callable[[], bool] = _never) -> int:
         """Give cached pages beyond ``keep_pages`` back upstream; return how many went. With ``stop``
-        they go a page at a time, until ``stop()`` says so after one."""
+        they go :attr:`batch_pages` at a time, until ``stop()`` says so after a batch."""
         surplus = max(0, len(self._cached) - keep_pages)
-        if stop is _never:
-            if surplus:
-                self.upstream.release([self._cached.pop() for _ in range(surplus)])
-            return surplus
-        for gone in range(1, surplus + 1):
-            self.upstream.release([self._cached.pop()])
+        batch = surplus if stop is _never else self.batch_pages
+        gone = 0
+        while gone < surplus:
+            count = min(batch, surplus - gone)
+            self.upstream.release([self._cached.pop() for _ in range(count)])
+            gone += count
             if stop():
-                return gone
-        return surplus
+                break
+        return gone
 
     def _trim_excess(self) -> None:
         excess = self.upstream.excess_bytes()
