@@ -18,7 +18,8 @@ suite() {
     shift 3
     bash scripts/install_band.sh "$venv" "$torch" "$vllm"  # checks the versions it got, too
     echo "== kvelastic tests against vLLM $vllm (torch $torch)"
-    KVELASTIC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q "$@"
+    # --durations: CI's log names the slowest tests of each band (CI has 90 minutes for all three).
+    KVELASTIC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q --durations=12 "$@"
     # CI keeps one venv (5-9 GB) on disk at a time.
     if [ "${KVELASTIC_DROP_VENVS:-0}" = 1 ]; then rm -rf "$venv"; fi
 }
