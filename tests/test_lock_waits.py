@@ -195,14 +195,14 @@ def wait_beside(pool: PagePool, backend: SlowDriver, work) -> tuple[float, threa
 
 
 def test_growing_the_reserve_steps_aside_for_a_thread_that_waits_for_the_lock():
-    backend = SlowDriver(0.02)
+    backend = SlowDriver(0.015)
     pool = slow_pool(backend)
     try:
         start = time.perf_counter()
         waited, grower = wait_beside(pool, backend, lambda: pool.grow_reserve(12))
         grower.join()
         growth = time.perf_counter() - start
-        assert growth >= 0.2  # twelve pages of 20 ms, in six calls of two
+        assert growth >= 0.18  # twelve pages of 15 ms, in six calls of two
         assert waited < 0.1, f"the step waited {waited * 1e3:.0f} ms behind a {growth * 1e3:.0f} ms growth"
         assert pool.stats().reserve_bytes == 12 * PAGE  # and the growth still finished
         holds = pool.lock_waits().long_holds
@@ -216,7 +216,7 @@ def test_trimming_the_reserve_steps_aside_too_and_still_gives_every_page_back():
     pool = slow_pool(backend)
     try:
         assert pool.grow_reserve(12) == 12
-        backend.seconds = 0.02
+        backend.seconds = 0.015
         backend.started.clear()
         waited, trimmer = wait_beside(pool, backend, lambda: pool.trim_reserve(2))
         trimmer.join()
