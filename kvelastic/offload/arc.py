@@ -44,15 +44,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Iterator
 
-from kvelastic.offload.policy import (
-    AllPinnedError,
-    EvictCallback,
-    EvictionPolicy,
-    KeyPinnedError,
-    NotResidentError,
-    PinCounts,
-    check_capacity,
-)
+from kvelastic.offload.policy import AllPinnedError, EvictCallback, PinnedPolicy
 
 _NO_KEY = object()  # "no victim": keys may legitimately be None
 
@@ -68,24 +60,18 @@ class ARCState:
     b2: tuple[Hashable, ...]
 
 
-class ARC(EvictionPolicy):
+class ARC(PinnedPolicy):
     """ARC over ``capacity`` resident keys, with pins, removal and an evict callback."""
 
     def __init__(self, capacity: int, on_evict: EvictCallback = None) -> None:
-        self._c = check_capacity(capacity)
+        super().__init__(capacity, on_evict)
         self._p = 0.0
         self._t1: OrderedDict[Hashable, None] = OrderedDict()
         self._t2: OrderedDict[Hashable, None] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
-        self._pins = PinCounts()
-        self._on_evict = on_evict
 
     # ------------------------------------------------------------------ views
-
-    @property
-    def capacity(self) -> int:
-        return self._c
 
     @property
     def p(self) -> float:
@@ -110,7 +96,7 @@ class ARC(EvictionPolicy):
 
     def grow(self, capacity: int) -> None:
         """A larger c keeps every invariant (each bound only loosens) and p stays within [0, c]."""
-        self._c = max(self._c, check_capacity(capacity))
+        super().grow(capacity)
 
     def snapshot(self) -> ARCState:
         """Copy of ``p`` and the four lists, for tests and debugging (O(c))."""
@@ -125,22 +111,9 @@ class ARC(EvictionPolicy):
     def resident_keys(self) -> Iterator[Hashable]:
         return iter((*self._t1, *self._t2))
 
-    # ------------------------------------------------------------------- pins
+    # ---------------------------------------------------------------- removal
 
-    def pin(self, key: Hashable) -> None:
-        if key not in self:
-            raise NotResidentError(f"cannot pin {key!r}: not resident")
-        self._pins.pin(key)
-
-    def unpin(self, key: Hashable) -> None:
-        self._pins.unpin(key)
-
-    def is_pinned(self, key: Hashable) -> bool:
-        return key in self._pins
-
-    def remove(self, key: Hashable) -> bool:
-        if key in self._pins:
-            raise KeyPinnedError(f"cannot remove {key!r}: pinned")
+    def _drop(self, key: Hashable) -> bool:
         for resident in (self._t1, self._t2):
             if key in resident:
                 del resident[key]

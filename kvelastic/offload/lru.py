@@ -11,32 +11,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
-from kvelastic.offload.policy import (
-    AllPinnedError,
-    EvictCallback,
-    EvictionPolicy,
-    KeyPinnedError,
-    NotResidentError,
-    PinCounts,
-    check_capacity,
-)
+from kvelastic.offload.policy import AllPinnedError, EvictCallback, PinnedPolicy
 
 
-class LRU(EvictionPolicy):
+class LRU(PinnedPolicy):
     """LRU over ``capacity`` resident keys, with pins, removal and an evict callback."""
 
     def __init__(self, capacity: int, on_evict: EvictCallback = None) -> None:
-        self._c = check_capacity(capacity)
+        super().__init__(capacity, on_evict)
         self._keys: OrderedDict[Hashable, None] = OrderedDict()  # LRU first
-        self._pins = PinCounts()
-        self._on_evict = on_evict
-
-    @property
-    def capacity(self) -> int:
-        return self._c
-
-    def grow(self, capacity: int) -> None:
-        self._c = max(self._c, check_capacity(capacity))
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
@@ -48,20 +31,7 @@ class LRU(EvictionPolicy):
         """Resident keys, least recently used first (a snapshot)."""
         return iter(tuple(self._keys))
 
-    def pin(self, key: Hashable) -> None:
-        if key not in self._keys:
-            raise NotResidentError(f"cannot pin {key!r}: not resident")
-        self._pins.pin(key)
-
-    def unpin(self, key: Hashable) -> None:
-        self._pins.unpin(key)
-
-    def is_pinned(self, key: Hashable) -> bool:
-        return key in self._pins
-
-    def remove(self, key: Hashable) -> bool:
-        if key in self._pins:
-            raise KeyPinnedError(f"cannot remove {key!r}: pinned")
+    def _drop(self, key: Hashable) -> bool:
         if key in self._keys:
             del self._keys[key]
             return True

@@ -163,3 +163,43 @@ class EvictionPolicy(ABC):
     def peek(self, key: Hashable) -> bool:
         """True if ``key`` is resident; unlike ``request`` it changes nothing."""
         return key in self
+
+
+class PinnedPolicy(EvictionPolicy):
+    """What ARC and LRU share: a capacity that only grows, pins counted per key, the evict callback.
+
+    A subclass keeps its resident keys its own way and answers
+    ``__contains__`` and :meth:`_drop` (forget a resident key) for them.
+    """
+
+    def __init__(self, capacity: int, on_evict: EvictCallback = None) -> None:
+        self._c = check_capacity(capacity)
+        self._pins = PinCounts()
+        self._on_evict = on_evict
+
+    @property
+    def capacity(self) -> int:
+        return self._c
+
+    def grow(self, capacity: int) -> None:
+        self._c = max(self._c, check_capacity(capacity))
+
+    def pin(self, key: Hashable) -> None:
+        if key not in self:
+            raise NotResidentError(f"cannot pin {key!r}: not resident")
+        self._pins.pin(key)
+
+    def unpin(self, key: Hashable) -> None:
+        self._pins.unpin(key)
+
+    def is_pinned(self, key: Hashable) -> bool:
+        return key in self._pins
+
+    def remove(self, key: Hashable) -> bool:
+        if key in self._pins:
+            raise KeyPinnedError(f"cannot remove {key!r}: pinned")
+        return self._drop(key)
+
+    @abstractmethod
+    def _drop(self, key: Hashable) -> bool:
+        """Forget ``key`` if it is resident (no callback); False if it was not."""
