@@ -22,48 +22,14 @@ JSON::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import threading
 import time
-from typing import Any
 
-from kvelastic.pool import HostBackend, PagePool
+from kvelastic.pool import PagePool
+from pool_bench_parts import PythonBusy, backend_for, print_table, write_json  # beside this file
 
 MIB = 1024 * 1024
-
-
-class PythonBusy:
-    """A thread running pure Python until it leaves (the stand-in for vLLM's busy loop)."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stand-in-busy-loop", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for i in range(2000):
-                total += i * i
-
-    def __enter__(self) -> "PythonBusy":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def backend_for(name: str) -> Any:
-    if name == "host":
-        return HostBackend()
-    import torch
-
-    from kvelastic.pool.cuda import CudaBackend
-
-    return CudaBackend(torch.cuda.current_device())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -122,19 +88,15 @@ def main() -> None:
                 else:
                     with PythonBusy():
                         result = measure(args)
-                rows.append({"switch_interval_s": interval, "beside": beside, **result})
+                rows.append({"switch_interval_s": interval, "switch_ms": interval * 1e3, "beside": beside, **result})
     finally:
         sys.setswitchinterval(default_interval)
-    print(f"{args.tensors} tensors of {args.page_mib} MiB pages on {args.backend}: group maps x{rows[0]['maps']}, "
-          f"growth of {args.grow_mib} MiB x{args.reps}")
-    print(f"{'switch ms':>9} {'beside':<12} {'map p50':>8} {'map p99':>8} {'map max':>8} {'grow p50':>9}")
-    for r in rows:
-        print(f"{r['switch_interval_s'] * 1e3:>9.1f} {r['beside']:<12} {r['map_median_ms']:>8.2f} "
-              f"{r['map_p99_ms']:>8.2f} {r['map_max_ms']:>8.2f} {r['grow_median_ms']:>9.1f}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"args": vars(args), "results": rows}, out, indent=1)
-
+    columns = [("switch ms", "switch_ms", ">9.1f"), ("beside", "beside", "<12"), ("map p50", "map_median_ms", ">8.2f"),
+               ("map p99", "map_p99_ms", ">8.2f"), ("map max", "map_max_ms", ">8.2f"),
+               ("grow p50", "grow_median_ms", ">9.1f")]
+    print_table(f"{args.tensors} tensors of {args.page_mib} MiB pages on {args.backend}: group maps "
+                f"x{rows[0]['maps']}, growth of {args.grow_mib} MiB x{args.reps}", columns, rows)
+    write_json(args.json, args, rows)
 
 if __name__ == "__main__":
     main()
