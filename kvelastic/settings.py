@@ -41,6 +41,14 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
+def _switch_interval(name: str, text: str) -> float:
+    value = _seconds(name, text)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{name}={text!r} must be above 0 and at most 1 second (for example 0.001); "
+                          f"unset, Python keeps its own (0.005)")
+    return value
+
+
 def _chunk(name: str, text: str) -> int:
     value = parse_size(text, name=name)
     if value <= 0 or value % (2 * MIB):
@@ -125,6 +133,12 @@ class Settings:
     reserve_busy_step_bytes: int = 256 * MIB
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
+    #: Python's thread switch interval in the processes that hold a KV pool (None: Python's own, 5 ms).
+    #: Their mapper and upkeep threads make runs of driver calls, each of which must win the GIL back from
+    #: vLLM's busy loop; CPython hands it over after at most this long (docs/pool.md: on a CPU a group map's
+    #: p99 went from 0.75 ms alone to 170 ms beside a Python-busy thread at 5 ms, 33 ms at 1 ms). Not yet
+    #: measured in an engine on a GPU.
+    switch_interval_s: float | None = None
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
     #: ``auto``: the copy engines for runs of blocks where a block's pieces are 32 KiB or wider, the direct
@@ -297,6 +311,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "reserve_busy_step_bytes": ("KVELASTIC_RESERVE_BUSY_STEP", _size),
     "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
+    "switch_interval_s": ("KVELASTIC_SWITCH_INTERVAL", _switch_interval),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
     "copy_path": ("KVELASTIC_COPY_PATH", _choice("auto", "direct", "staged", "fused", "runs")),

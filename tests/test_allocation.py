@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import gc
+import sys
 import types
 
 import pytest
@@ -277,6 +278,18 @@ def test_a_replaced_pool_whose_tensors_live_is_kept(runtime):
     assert old.leak_report() == []
     with pytest.raises(PoolClosedError):
         old.add_tensor(CHUNK)
+
+
+def test_the_process_that_makes_a_pool_takes_the_configured_switch_interval():
+    """Where the pool's threads run, they win the GIL back sooner (KVELASTIC_SWITCH_INTERVAL); unset, as Python has it."""
+    before = sys.getswitchinterval()
+    try:
+        Runtime(Settings(enabled=True), backend_factory=HostBackend).new_pool().close()
+        assert sys.getswitchinterval() == before
+        Runtime(Settings(enabled=True, switch_interval_s=0.0007), backend_factory=HostBackend).new_pool().close()
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
 
 
 # ------------------------------------------------------------------- capacity

@@ -205,6 +205,14 @@ def test_bad_switches_name_the_variable(variable, text):
     assert "use 1 or 0" in message
 
 
+def test_the_switch_interval_is_seconds_above_zero_and_at_most_one():
+    assert Settings().switch_interval_s is None  # unset: Python's own
+    assert Settings.from_env({"KVELASTIC_SWITCH_INTERVAL": "0.001"}).switch_interval_s == 0.001
+    for text in ("0", "2", "-0.001", "1ms", "inf"):
+        with pytest.raises(ConfigError, match="KVELASTIC_SWITCH_INTERVAL"):
+            Settings.from_env({"KVELASTIC_SWITCH_INTERVAL": text})
+
+
 @pytest.mark.parametrize("text, expected", [("10", 10.0), ("0.5", 0.5), ("0", 0.0), ("1e3", 1000.0),
                                             (" 30 ", 30.0)])
 def test_cache_ttl_seconds(text, expected):

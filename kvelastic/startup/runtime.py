@@ -9,6 +9,7 @@ cache created at allocation, and what the scheduler needs to find them.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -100,12 +101,23 @@ class Runtime:
         from kvelastic.pool import DeviceSource, LimitedSource, PagePool, ReserveSource, StatisticsSource
 
         backend = self.backend_factory()
+        self._set_switch_interval()
         budget = SharedBudgetSource(StatisticsSource(DeviceSource(backend, self.settings.chunk_bytes)))
         pool = PagePool(backend, ReserveSource(LimitedSource(budget)), zero_on_map="fresh")
         with self._lock:
             self._pools.append(EnginePool(pool, budget))
         self._allocating.pool = pool
         return pool
+
+    def _set_switch_interval(self) -> None:
+        """``KVELASTIC_SWITCH_INTERVAL`` in this process, whose pool's threads (the mapper, the
+        upkeep) win the GIL back from vLLM's busy loop after each driver call (docs/pool.md)."""
+        wanted = self.settings.switch_interval_s
+        if wanted is None or sys.getswitchinterval() == wanted:
+            return
+        sys.setswitchinterval(wanted)
+        log.info("kvelastic: Python's thread switch interval is %g ms in this process (KVELASTIC_SWITCH_INTERVAL)",
+                 sys.getswitchinterval() * 1e3)
 
     def allocation_pool(self) -> "PagePool | None":
         """The pool the current thread's allocation went to, if any."""
