@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_session.sh overhead # 8B: vanilla against kvelastic at 8 MiB chunks, 150 long prompts
 #   bash benchmarks/gpu_session.sh copy     # no vLLM needed: the GPU tests, then copier bandwidth per copy path
 #   bash benchmarks/gpu_session.sh growth   # no vLLM needed: does regrowing 2 GiB of warm reserve hold up a map or the kernels?
+#   bash benchmarks/gpu_session.sh gil      # no vLLM needed: the pool's driver calls beside a thread running Python, per switch interval
 #   bash benchmarks/gpu_session.sh copy-beside  # no vLLM needed: what stores and async loads cost the compute beside them, per path
 #   bash benchmarks/gpu_session.sh offload  # issue 4: multi-turn (vanilla, connector LRU and ARC, kvelastic)
 #   bash benchmarks/gpu_session.sh offload-paired  # issue 16: multi-turn, all engines up at once, rounds in turn (paired ratios)
@@ -149,6 +150,12 @@ copy-beside)  # issue 16: session 21's write-through slowed turn 0 by 4-13 %: SM
 growth)  # issue 16: session 19's slow GPU hits after a busy reload; one call vs chunks (about 1 min)
     mkdir -p "$W/growth"
     python3 scripts/bench_reserve_growth.py --json "$W/growth/reserve_growth.json" 2>&1 | tee "$W/growth.log" ;;
+gil)  # issue 16, session 26's CPU lead (docs/pool.md): the driver's maps and growth beside a thread running Python,
+    # per switch interval, and the shared account's cost to growth, a page a call against batches (no vLLM; about 2 min)
+    mkdir -p "$W/gil"
+    python3 scripts/bench_gil_convoy.py --backend cuda --page-mib 8 --json "$W/gil/gil_convoy.json" 2>&1 | tee "$W/gil.log"
+    python3 scripts/bench_account_pages.py --backend cuda --page-mib 8 --json "$W/gil/account_pages.json" 2>&1 \
+        | tee -a "$W/gil.log" ;;
 offload)  # about 7 min on an H100 (4 engines: start-up, 16 GiB pinned, 1 warm-up + 3 measured rounds)
     python3 scripts/bench_multiturn.py --outdir "$W/multiturn" --json "$W/multiturn/multiturn.json" \
         ${MULTITURN_ARGS:-} 2>&1 | tee "$W/multiturn.log" ;;
