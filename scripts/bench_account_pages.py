@@ -105,11 +105,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    directory = tempfile.mkdtemp(prefix="kvelastic-bench-")
-    os.chmod(directory, 0o700)
-    os.environ["KVELASTIC_SHARED_DIR"] = directory  # the account's scope: a private directory of this run
-    results = [run_config(name, beside, args, directory)
-               for beside in (False, True) for name in ("no-account", "page-a-call", "batched")]
+    with tempfile.TemporaryDirectory(prefix="kvelastic-bench-") as directory:  # mode 0700
+        os.environ["KVELASTIC_SHARED_DIR"] = directory  # the account's scope: a private directory of this run
+        results = [run_config(name, beside, args, directory)
+                   for beside in (False, True) for name in ("no-account", "page-a-call", "batched")]
     columns = [("config", "config", "<12"), ("beside", "beside", "<12"), ("batch", "batch_pages", ">5d"), ("grow ms", "grow_ms", ">8.2f"),
                ("trim ms", "trim_ms", ">8.2f"), ("grow tx", "grow_transactions", ">8.0f"),
                ("trim tx", "trim_transactions", ">8.0f")]
