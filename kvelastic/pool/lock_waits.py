@@ -11,7 +11,7 @@ which of the pool's methods) and, for each long wait, who held the lock when it 
 
 Those holds were the upkeep thread's, growing and trimming the reserve (6-20 ms a page group, 20-31 ms a
 trim) while the mapper waited. So a long holder can also step aside: :meth:`CountedLock.others_waiting`
-tells it, between two pages, that another thread waits, and :meth:`CountedLock.let_waiters_in` lets
+tells it, between two batches of pages, that another thread waits, and :meth:`CountedLock.let_waiters_in` lets
 that thread go first before it takes the lock again.
 
 Taking the lock uncontended costs one non-blocking attempt and two clock reads for the hold.

@@ -2,10 +2,11 @@
 
 Part of :class:`~kvelastic.pool.page_pool.PagePool` (a base class of it, kept apart for size): it
 reads and writes the pool's books under the pool's lock. Growing and trimming are the upkeep
-thread's work, never urgent, and run in turns: between two pages (or two parked groups) they step
-aside for a thread that waits for the lock, a map the scheduler may be waiting for. On an H200
-(session 25) a 256 MiB chunk of growth held the lock 6-20 ms and a trim 20-31 ms beside a busy
-engine, and the mapper waited behind them; in turns it waits for one page's driver calls.
+thread's work, never urgent, and run in turns: between two batches of pages
+(:data:`~kvelastic.pool.sources.BATCH_BYTES`, or two parked groups) they step aside for a thread
+that waits for the lock, a map the scheduler may be waiting for. On an H200 (session 25) a 256 MiB
+chunk of growth held the lock 6-20 ms and a trim 20-31 ms beside a busy engine, and the mapper
+waited behind them; in turns it waits for one batch's driver calls.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class WarmPages:
         groups they fill whole, so mapping those groups later costs no driver
         call. Call it off the hot path; ``grow_reserve(0)`` only parks. A thread
         that waits for the lock meanwhile (a map the scheduler waits for) goes
-        first after the page or parked group in hand (:meth:`CountedLock.others_waiting`).
+        first after the batch of pages or parked group in hand (:meth:`CountedLock.others_waiting`).
         """
         added = 0
         while True:
