@@ -81,7 +81,7 @@ class WarmPages:
 
     def trim_reserve(self, keep_pages: int = 0) -> int:
         """Give warm pages (parked ones included) beyond ``keep_pages`` back to the device, stepping
-        aside between pages (or parked groups) for threads waiting for the lock, as growth does."""
+        aside between batches of pages (or parked groups) for threads waiting for the lock, as growth does."""
         gone = 0
         while True:
             with self._lock:
