@@ -7,8 +7,8 @@ the GPU's kernels. A map the scheduler waits for (the mapper's, or a rank's
 step) needs the same lock, and would wait for all of them. Grown a chunk per
 call, with a yield between calls, it waits for about one chunk, and the total work is the same;
 and no chunk starts while the mapper has work (a reload's own maps, say). Within a chunk the pool
-itself now steps aside for a waiting thread between batches of pages (:mod:`kvelastic.pool.warm_pages`); the
-chunks still bound what one call does, and let the caller stop while the mapper is busy.
+itself now steps aside for a waiting thread between batches of pages (:mod:`kvelastic.pool.warm_pages`);
+the chunks still bound what one call does, and let the caller stop while the mapper is busy.
 """
 
 from __future__ import annotations
