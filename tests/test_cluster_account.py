@@ -19,7 +19,7 @@ from kvelastic.cluster import (AccountCorrupt, AccountFull, AccountingError, Acc
                                find_account_paths)
 from kvelastic.cluster import policy
 from kvelastic.cluster.liveness import is_alive, process_start_time
-from kvelastic.cluster.records import MemberRecord
+from kvelastic.cluster.records import RECORD_SIZE, MemberRecord, unpack_records
 from kvelastic.errors import KvelasticError, PoolExhausted
 
 FORK = multiprocessing.get_context("fork")
@@ -494,3 +494,15 @@ def test_records_round_trip_and_truncate_long_text():
     assert back.name == "n" * 64 and back.model == "é" * 80
     assert (back.pid, back.port, back.cached_bytes, back.heartbeat) == (7, 8001, 4, 2.5)
 
+
+
+def test_a_file_of_slots_reads_as_each_slot_alone_and_a_bad_pid_in_any_slot_is_refused():
+    used = {1: MemberRecord(name="a", pid=7, mapped_bytes=3), 62: MemberRecord(name="b", pid=9, port=8001)}
+    data = b"".join(used[i].pack() if i in used else MemberRecord().pack() for i in range(64))
+    whole = unpack_records(data, 64)
+    assert whole == [MemberRecord.unpack(data[i * RECORD_SIZE:(i + 1) * RECORD_SIZE], i) for i in range(64)]
+    assert [r.slot for r in whole] == list(range(64)) and [r.name for r in whole if r.used] == ["a", "b"]
+    for pid in (-1, 1 << 40):
+        bad = data[:40 * RECORD_SIZE] + MemberRecord(name="x", pid=pid).pack() + data[41 * RECORD_SIZE:]
+        with pytest.raises(AccountCorrupt, match="slot 40: pid"):
+            unpack_records(bad, 64)

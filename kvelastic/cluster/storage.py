@@ -25,7 +25,7 @@ from typing import Iterator
 
 from kvelastic.cluster.errors import (AccountBusy, AccountCorrupt, AccountNotFound, AccountNotWritable,
                                       AccountVanished)
-from kvelastic.cluster.records import HEADER_SIZE, Header, MemberRecord, RECORD_SIZE, record_offset
+from kvelastic.cluster.records import HEADER_SIZE, RECORD_SIZE, Header, MemberRecord, record_offset, unpack_records
 from kvelastic.shared.errors import LockBusy
 from kvelastic.shared.files import SafeDir
 from kvelastic.shared.locks import locked
@@ -152,8 +152,7 @@ class AccountFile:
             if st.st_size < header.file_size:
                 raise AccountCorrupt(f"{self.path} is {st.st_size} bytes, its header promises {header.file_size}")
             data = os.pread(self._fd, header.slots * RECORD_SIZE, HEADER_SIZE)
-            records = [MemberRecord.unpack(data[i * RECORD_SIZE:(i + 1) * RECORD_SIZE], i)
-                       for i in range(header.slots)]
+            records = unpack_records(data, header.slots)
         except (struct.error, UnicodeError) as error:
             raise AccountCorrupt(f"{self.path} cannot be read as an account: {error}") from None
         except AccountCorrupt as error:
