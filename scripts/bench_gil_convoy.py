@@ -12,8 +12,9 @@ Per switch interval (``--intervals``), side by side in one run: a pool like an e
 (``--tensors`` KV tensors of ``--page-mib`` pages, the warm reserve grown first so maps create
 nothing) maps ``--groups`` groups one at a time and unmaps them, ``--reps`` times, alone and
 beside a thread running pure Python back to back; then grows ``--grow-mib`` of reserve the same
-two ways. Printed as a table (median, p99 and max of the group maps; median growth), written as
-JSON::
+two ways. Printed as a table (median, p99 and max of the group maps; median growth; ``busy kept``:
+the busy thread's pace beside the pool's work against its pace alone at that interval, what the
+interval costs the busy loop), written as JSON::
 
     python scripts/bench_gil_convoy.py --json /tmp/gil_convoy.json                # host pages (CPU)
     python scripts/bench_gil_convoy.py --backend cuda --page-mib 8 --json $OUT/gil_convoy.json
@@ -22,12 +23,13 @@ JSON::
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 
 from kvelastic.pool import PagePool
-from pool_bench_parts import PythonBusy, backend_for, print_table, write_json  # beside this file
+from pool_bench_parts import PythonBusy, backend_for, busy_pace_alone, print_table, write_json  # beside this file
 
 MIB = 1024 * 1024
 
@@ -83,20 +85,25 @@ def main() -> None:
         for interval in (float(x) for x in args.intervals.split(",")):
             sys.setswitchinterval(interval)
             for beside in ("alone", "python-busy"):
+                kept = math.nan  # the busy thread's pace beside the pool's work, against its pace alone
                 if beside == "alone":
                     result = measure(args)
                 else:
-                    with PythonBusy():
+                    alone = busy_pace_alone()
+                    with PythonBusy() as busy:
                         result = measure(args)
-                rows.append({"switch_interval_s": interval, "switch_ms": interval * 1e3, "beside": beside, **result})
+                    kept = busy.units_per_s / alone
+                rows.append({"switch_interval_s": interval, "switch_ms": interval * 1e3, "beside": beside,
+                             "busy_kept": kept, **result})
     finally:
         sys.setswitchinterval(default_interval)
     columns = [("switch ms", "switch_ms", ">9.1f"), ("beside", "beside", "<12"), ("map p50", "map_median_ms", ">8.2f"),
                ("map p99", "map_p99_ms", ">8.2f"), ("map max", "map_max_ms", ">8.2f"),
-               ("grow p50", "grow_median_ms", ">9.1f")]
+               ("grow p50", "grow_median_ms", ">9.1f"), ("busy kept", "busy_kept", ">9.2f")]
     print_table(f"{args.tensors} tensors of {args.page_mib} MiB pages on {args.backend}: group maps "
                 f"x{rows[0]['maps']}, growth of {args.grow_mib} MiB x{args.reps}", columns, rows)
     write_json(args.json, args, rows)
+
 
 if __name__ == "__main__":
     main()

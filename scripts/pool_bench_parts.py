@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Sequence
 
 from kvelastic.pool import HostBackend
@@ -36,20 +37,37 @@ class PythonBusy:
     """A thread running :func:`python_unit` back to back (vLLM's busy loop, as far as the GIL can tell)."""
 
     def __init__(self) -> None:
+        self.units = 0
+        self._started = self._ended = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stand-in-busy-loop", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             python_unit()
+            self.units += 1
 
     def __enter__(self) -> "PythonBusy":
+        self._started = time.perf_counter()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._ended = time.perf_counter()
+
+    @property
+    def units_per_s(self) -> float:
+        """Its pace over its whole life (once it has ended): what the other threads left it."""
+        return self.units / max(1e-9, self._ended - self._started)
+
+
+def busy_pace_alone(seconds: float = 0.5) -> float:
+    """Units a second that :class:`PythonBusy` runs with nothing else in the process working."""
+    with PythonBusy() as busy:
+        time.sleep(seconds)
+    return busy.units_per_s
 
 
 def print_table(title: str, columns: Sequence[tuple[str, str, str]], rows: Sequence[dict[str, Any]]) -> None:

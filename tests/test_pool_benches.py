@@ -7,6 +7,7 @@ and that what they count (account transactions per configuration) is what the co
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,3 +45,5 @@ def test_bench_gil_convoy_runs_each_interval_alone_and_beside_python(tmp_path):
     assert [(r["switch_interval_s"], r["beside"]) for r in rows] == [
         (0.005, "alone"), (0.005, "python-busy"), (0.001, "alone"), (0.001, "python-busy")]
     assert all(r["maps"] == 2 and r["map_max_ms"] >= r["map_median_ms"] > 0 for r in rows)
+    assert all(math.isnan(r["busy_kept"]) for r in rows if r["beside"] == "alone")
+    assert all(r["busy_kept"] > 0 for r in rows if r["beside"] == "python-busy")  # the busy thread ran beside
