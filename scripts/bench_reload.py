@@ -24,9 +24,13 @@ cold ``P+s0`` (TTFT); ``P+s0`` with ``--check-tokens`` greedy tokens (GPU hit: t
 [off the GPU]; ``P+s1`` (reload TTFT); ``P+s2`` (GPU-hit TTFT); [off the GPU again]; ``P+s0``
 with ``--check-tokens`` tokens, served from the host/CPU tier. "identical": those tokens equal
 the reference; "1st=cold": their first token equals the cold run's (the cold run makes one
-token only, so that its wall time stays a TTFT). vanilla has no off-GPU steps. TTFT is the wall
-time of ``llm.generate`` with ``max_tokens=1`` (prefill + first token); vLLM's own first-token
-latency is recorded too. Medians over the repetitions.
+token only, so that its wall time stays a TTFT). vanilla has no off-GPU steps: where the others
+reload ``P+s1`` it idles ``--wait`` seconds (and sends ``--busy-before``'s request) and serves
+``P+s1`` from its GPU cache ("hit after idle"), the engine's own cost of a reload's request on an
+engine in that state; a reload can only add its copy to it. kvelastic's rows also give the
+reload's copies' own time on the copy stream (its copy clock). TTFT is the wall time of
+``llm.generate`` with ``max_tokens=1`` (prefill + first token); vLLM's own first-token latency is
+recorded too. Medians over the repetitions.
 
     python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
 
@@ -125,12 +129,17 @@ def off_gpu(llm: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         time.sleep(args.settle)
         moved = {"reset_ok": bool(llm.reset_prefix_cache())}
     if args.busy_before > 0:
-        rng = random.Random(seed)
-        ask(llm, [rng.randrange(1000, 100000) for _ in range(64)], 1)
-        time.sleep(args.busy_before)
+        off_gpu_busy(llm, args, seed)
     if is_kvelastic(args.config):
         moved["stats"] = kv_stats()
     return moved
+
+
+def off_gpu_busy(llm: Any, args: argparse.Namespace, seed: int) -> None:
+    """``--busy-before``: a short request of other tokens, then ``busy_before`` seconds."""
+    rng = random.Random(seed)
+    ask(llm, [rng.randrange(1000, 100000) for _ in range(64)], 1)
+    time.sleep(args.busy_before)
 
 
 def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | None:
@@ -147,6 +156,8 @@ def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | 
     rep["host_hits"] = [b["host_hits"] - a["host_hits"], c["host_hits"] - b["host_hits"]]
     rep["reloaded_bytes"] = [b["reloaded_bytes"] - a["reloaded_bytes"],
                              c["reloaded_bytes"] - b["reloaded_bytes"]]
+    if "load_seconds" in a:  # the copy stream's own time for the reload's copies (its copy clock)
+        rep["reload_copy_ms"] = round((b["load_seconds"] - a["load_seconds"]) * 1e3, 1)
     rep["cached_gpu_bytes_before_reload"] = a["cached_bytes"]
     rep["warm_bytes_before_reload"] = a["held_bytes"] - a["mapped_bytes"]  # the reserve the reload could use
     if "pool_lock_wait_seconds" in a:  # the engine's threads waiting for the pool's lock, reload and GPU hit
@@ -163,6 +174,11 @@ def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[s
     if moves:
         rep["before_reload"] = off_gpu(llm, args, seed * 2 + 1)
         rep["reload"] = ask(llm, prefix + s1, 1)
+    else:  # the floor of a reload: the same GPU hit after the idle (and busy request) kvelastic's reload meets
+        time.sleep(args.wait)
+        if args.busy_before > 0:
+            off_gpu_busy(llm, args, seed * 2 + 1)
+        rep["hit_after_idle"] = ask(llm, prefix + s1, 1)
     rep["gpu_hit"] = ask(llm, prefix + s2, 1)
     if moves:
         rep["before_check"] = off_gpu(llm, args, seed * 2 + 2)
@@ -231,10 +247,12 @@ def summarize(result: dict[str, Any], base: dict[str, Any] | None) -> dict[str, 
     reps = [r for r in result["reps"] if not r["warmup"]]
     row: dict[str, Any] = {"config": result["config"], "gpu": result["gpu"], "vllm": result["vllm"],
                            "reps": len(reps), "warning": result.get("warning")}
-    for key in ("cold", "reload", "gpu_hit"):
+    for key in ("cold", "reload", "gpu_hit", "hit_after_idle"):
         row[f"{key}_ms"] = median(reps, key)
         row[f"{key}_ttft_metric_ms"] = median(reps, key, "ttft_ms")
-    for key in ("reload", "gpu_hit"):  # the spread the median hides
+    copies = [r["reload_copy_ms"] for r in reps if r.get("reload_copy_ms") is not None]
+    row["reload_copy_ms"] = statistics.median(copies) if copies else None
+    for key in ("reload", "gpu_hit", "hit_after_idle"):  # the spread the median hides
         walls = [r[key]["wall_ms"] for r in reps if key in r and r[key]["wall_ms"] is not None]
         row[f"{key}_range_ms"] = [min(walls), max(walls)] if walls else None
     row["speedup"] = row["cold_ms"] / row["reload_ms"] if row["reload_ms"] else None
@@ -266,7 +284,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(f"{r['config']:<12} {ms(r['cold_ms']):>13} {ms(r['reload_ms']):>15} {ms(r['gpu_hit_ms']):>16} "
               f"{speedup:>8} {frac(r['identical']):>10} {frac(r['first_token_as_cold']):>9} "
               f"{frac(r['verified']):>9}")
-        for key, what in (("reload", "reload"), ("gpu_hit", "GPU hit (right after the reload)")):
+        if r.get("reload_copy_ms") is not None:
+            print(f"  {r['config']}: the reload's copies on the copy stream, median {r['reload_copy_ms']:.1f} ms")
+        for key, what in (("reload", "reload"), ("gpu_hit", "GPU hit (right after the reload)"),
+                          ("hit_after_idle", "GPU hit after the reloads' idle (the reload's floor less the copy)")):
             if r.get(f"{key}_range_ms"):
                 low, high = r[f"{key}_range_ms"]
                 print(f"  {r['config']}: {what} TTFT over {r['reps']} reps {low:.1f}-{high:.1f} ms")
