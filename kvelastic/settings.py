@@ -41,11 +41,13 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
-def _switch_interval(name: str, text: str) -> float:
+def _switch_interval(name: str, text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None  # leave Python's own (0.005 s unless the application changed it)
     value = _seconds(name, text)
     if not 0 < value <= 1:
-        raise ConfigError(f"{name}={text!r} must be above 0 and at most 1 second (for example 0.001); "
-                          f"unset, Python keeps its own (0.005)")
+        raise ConfigError(f"{name}={text!r} must be above 0 and at most 1 second (for example 0.0002), "
+                          f"or none to keep Python's own (0.005)")
     return value
 
 
@@ -135,10 +137,10 @@ class Settings:
     cache_ttl_s: float = 10.0
     #: Python's thread switch interval in the processes that hold a KV pool (None: Python's own, 5 ms).
     #: Their mapper and upkeep threads make runs of driver calls, each of which must win the GIL back from
-    #: vLLM's busy loop; CPython hands it over after at most this long (docs/pool.md: on a CPU a group map's
-    #: p99 went from 0.75 ms alone to 170 ms beside a Python-busy thread at 5 ms, 33 ms at 1 ms). Not yet
-    #: measured in an engine on a GPU.
-    switch_interval_s: float | None = None
+    #: vLLM's busy loop; CPython hands it over after at most this long. On an H200 (session 27,
+    #: docs/pool.md) a 32-tensor group map beside a Python-busy thread took 326 ms at 5 ms, 64 at 1 ms and
+    #: 14 at 0.2 ms (1.0 alone), and an idle engine's 16k-token 8B reload 80.9 ms, 68.8 and 64.6.
+    switch_interval_s: float | None = 0.0002
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
     #: ``auto``: the copy engines for runs of blocks where a block's pieces are 32 KiB or wider, the direct

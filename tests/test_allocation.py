@@ -281,11 +281,15 @@ def test_a_replaced_pool_whose_tensors_live_is_kept(runtime):
 
 
 def test_the_process_that_makes_a_pool_takes_the_configured_switch_interval():
-    """Where the pool's threads run, they win the GIL back sooner (KVELASTIC_SWITCH_INTERVAL); unset, as Python has it."""
+    """Where the pool's threads run, they win the GIL back sooner (KVELASTIC_SWITCH_INTERVAL, 0.2 ms unless
+    set); ``none`` leaves Python's as it was."""
     before = sys.getswitchinterval()
     try:
+        sys.setswitchinterval(0.005)
+        Runtime(Settings(enabled=True, switch_interval_s=None), backend_factory=HostBackend).new_pool().close()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
         Runtime(Settings(enabled=True), backend_factory=HostBackend).new_pool().close()
-        assert sys.getswitchinterval() == before
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
         Runtime(Settings(enabled=True, switch_interval_s=0.0007), backend_factory=HostBackend).new_pool().close()
         assert sys.getswitchinterval() == pytest.approx(0.0007)
     finally:
