@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import gc
+import logging
 import sys
 import types
 
@@ -295,6 +296,22 @@ def test_the_process_that_makes_a_pool_takes_the_configured_switch_interval():
     finally:
         sys.setswitchinterval(before)
 
+
+
+def test_a_switch_interval_already_in_effect_is_not_set_or_logged_again(caplog):
+    """CPython keeps whole microseconds (0.0002 reads back as 0.00019999999999999998): the next pool of
+    the process finds the default already in effect."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        runtime = Runtime(Settings(enabled=True), backend_factory=HostBackend)
+        with caplog.at_level(logging.INFO, logger="vllm.kvelastic"):
+            runtime.new_pool().close()
+            runtime.new_pool().close()
+        said = [r for r in caplog.records if "thread switch interval" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        sys.setswitchinterval(before)
 
 # ------------------------------------------------------------------- capacity
 def test_plan_capacity_defaults_limit_to_the_profiled_bytes():

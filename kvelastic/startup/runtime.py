@@ -9,6 +9,7 @@ cache created at allocation, and what the scheduler needs to find them.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 from dataclasses import dataclass
@@ -113,8 +114,8 @@ class Runtime:
         """``KVELASTIC_SWITCH_INTERVAL`` in this process, whose pool's threads (the mapper, the
         upkeep) win the GIL back from vLLM's busy loop after each driver call (docs/pool.md)."""
         wanted = self.settings.switch_interval_s
-        if wanted is None or sys.getswitchinterval() == wanted:
-            return
+        if wanted is None or math.isclose(sys.getswitchinterval(), wanted, abs_tol=1e-6):
+            return  # CPython keeps whole microseconds: 0.0002 reads back as 0.00019999999999999998
         sys.setswitchinterval(wanted)
         log.info("kvelastic: Python's thread switch interval is %g ms in this process (KVELASTIC_SWITCH_INTERVAL)",
                  sys.getswitchinterval() * 1e3)
