@@ -120,26 +120,22 @@ def kv_stats() -> dict[str, Any] | None:
 
 
 def off_gpu(llm: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit; with
-    ``--busy-before``, then a short request of other tokens ``busy_before`` seconds before the next one."""
-    if is_kvelastic(args.config):
-        time.sleep(args.wait)
-        moved: dict[str, Any] = {}
-    else:
+    """Make the next request's prefix a host-tier (kvelastic) or CPU (connector) hit; vanilla only idles
+    as long as kvelastic does (its prefix stays on the GPU). With ``--busy-before``, then a short request
+    of other tokens ``busy_before`` seconds before the next one."""
+    moved: dict[str, Any] = {}
+    if args.config == "offload-arc":
         time.sleep(args.settle)
-        moved = {"reset_ok": bool(llm.reset_prefix_cache())}
+        moved["reset_ok"] = bool(llm.reset_prefix_cache())
+    else:
+        time.sleep(args.wait)
     if args.busy_before > 0:
-        off_gpu_busy(llm, args, seed)
+        rng = random.Random(seed)
+        ask(llm, [rng.randrange(1000, 100000) for _ in range(64)], 1)
+        time.sleep(args.busy_before)
     if is_kvelastic(args.config):
         moved["stats"] = kv_stats()
     return moved
-
-
-def off_gpu_busy(llm: Any, args: argparse.Namespace, seed: int) -> None:
-    """``--busy-before``: a short request of other tokens, then ``busy_before`` seconds."""
-    rng = random.Random(seed)
-    ask(llm, [rng.randrange(1000, 100000) for _ in range(64)], 1)
-    time.sleep(args.busy_before)
 
 
 def verify(rep: dict[str, Any], args: argparse.Namespace, block: int) -> bool | None:
@@ -171,14 +167,9 @@ def run_rep(llm: Any, args: argparse.Namespace, seed: int, block: int) -> dict[s
     moves = args.config != "vanilla"
     rep: dict[str, Any] = {"seed": seed, "cold": ask(llm, prefix + s0, 1),
                            "reference": ask(llm, prefix + s0, args.check_tokens)}
-    if moves:
-        rep["before_reload"] = off_gpu(llm, args, seed * 2 + 1)
-        rep["reload"] = ask(llm, prefix + s1, 1)
-    else:  # the floor of a reload: the same GPU hit after the idle (and busy request) kvelastic's reload meets
-        time.sleep(args.wait)
-        if args.busy_before > 0:
-            off_gpu_busy(llm, args, seed * 2 + 1)
-        rep["hit_after_idle"] = ask(llm, prefix + s1, 1)
+    rep["before_reload"] = off_gpu(llm, args, seed * 2 + 1)
+    # vanilla: the floor of a reload, the same GPU hit after the idle (and busy request) the reloads meet
+    rep["reload" if moves else "hit_after_idle"] = ask(llm, prefix + s1, 1)
     rep["gpu_hit"] = ask(llm, prefix + s2, 1)
     if moves:
         rep["before_check"] = off_gpu(llm, args, seed * 2 + 2)
