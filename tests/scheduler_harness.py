@@ -159,12 +159,22 @@ def prefill(trace: list, tag: str) -> int:
     return sum(n for step in trace for rid, n in step if rid.startswith(tag + "-") and n > 1)
 
 
+def scheduler_lock(scheduler):
+    """The lock vLLM's entry points run under once patched; kvelastic's upkeep thread changes the block
+    pool (and vLLM's prefix-cache map) under it every tick, so a check between steps reads under it too."""
+    import contextlib
+
+    upkeep = getattr(scheduler, "kvelastic_reclaimer", None)
+    return upkeep.lock if upkeep is not None else contextlib.nullcontext()
+
+
 def blocks_in_use_are_all_mapped(scheduler, pool) -> bool:
     """Every block of a running or waiting request lies in a mapped group (never KV in unmapped memory)."""
     cache = scheduler.kv_cache_manager.block_pool.free_block_queue.cache
     manager = scheduler.kv_cache_manager
-    ids = [b for rid in scheduler.requests for group in manager.get_block_ids(rid) for b in group]
-    return all(pool.is_mapped(cache.group_of_block(b)) for b in ids)
+    with scheduler_lock(scheduler):
+        ids = [b for rid in scheduler.requests for group in manager.get_block_ids(rid) for b in group]
+        return all(pool.is_mapped(cache.group_of_block(b)) for b in ids)
 
 
 def check_every_step(pool, mapped: list | None = None):
@@ -186,8 +196,9 @@ def cached_blocks_are_all_mapped(scheduler, pool) -> bool:
     index = block_pool.cached_block_hash_to_block
     table = getattr(index, "_cache", None)
     assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
-    blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
-    return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
+    with scheduler_lock(scheduler):
+        blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
+        return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
 
 
 def wait_unmapped(pool, at_most: int) -> int:
