@@ -11,14 +11,14 @@ the upkeep thread's CPU; and it counts GC pauses, the backend calls that are
 driver calls on a GPU, and the host tier's spills and reloads.
 
 One tree per process (whichever kvelastic the interpreter imports; the run
-itself is ``sched_cpu_run.py``); ``--trees`` runs the interpreters in turns,
-``--repeat`` times, and tabulates: this module. Their
+itself is ``sched_cpu_run.py``); ``--trees`` runs the interpreters in turns
+(every other turn in reverse), ``--repeat`` times, and tabulates: this module. Their
 schedules are identical (checked), so step *i* of one tree is step *i* of the
 other: the comparison pairs them, taking each step's least disturbed (minimum) CPU
 time over the repeats, what a machine shared with other work distorts least::
 
     python scripts/bench_scheduler_cpu.py --trees old=/tmp/venv-old/bin/python new=.venv/bin/python \\
-        --repeat 3 --json sched-cpu.json
+        --repeat 4 --json sched-cpu.json
 
 ``--profile FILE`` writes a cProfile of the measured rounds (without ``--trees``). A tree named
 ``vanilla`` runs vLLM's scheduler without kvelastic. ``--tp`` runs issue #19's TP model instead
@@ -116,18 +116,25 @@ def print_table(rows: list[dict], pairs: dict[str, dict] | None = None) -> None:
         print(f"{name}: each step's minimum over {p['runs']} run(s), " + "; ".join(
             f"{what}: total {v['cpu_s']:.3f} s, median {v['step_ms_p50']:.3f} ms, step by step against the "
             f"first {v['vs_first_us_p50']:+.1f} us (median)" for what, v in p.items() if what != "runs"))
-    hashes = {r["trace_hash"] for r in rows if not r["name"].startswith("vanilla")}
-    print("kvelastic schedules identical across runs:" if len(hashes) <= 1 else "kvelastic schedules DIFFER:",
-          len(hashes) <= 1)
+    kvelastic = [r for r in rows if not r["name"].startswith("vanilla")]
+    odd = [r["name"] for r in kvelastic if r["trace_hash"] != kvelastic[0]["trace_hash"]] if kvelastic else []
+    print("kvelastic schedules identical across runs: True" if not odd else
+          f"kvelastic schedules DIFFER from {kvelastic[0]['name']}'s in {', '.join(odd)} "
+          "(their steps pair with other schedules' steps)")
 
 
 def run_trees(args: argparse.Namespace, passthrough: list[str]) -> int:
-    """Each tree's interpreter in its own process, in turns (``--repeat`` times), then one table."""
+    """Each tree's interpreter in its own process, in turns (``--repeat`` times), then one table.
+
+    Every other turn runs the trees in reverse: on a 2-core VM whichever tree ran second of a
+    turn took about 40 us a step less, in both orders (benchmarks/results/2026-12-02-session28),
+    so an even ``--repeat`` gives each tree each place equally often.
+    """
     trees = [t.split("=", 1) for t in args.trees]
     outdir = Path(tempfile.mkdtemp(prefix="bench-sched-"))
     results = []
     for k in range(args.repeat):
-        for name, python in trees:
+        for name, python in (trees if k % 2 == 0 else trees[::-1]):
             out = outdir / f"{name}-{k + 1}.json"
             config = "vanilla" if name.startswith("vanilla") else "kvelastic"
             cmd = [python, __file__, "--config", config, "--out", str(out), *passthrough,
@@ -159,7 +166,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     """The arguments, and the workload's as each tree's process gets them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs="+", metavar="NAME=PYTHON", help="run each interpreter's kvelastic in turn")
-    p.add_argument("--repeat", type=int, default=1, help="with --trees: how many turns each tree gets")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --trees: how many turns each tree gets (even: each order equally often)")
     p.add_argument("--config", choices=("kvelastic", "vanilla"), default="kvelastic")
     p.add_argument("--tp", action="store_true", help="issue #19's TP model (sched_cpu_tp.py) instead of "
                    "the multi-turn workload on one cache")
