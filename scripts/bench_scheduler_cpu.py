@@ -13,10 +13,11 @@ driver calls on a GPU, and the host tier's spills and reloads.
 One tree per process (whichever kvelastic the interpreter imports; the run
 itself is ``sched_cpu_run.py``); ``--trees`` runs the interpreters in turns
 (every other turn in reverse), ``--repeat`` times, and tabulates: this module. Their
-schedules are identical (checked: the table names a run whose schedule differs, as
-one of 19 did on 2026-12-02: kvelastic's threads make some decisions timing-dependent), so step *i* of one tree is step *i* of the
-other: the comparison pairs them, taking each step's least disturbed (minimum) CPU
-time over the repeats, what a machine shared with other work distorts least::
+schedules are identical (checked: the table names a run whose schedule differs, as one
+of 19 did on 2026-12-02: kvelastic's threads make some decisions timing-dependent), so
+step *i* of one tree is step *i* of the other: the comparison pairs them, taking each
+step's least disturbed (minimum) CPU time over the repeats, what a machine shared with
+other work distorts least::
 
     python scripts/bench_scheduler_cpu.py --trees old=/tmp/venv-old/bin/python new=.venv/bin/python \\
         --repeat 4 --json sched-cpu.json

@@ -162,10 +162,7 @@ def prefill(trace: list, tag: str) -> int:
 def scheduler_lock(scheduler):
     """The lock vLLM's entry points run under once patched; kvelastic's upkeep thread changes the block
     pool (and vLLM's prefix-cache map) under it every tick, so a check between steps reads under it too."""
-    import contextlib
-
-    upkeep = getattr(scheduler, "kvelastic_reclaimer", None)
-    return upkeep.lock if upkeep is not None else contextlib.nullcontext()
+    return scheduler.kvelastic_reclaimer.lock
 
 
 def blocks_in_use_are_all_mapped(scheduler, pool) -> bool:

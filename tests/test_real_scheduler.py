@@ -332,8 +332,7 @@ def test_a_reclaimer_ticking_constantly_beside_the_scheduler_breaks_nothing(patc
     steps = []
 
     def step(s) -> None:
-        with reclaimer.lock:  # the reclaimer changes the queue under this lock: check a settled state
-            checks(s)
+        checks(s)  # under the reclaimer's lock (scheduler_harness.scheduler_lock): a settled state
         steps.append(1)
         if len(steps) % 10 == 0:
             time.sleep(0.002)  # let the reclaimer in between steps, not only at the interpreter's switches
