@@ -33,7 +33,6 @@ from kvelastic.errors import ConfigError
 from kvelastic.roles import SchedulerCache
 from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
-from kvelastic.shared.legacy import legacy_account
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
@@ -54,9 +53,8 @@ def default_name(settings: Settings, model: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{base}-{suffix}")[:64]
 
 
-def _warn_about_uncounted_engines(gpu_id: str) -> None:
-    """Engines this account cannot count: other users' (or groups'), and an older kvelastic's. Say so, never
-    silently; a file an older kvelastic left behind is named as such, with the way to remove it."""
+def _warn_about_uncounted_engines() -> None:
+    """Engines this account cannot count, other users' (or groups'): say so, never silently."""
     try:
         scope = current_scope()
     except ConfigError:
@@ -66,9 +64,6 @@ def _warn_about_uncounted_engines(gpu_id: str) -> None:
         log.warning("kvelastic: this GPU account is shared by %s only; %s in %s hold(s) other users' kvelastic "
                     "files, whose engines are not counted in it (docs/security.md; KVELASTIC_SHARED_GROUP lets "
                     "a group share one account)", scope.describe(), ", ".join(others), scope.root)
-    legacy = legacy_account(scope, gpu_id)
-    if legacy is not None:
-        log.warning("kvelastic: %s", legacy.describe(scope))
 
 
 def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", scheduler: Any,
@@ -128,7 +123,7 @@ class ClusterLink:
         atexit.register(self.leave)
         if self.membership.attached:
             log.info("kvelastic: joined the shared KV account of %s as %r", self.gpu_id, self.name)
-        _warn_about_uncounted_engines(self.gpu_id)
+        _warn_about_uncounted_engines()
 
     def _connect(self) -> Member:
         """Open (or create) the GPU's account and join it with this engine's settings."""

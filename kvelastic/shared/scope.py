@@ -108,9 +108,7 @@ def other_scopes(scope: Scope) -> list[str]:
 
     Engines of another scope on the same GPU are not counted by this scope's
     account; the engine says so when it joins rather than running unshared
-    without a word. Only folders named exactly like a scope's count: an older
-    kvelastic's account file (``kvelastic-gpu-<uuid>``, :mod:`kvelastic.shared.legacy`)
-    is not another user's folder.
+    without a word. Only folders named exactly like a scope's count.
     """
     try:
         names = os.listdir(scope.root)
