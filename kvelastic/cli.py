@@ -49,7 +49,7 @@ from kvelastic.errors import ConfigError
 from kvelastic.gpu_ids import UnknownGpu, account_gpu_id
 from kvelastic.settings import CHUNK_GRANULE
 from kvelastic.shared.errors import SharedFileError
-from kvelastic.shared.names import gpu_of_account
+from kvelastic.shared.names import INSTANCE_NAME_FORM, gpu_of_account, is_instance_name
 from kvelastic.shared.sweep import sweep_scope
 from kvelastic.shared.text import printable
 from kvelastic.status_view import render_table, snapshot
@@ -255,6 +255,9 @@ def status_watch(gpu: str | None, as_json: bool, seconds: float) -> int:
 # --------------------------------------------------------------------- limit
 def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | None) -> int:
     """Change NAME's limits on every GPU it runs on (``max_bytes=RESTORE_START_CAP``: its start-up cap)."""
+    if not is_instance_name(name):
+        raise CliError(f"kvelastic limit: NAME={printable(repr(name))} is not an instance name: names are "
+                       f"{INSTANCE_NAME_FORM}", EXIT_USAGE)
     if max_bytes is None and min_bytes is None:
         raise CliError("kvelastic limit: give a new MAX (or --max SIZE|none, --reset) and/or --min SIZE|none",
                        EXIT_USAGE)

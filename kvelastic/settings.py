@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 
 from kvelastic import switch
 from kvelastic.errors import ConfigError
+from kvelastic.shared.names import INSTANCE_NAME_FORM, is_instance_name
 from kvelastic.units import format_size, parse_size
 
 MIB = 1024 * 1024
@@ -109,9 +110,10 @@ def _group(name: str, text: str) -> int:
 
 
 def _name(name: str, text: str) -> str:
+    """An instance name: ASCII only, so it fits its account record whole and matches itself there."""
     value = text.strip()
-    if not value or not all(c.isalnum() or c in "-_." for c in value) or len(value) > 64:
-        raise ConfigError(f"{name}={text!r} must be 1-64 characters of letters, digits, '-', '_' or '.'")
+    if not is_instance_name(value):
+        raise ConfigError(f"{name}={text!r} must be {INSTANCE_NAME_FORM}")
     return value
 
 

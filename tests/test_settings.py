@@ -240,13 +240,14 @@ def test_name_charset(text, expected):
     assert Settings.from_env({"KVELASTIC_NAME": text}).name == expected
 
 
-@pytest.mark.parametrize("text", ["two words", "a/b", "a:b", "x" * 65, "semi;colon", "star*", "tab\tname"])
+@pytest.mark.parametrize("text", ["two words", "a/b", "a:b", "x" * 65, "semi;colon", "star*", "tab\tname",
+                                  "modèle", "é" * 40])
 def test_bad_names_are_rejected(text):
     with pytest.raises(ConfigError) as info:
         Settings.from_env({"KVELASTIC_NAME": text})
     message = str(info.value)
     assert "KVELASTIC_NAME" in message
-    assert "1-64 characters" in message
+    assert "1-64 ASCII letters, digits" in message
 
 
 def test_settings_are_immutable():

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Iterator
 
 from kvelastic.cluster import policy
-from kvelastic.cluster.errors import AccountFull, BadLimits, NameInUse, UnknownMember
+from kvelastic.cluster.errors import AccountFull, BadLimits, BadName, NameInUse, UnknownMember
 from kvelastic.cluster.info import MemberInfo
 from kvelastic.cluster.liveness import own_pid_namespace, own_start_time, provably_dead
 from kvelastic.cluster.records import DEFAULT_SLOTS, MAX_SLOTS, Header, MemberRecord
 from kvelastic.cluster.storage import DEFAULT_LOCK_TIMEOUT_S, AccountFile, Snapshot, account_path
 from kvelastic.cluster.member import Member
+from kvelastic.shared.names import INSTANCE_NAME_FORM, is_instance_name
 from kvelastic.units import format_size
 
 ALIVE_RECHECK_S = 0.2
@@ -228,12 +229,15 @@ class SharedAccount:
              max_bytes: int = 0) -> "Member":
         """Become a member called ``name``; raises NameInUse if a live process holds the name.
 
+        The name must be :data:`~kvelastic.shared.names.INSTANCE_NAME_FORM`
+        (BadName otherwise): ASCII, so it fits its record's field whole.
+
         ``max_bytes`` is also kept as the member's start-up cap, which
         :meth:`restore_max` (``kvelastic limit NAME none``) puts back, so a
         reset never leaves an engine free to grow over the whole GPU.
         """
-        if not name:
-            raise BadLimits("a member needs a non-empty name")
+        if not is_instance_name(name):
+            raise BadName(f"instance name {name!r} must be {INSTANCE_NAME_FORM}")
         _check_limits(name, min_bytes, max_bytes)
         pid, started, pid_ns = os.getpid(), own_start_time(), own_pid_namespace()
         with self._transaction() as snap:

@@ -60,6 +60,10 @@ class BadLimits(ClusterError, ValueError):
     """Limits that cannot hold: max below min, negative, or reservations above the budget."""
 
 
+class BadName(ClusterError, ValueError):
+    """An instance name outside its alphabet (``kvelastic.shared.names.INSTANCE_NAME_FORM``)."""
+
+
 class MemberGone(ClusterError):
     """This member's record is no longer in the account (it left, or was pruned as dead)."""
 

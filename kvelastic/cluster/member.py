@@ -57,15 +57,17 @@ class Member:
     def _mine(self) -> Iterator[tuple[Snapshot, MemberRecord]]:
         """The account's transaction plus this member's own record (MemberGone if it vanished).
 
-        A member belongs to the process that joined: a forked child must join on its own.
+        A member is its slot and the identity of the process that joined (pid,
+        start time, pid namespace), never its name: nothing another writer does
+        to the name field can make a member lose its own record. A member
+        belongs to the process that joined: a forked child must join on its own.
         """
         if os.getpid() != self._identity[0]:
             raise MemberGone(f"instance {self.name!r} belongs to process {self._identity[0]}, "
                              f"not to this one ({os.getpid()})")
         with self.account._transaction() as snap:
             record = snap.records[self._slot]
-            if self._left or record.name != self.name or (
-                    record.pid, record.start_time, record.pid_ns) != self._identity:
+            if self._left or (record.pid, record.start_time, record.pid_ns) != self._identity:
                 raise MemberGone(f"instance {self.name!r} is no longer a member of {self.account.path}")
             self._settle(snap, record)
             yield snap, record

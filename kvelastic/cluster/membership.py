@@ -22,7 +22,7 @@ import time
 from typing import Callable, TypeVar
 
 from kvelastic.cluster import policy
-from kvelastic.cluster.errors import AccountBusy, NameInUse
+from kvelastic.cluster.errors import AccountBusy, BadName, NameInUse
 from kvelastic.cluster.info import MemberTick
 from kvelastic.cluster.member import Grant, Member
 from kvelastic.errors import KvelasticError
@@ -40,8 +40,8 @@ class Membership:
 
     ``connect()`` opens the account and joins it, returning the new
     :class:`Member` (it may raise anything). The first connection is made
-    here: its error is raised when it is one the user must fix (``NameInUse``);
-    any other leaves the membership detached, to be retried.
+    here: its error is raised when it is one the user must fix (``NameInUse``,
+    ``BadName``); any other leaves the membership detached, to be retried.
     """
 
     def __init__(self, name: str, connect: Callable[[], Member], *,
@@ -55,7 +55,7 @@ class Membership:
         self._last_problem = ""
         try:
             self.member = connect()
-        except NameInUse:
+        except (NameInUse, BadName):
             raise
         except ACCOUNT_ERRORS as error:
             self._next_try = self._clock() + self.rejoin_period_s

@@ -18,7 +18,6 @@ vLLM integration reads when it joins the GPU's shared account:
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from kvelastic.cluster.errors import LaunchConfigError
 from kvelastic.errors import ConfigError
+from kvelastic.shared.names import INSTANCE_NAME_FORM, derived_instance_name, is_instance_name
 from kvelastic.units import parse_size
 
 DEFAULT_GPU_UTIL = 0.25
@@ -33,7 +33,6 @@ DEFAULT_PORTS = (8001, 8002)
 # Package data (config and tokenizer, no weights): present in a wheel install as in a checkout.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "llama-1b"
 DEFAULT_MODEL_ARGS = ("--load-format", "dummy", "--max-model-len", "4096")
-_NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 @dataclass(frozen=True)
@@ -114,9 +113,8 @@ def check_util(value: Any, what: str) -> float:
 
 
 def default_name(model: str, port: int) -> str:
-    """``<model directory name>-<port>``, restricted to what KVELASTIC_NAME accepts."""
-    base = _NAME_SAFE.sub("-", Path(model.rstrip("/")).name or "model")
-    return f"{base[:56]}-{port}"
+    """``<model directory name>-<port>``, made a valid instance name whatever the folder is called."""
+    return derived_instance_name(Path(model.rstrip("/")).name, port)
 
 
 def make_instance(*, model: str, port: Any, name: str | None = None, limit: Any = None, min: Any = None,
@@ -132,8 +130,8 @@ def make_instance(*, model: str, port: Any, name: str | None = None, limit: Any 
     if not 0 < port_number < 65536:
         raise LaunchConfigError(f"{where}: port={port!r} must be a TCP port number (1-65535)")
     chosen = name or default_name(model, port_number)
-    if not isinstance(chosen, str) or _NAME_SAFE.search(chosen) or len(chosen) > 64:
-        raise LaunchConfigError(f"{where}: name={chosen!r} must be 1-64 letters, digits, '-', '_' or '.'")
+    if not is_instance_name(chosen):
+        raise LaunchConfigError(f"{where}: name={chosen!r} must be {INSTANCE_NAME_FORM}")
     return Instance(
         model=model, port=port_number, name=chosen,
         limit=None if limit is None else check_size(limit, f"{where} limit"),

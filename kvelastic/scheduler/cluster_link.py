@@ -33,6 +33,7 @@ from kvelastic.errors import ConfigError
 from kvelastic.roles import SchedulerCache
 from kvelastic.scheduler.reclaim_timing import ReclaimTiming
 from kvelastic.settings import Settings
+from kvelastic.shared.names import derived_instance_name
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
 
@@ -48,9 +49,8 @@ def gpu_identity(cache: SchedulerCache) -> tuple[str, int | None]:
 
 
 def default_name(settings: Settings, model: str) -> str:
-    base = os.path.basename(model.rstrip("/")) or "vllm"
-    suffix = settings.port or os.getpid()
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{base}-{suffix}")[:64]
+    """``<model folder>-<port or pid>``, made a valid instance name whatever the folder is called."""
+    return derived_instance_name(os.path.basename(model.rstrip("/")), settings.port or os.getpid(), "vllm")
 
 
 def _warn_about_uncounted_engines() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import unicodedata
 from typing import NamedTuple
 
 ACCOUNT_PREFIX = "account-"
@@ -21,6 +22,12 @@ ENGINE_PREFIX = "engine-"
 TEMP_PREFIX = ".tmp-"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _OWNED = re.compile(r"^(?:\.tmp-|stats-|engine-)(\d+)-(\d+)-(\d+)(?:[-.].*)?$")
+#: The longest instance name: it fills its account record's name field exactly (ASCII: one byte a character).
+INSTANCE_NAME_MAX = 64
+#: What an instance name may be, wherever one is accepted (settings, CLI, launcher, account).
+INSTANCE_NAME_FORM = f"1-{INSTANCE_NAME_MAX} ASCII letters, digits, '.', '_' or '-'"
+_INSTANCE_NAME = re.compile(r"[A-Za-z0-9._-]{1,%d}" % INSTANCE_NAME_MAX)
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class Owner(NamedTuple):
@@ -35,6 +42,28 @@ def own_owner() -> Owner:
     from kvelastic.cluster.liveness import own_pid_namespace, own_start_time
 
     return Owner(own_pid_namespace(), os.getpid(), own_start_time())
+
+
+def is_instance_name(text: object) -> bool:
+    """Whether ``text`` is a valid instance name (:data:`INSTANCE_NAME_FORM`), checked whole."""
+    return isinstance(text, str) and _INSTANCE_NAME.fullmatch(text) is not None
+
+
+def derived_instance_name(source: str, suffix: str | int, fallback: str = "model") -> str:
+    """A valid instance name ``<base>-<suffix>`` made from free text (a model folder's name).
+
+    Accents are dropped (``modèle`` gives ``modele``), every other character
+    outside the name's alphabet becomes ``-``; a base with no ASCII letter or
+    digit left (``模型``) is ``fallback``. The base is cut so the whole fits.
+    """
+    ascii_text = unicodedata.normalize("NFKD", source).encode("ascii", "ignore").decode("ascii")
+    base = _NAME_UNSAFE.sub("-", ascii_text).strip("-.")
+    if not any(c.isalnum() for c in base):
+        base = fallback
+    tail = f"-{suffix}"
+    name = base[:INSTANCE_NAME_MAX - len(tail)].rstrip("-.") + tail
+    assert is_instance_name(name), name
+    return name
 
 
 def account_name(gpu_id: str) -> str:
