@@ -18,13 +18,18 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 SIZE_FORM = "a byte count such as 4096, 512MiB, 32GiB or 1.5GB (KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)"
+#: The largest byte count kvelastic accepts anywhere: the readers of a shared account refuse any field above
+#: it (a corrupt or forged file), so no writer may store more, and every size parsed is held to it too.
+MAX_BYTES = 1 << 62
+MAX_BYTES_TEXT = "2^62 bytes (4194304 TiB)"
 
 
 def parse_size(text: str, *, name: str = "size") -> int:
     """Parse ``text`` into bytes; raise :class:`ConfigError` naming ``name`` on garbage.
 
     Bare letters ``K``, ``M``, ``G``, ``T`` mean powers of 1024, as in most serving flags.
-    Fractions are allowed (``1.5GiB``) but the result must be a whole number of bytes.
+    Fractions are allowed (``1.5GiB``) but the result must be a whole number of bytes, at most
+    :data:`MAX_BYTES`.
     """
     match = _SIZE.match(str(text))
     if not match:
@@ -36,6 +41,8 @@ def parse_size(text: str, *, name: str = "size") -> int:
     value = Decimal(number) * scale  # exact: 4.1MB is 4100000 bytes, not 4099999.99...
     if value != value.to_integral_value():
         raise ConfigError(f"{name}={text!r} is not a whole number of bytes: expected {SIZE_FORM}")
+    if value > MAX_BYTES:
+        raise ConfigError(f"{name}={text!r} is larger than any size kvelastic can hold ({MAX_BYTES_TEXT})")
     return int(value)
 
 

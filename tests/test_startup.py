@@ -24,6 +24,8 @@ CASES = {
     "unconfigured": {**TYPO, "VLLM_CONFIGURE_LOGGING": "0"},
     "bad_limit": {"KVELASTIC_LIMIT": "lots"},
     "bad_port": {"KVELASTIC_PORT": "²"},
+    "non_ascii_name": {"KVELASTIC_NAME": "é" * 40},
+    "huge_budget": {"KVELASTIC_SHARED_BUDGET": "5000000TiB"},
 }
 
 
@@ -96,6 +98,8 @@ def test_without_vllm_logging_only_warnings_reach_pythons_last_resort(runs):
 @pytest.mark.parametrize("case, message", [
     ("bad_limit", "kvelastic: KVELASTIC_LIMIT='lots' is not a size: expected a byte count"),
     ("bad_port", "kvelastic: KVELASTIC_PORT='²' is not a TCP port: expected a number from 1 to 65535"),
+    ("non_ascii_name", f"kvelastic: KVELASTIC_NAME={'é' * 40!r} must be 1-64 ASCII letters, digits"),
+    ("huge_budget", "kvelastic: KVELASTIC_SHARED_BUDGET='5000000TiB' is larger than any size kvelastic can hold"),
 ])
 def test_a_bad_setting_stops_start_up_with_one_line(runs, case, message):
     code, out, err = runs[case]

@@ -33,14 +33,21 @@ from kvelastic.cluster.records import DEFAULT_SLOTS, MAX_SLOTS, Header, MemberRe
 from kvelastic.cluster.storage import DEFAULT_LOCK_TIMEOUT_S, AccountFile, Snapshot, account_path
 from kvelastic.cluster.member import Member
 from kvelastic.shared.names import INSTANCE_NAME_FORM, is_instance_name
-from kvelastic.units import format_size
+from kvelastic.units import MAX_BYTES, MAX_BYTES_TEXT, format_size
 
 ALIVE_RECHECK_S = 0.2
+
+
+def _check_budget(budget_bytes: int) -> None:
+    if not 0 < budget_bytes <= MAX_BYTES:
+        raise BadLimits(f"the budget must be positive and at most {MAX_BYTES_TEXT}, not {budget_bytes}")
 
 
 def _check_limits(name: str, min_bytes: int, max_bytes: int) -> None:
     if min_bytes < 0 or max_bytes < 0:
         raise BadLimits(f"limits of {name!r} must not be negative (min {min_bytes}, max {max_bytes})")
+    if min_bytes > MAX_BYTES or max_bytes > MAX_BYTES:
+        raise BadLimits(f"limits of {name!r} must be at most {MAX_BYTES_TEXT} (min {min_bytes}, max {max_bytes})")
     if max_bytes and max_bytes < min_bytes:
         raise BadLimits(f"max of {name!r} ({format_size(max_bytes)}) is below its min "
                         f"({format_size(min_bytes)})")
@@ -75,8 +82,7 @@ class SharedAccount:
         ``reset_budget``. ``directory`` stands for ``KVELASTIC_SHARED_DIR``;
         ``lock_timeout_s`` is the longest any call waits for another process.
         """
-        if budget_bytes <= 0:
-            raise BadLimits(f"the budget must be positive, not {budget_bytes}")
+        _check_budget(budget_bytes)
         if not 1 <= slots <= MAX_SLOTS:
             raise BadLimits(f"an account has 1 to {MAX_SLOTS} member slots, not {slots}")
         header = Header(budget_bytes=budget_bytes, gpu_id=gpu_id, created=time.time(), slots=slots)
@@ -181,8 +187,7 @@ class SharedAccount:
     # ----------------------------------------------------------------- writes
     def set_budget(self, budget_bytes: int) -> None:
         """Change the budget (members honour it on their next grant and tick)."""
-        if budget_bytes <= 0:
-            raise BadLimits(f"the budget must be positive, not {budget_bytes}")
+        _check_budget(budget_bytes)
         with self._transaction() as snap:
             reserved = sum(r.min_bytes for r in snap.used)
             if reserved > budget_bytes:

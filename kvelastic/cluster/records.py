@@ -25,13 +25,13 @@ import math
 import struct
 from dataclasses import dataclass, field
 
-from kvelastic.cluster.errors import AccountCorrupt
+from kvelastic.cluster.errors import AccountCorrupt, BadLimits
+from kvelastic.units import MAX_BYTES, MAX_BYTES_TEXT
 
 MAGIC = b"KVELACCT"
 VERSION = 2  # 2: 512-byte header and records, the member's pid namespace
 DEFAULT_SLOTS = 64
 MAX_SLOTS = 1024
-MAX_BYTES = 1 << 62  # no byte count in a sane account comes near this
 MAX_PID = 1 << 31
 HEADER_SIZE = 512
 RECORD_SIZE = 512
@@ -66,6 +66,14 @@ def _check(condition: bool, what: str) -> None:
         raise AccountCorrupt(f"account field out of range: {what}")
 
 
+def _storable(what: str, *values: int) -> None:
+    """BadLimits unless every byte count is one the readers accept: nothing is written that would make
+    the account unreadable for every engine (the readers refuse counts above ``MAX_BYTES``)."""
+    for value in values:
+        if not 0 <= value <= MAX_BYTES:
+            raise BadLimits(f"{what} of {value} bytes cannot be stored: byte counts run from 0 to {MAX_BYTES_TEXT}")
+
+
 @dataclass
 class Header:
     """What the whole account shares: its budget and the GPU it is about."""
@@ -77,6 +85,7 @@ class Header:
     version: int = VERSION
 
     def pack(self) -> bytes:
+        _storable("a budget", self.budget_bytes)
         data = _HEADER.pack(MAGIC, self.version, self.slots, RECORD_SIZE, self.budget_bytes,
                             self.created, _encode(self.gpu_id, GPU_ID_BYTES))
         return data.ljust(HEADER_SIZE, b"\0")
@@ -134,6 +143,8 @@ class MemberRecord:
         return max(self.mapped_bytes, self.min_bytes)
 
     def pack(self) -> bytes:
+        _storable(f"{self.name!r}'s record: a byte count", self.min_bytes, self.max_bytes, self.mapped_bytes,
+                  self.cached_bytes, self.host_bytes, self.wanted_bytes, self.start_max_bytes)
         data = _RECORD.pack(
             _encode(self.name, NAME_BYTES), _encode(self.model, MODEL_BYTES), self.pid, self.start_time,
             self.port, self.min_bytes, self.max_bytes, self.mapped_bytes, self.cached_bytes,
