@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kvelastic.cluster import MemberInfo, SharedAccount
+from kvelastic.cluster.account import LEASE_S
 from kvelastic.cluster.liveness import own_pid_namespace
 from kvelastic.metrics.metrics import find_snapshot
 from kvelastic.shared.errors import SharedFileError
@@ -99,5 +100,5 @@ def render_table(accounts: list[dict], now: float | None = None) -> str:
         for row in [COLUMNS, *rows]:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if elsewhere:
-        lines.append("* in another pid namespace: never pruned from here; `kvelastic reset GPU --force` clears it")
+        lines.append(f"* in another pid namespace: pruned once silent for {LEASE_S:g} s (SEEN)")
     return "\n".join(lines)

@@ -12,9 +12,13 @@ and its lock in :mod:`kvelastic.cluster.storage`.
 
 Members of processes that died are pruned by whoever takes the lock next: the
 driver freed their GPU memory when they exited, so their bytes return to the
-budget at once. Only a member provably dead is pruned: one of this pid
-namespace whose process is gone. A member of another pid namespace (another
-container sharing ``/dev/shm``) cannot be checked from here and stays.
+budget at once. A member of this pid namespace is pruned once provably dead
+(its process is gone). One of another pid namespace (another container sharing
+``/dev/shm``) cannot be looked up from here; it holds a lease instead, renewed
+by its heartbeat (every upkeep tick, four a second, and every grant): silent
+for ``LEASE_S`` (a container that is gone, or paused that long), it is pruned,
+and its name is free again. A paused engine that resumes finds its record gone
+and rejoins (:class:`~kvelastic.cluster.membership.Membership`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from kvelastic.shared.names import INSTANCE_NAME_FORM, is_instance_name
 from kvelastic.units import MAX_BYTES, MAX_BYTES_TEXT, format_size
 
 ALIVE_RECHECK_S = 0.2
+#: How long a member of another pid namespace stays a member without a heartbeat: 60 missed upkeep ticks.
+LEASE_S = 15.0
 
 
 def _check_budget(budget_bytes: int) -> None:
@@ -62,12 +68,24 @@ def _check_reservations(snap: Snapshot, name: str, min_bytes: int) -> None:
                         f"reserve {format_size(others)} of the {format_size(budget)} budget")
 
 
+def lease_holds(record: MemberRecord, now: float, lease_s: float) -> bool:
+    """Whether ``record`` heartbeat within ``lease_s`` of ``now`` (wall-clock times: shared between processes).
+
+    The age is bounded both ways: a heartbeat more than the lease ahead of
+    ``now`` (the wall clock stepped back, or a forged time) does not keep a
+    silent record forever; a live member rewrites it within a tick.
+    """
+    return abs(now - record.heartbeat) <= lease_s
+
+
 class SharedAccount:
     """The account file of one GPU. Safe to use from several threads."""
 
-    def __init__(self, file: AccountFile, *, want_ttl_s: float = policy.DEFAULT_WANT_TTL_S):
+    def __init__(self, file: AccountFile, *, want_ttl_s: float = policy.DEFAULT_WANT_TTL_S,
+                 lease_s: float = LEASE_S):
         self._file = file
         self.want_ttl_s = want_ttl_s
+        self.lease_s = lease_s
         self._seen_alive: dict[tuple[int, int], float] = {}  # (pid, start) -> monotonic time checked
 
     # ----------------------------------------------------------------- open
@@ -118,29 +136,29 @@ class SharedAccount:
     # ----------------------------------------------------------- transactions
     @contextmanager
     def _transaction(self, timeout_s: float | None = None) -> Iterator[Snapshot]:
-        """The file's transaction, after freeing the slots of provably dead processes.
+        """The file's transaction, after freeing the slots of dead processes and lapsed leases.
 
         A reader that may not write the file still leaves dead members out of
         what it sees; it just cannot free their slots.
         """
         with self._file.transaction(timeout_s) as snap:
             for record in snap.used:
-                if not self._alive(record):
+                if not self._alive(record, snap.now):
                     if self._file.writable:
                         snap.write(MemberRecord(slot=record.slot))
                     record.pid = 0
             yield snap
 
-    def _alive(self, record: MemberRecord) -> bool:
+    def _alive(self, record: MemberRecord, now: float) -> bool:
         """Liveness of a record's process; a positive answer is trusted for ``ALIVE_RECHECK_S``.
 
         Reading ``/proc`` for every member on every grant would cost more than
         the rest of the grant; a death is still noticed within a fraction of a
         second, and this process is never checked at all. A record of another
-        pid namespace is alive: nothing here can prove otherwise.
+        pid namespace lives while its lease does (:func:`lease_holds`).
         """
         if record.pid_ns != own_pid_namespace():
-            return True
+            return lease_holds(record, now, self.lease_s)
         key = (record.pid, record.start_time)
         if record.pid == os.getpid():
             return record.start_time in (0, own_start_time())
@@ -248,7 +266,7 @@ class SharedAccount:
         with self._transaction() as snap:
             holder = snap.by_name(name)
             if holder is not None:
-                raise NameInUse(f"instance name {name!r} is already used by live process {holder.pid} "
+                raise NameInUse(f"instance name {name!r} is already used by {self._holder(holder, snap.now)} "
                                 f"on this GPU; set a different KVELASTIC_NAME", name=name, pid=holder.pid)
             _check_reservations(snap, name, min_bytes)
             record = snap.free_slot()
@@ -260,6 +278,14 @@ class SharedAccount:
                                   joined_at=snap.now, start_max_bytes=max_bytes, pid_ns=pid_ns, slot=slot)
             snap.write(record)
         return Member(self, record)
+
+    def _holder(self, record: MemberRecord, now: float) -> str:
+        """Who holds a name, for NameInUse; for another pid namespace, when its lease lapses."""
+        if record.pid_ns == own_pid_namespace():
+            return f"live process {record.pid}"
+        silent = max(0.0, now - record.heartbeat)
+        return (f"process {record.pid} of another pid namespace (a container), last heard from {silent:.0f} s ago; "
+                f"if that container is gone, the name is free once it has been silent for {self.lease_s:g} s")
 
     @staticmethod
     def _find(snap: Snapshot, name: str) -> MemberRecord:
