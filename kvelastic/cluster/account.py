@@ -75,7 +75,7 @@ def lease_holds(record: MemberRecord, now: float, lease_s: float) -> bool:
     ``now`` (the wall clock stepped back, or a forged time) does not keep a
     silent record forever; a live member rewrites it within a tick.
     """
-    return abs(now - record.heartbeat) <= lease_s
+    return policy.recent(record.heartbeat, now, lease_s)
 
 
 class SharedAccount:

@@ -85,9 +85,21 @@ def added_charge(record: MemberRecord, nbytes: int) -> int:
     return max(record.mapped_bytes + nbytes, record.min_bytes) - record.charged_bytes
 
 
+def recent(then: float, now: float, ttl_s: float) -> bool:
+    """Whether the shared wall-clock time ``then`` lies within ``ttl_s`` of ``now``, in either direction.
+
+    Times in the account are wall-clock times (every process reads them), so
+    the age is bounded both ways: after the wall clock steps back, a time
+    written before the step lies ahead of ``now`` and lapses at once instead of
+    counting for the length of the step; live members write fresh ones within
+    a tick.
+    """
+    return abs(now - then) <= ttl_s
+
+
 def wanting(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
     """Whether ``record`` was refused by the budget recently enough to still count."""
-    return record.used and record.wanted_bytes > 0 and now - record.wanted_at <= want_ttl_s
+    return record.used and record.wanted_bytes > 0 and recent(record.wanted_at, now, want_ttl_s)
 
 
 def demand(records: list[MemberRecord], budget: int, now: float,
@@ -100,7 +112,7 @@ def demand(records: list[MemberRecord], budget: int, now: float,
 def short_lately(record: MemberRecord, now: float, want_ttl_s: float) -> bool:
     """Whether ``record`` was refused by the budget within ``want_ttl_s``, even if a grant has come since
     (:func:`contending` says why that matters)."""
-    return record.used and record.wanted_at > 0 and now - record.wanted_at <= want_ttl_s
+    return record.used and record.wanted_at > 0 and recent(record.wanted_at, now, want_ttl_s)
 
 
 def reclaimable(record: MemberRecord) -> int:

@@ -182,6 +182,8 @@ class Snapshot:
     def __init__(self, file: AccountFile):
         self.file = file
         self.header, self.records = file.read_all()
+        # Wall-clock time: other processes read the times written with it (heartbeats, wants), so
+        # their readers bound its age both ways (policy.recent, account.lease_holds).
         self.now = time.time()
 
     @property
