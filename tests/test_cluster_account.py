@@ -54,12 +54,16 @@ def test_account_file_lives_in_the_users_folder_named_after_the_gpu(shared):
         SharedAccount.attach(folder / "account-junk")
 
 
-def test_an_existing_budget_is_kept_unless_reset(account):
+def test_an_existing_budget_is_kept_and_claimed_only_without_live_members(account):
     assert account.budget == 1000
     with SharedAccount.open(GPU, 5000) as again:
         assert again.budget == 1000
-    with SharedAccount.open(GPU, 5000, reset_budget=True) as again:
+    with SharedAccount.open(GPU, 5000, claim_budget=True) as again:  # nobody runs on it: a leftover account
         assert again.budget == 5000
+    member = account.join("live")
+    with SharedAccount.open(GPU, 8000, claim_budget=True) as again:
+        assert again.budget == 5000  # a live member counts on it
+    member.leave()
     assert account.budget == 5000
 
 

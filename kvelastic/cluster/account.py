@@ -90,15 +90,18 @@ class SharedAccount:
 
     # ----------------------------------------------------------------- open
     @classmethod
-    def open(cls, gpu_id: str, budget_bytes: int, *, reset_budget: bool = False,
+    def open(cls, gpu_id: str, budget_bytes: int, *, claim_budget: bool = False,
              directory: str | Path | None = None, slots: int = DEFAULT_SLOTS,
              lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> "SharedAccount":
         """Create the GPU's account with ``budget_bytes``, or open the existing one.
 
-        An existing account keeps its budget (the first process decides it, and
-        a later one must not silently shrink what the others count on) unless
-        ``reset_budget``. ``directory`` stands for ``KVELASTIC_SHARED_DIR``;
-        ``lock_timeout_s`` is the longest any call waits for another process.
+        An existing account keeps its budget: the members that run decided it
+        (or ``kvelastic budget`` did), and a newcomer must not silently shrink
+        what they count on. With ``claim_budget`` an existing account that no
+        live process is a member of (one its engines left behind) takes
+        ``budget_bytes``, as a new one would (:meth:`claim_budget`).
+        ``directory`` stands for ``KVELASTIC_SHARED_DIR``; ``lock_timeout_s``
+        is the longest any call waits for another process.
         """
         _check_budget(budget_bytes)
         if not 1 <= slots <= MAX_SLOTS:
@@ -106,8 +109,12 @@ class SharedAccount:
         header = Header(budget_bytes=budget_bytes, gpu_id=gpu_id, created=time.time(), slots=slots)
         account = cls(AccountFile(account_path(gpu_id, directory), create_with=header,
                                   lock_timeout_s=lock_timeout_s))
-        if reset_budget:
-            account.set_budget(budget_bytes)
+        if claim_budget:
+            try:
+                account.claim_budget(budget_bytes)
+            except BaseException:
+                account.close()
+                raise
         return account
 
     @classmethod
@@ -213,6 +220,16 @@ class SharedAccount:
                                 f"reserve ({format_size(reserved)})")
             snap.header.budget_bytes = budget_bytes
             snap.write_header()
+
+    def claim_budget(self, budget_bytes: int) -> bool:
+        """Set the budget only if no live process is a member (True if set); a live account keeps its own."""
+        _check_budget(budget_bytes)
+        with self._transaction() as snap:
+            if snap.used:
+                return snap.header.budget_bytes == budget_bytes
+            snap.header.budget_bytes = budget_bytes
+            snap.write_header()
+            return True
 
     def set_limits(self, name: str, *, min_bytes: int | None = None,
                    max_bytes: int | None = None) -> MemberInfo:

@@ -108,7 +108,7 @@ class ClusterLink:
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
         self._account_limit = self.base_limit  # the pool's limit as the account's max sets it
         self._share_cap = 0  # the fair-share cap in force (0: none), see kvelastic.cluster.policy.share_cap
-        self._set_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
+        self._claim_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
         self.membership = Membership(self.name, self._connect)
         self.timing = ReclaimTiming(self.name, source.lock)
         source.observer = self.timing
@@ -127,7 +127,7 @@ class ClusterLink:
 
     def _connect(self) -> Member:
         """Open (or create) the GPU's account and join it with this engine's settings."""
-        account = SharedAccount.open(self.gpu_id, self.budget, reset_budget=self._set_budget,
+        account = SharedAccount.open(self.gpu_id, self.budget, claim_budget=self._claim_budget,
                                      lock_timeout_s=LOCK_TIMEOUT_S)
         try:
             member = account.join(self.name, model=self.model, port=self.settings.port,
@@ -135,8 +135,21 @@ class ClusterLink:
         except BaseException:
             account.close()
             raise
-        self._set_budget = False  # a budget changed with `kvelastic budget` since must survive a rejoin
+        if self._claim_budget:
+            self._claim_budget = False  # a budget changed with `kvelastic budget` since must survive a rejoin
+            self._say_budget_kept(account)
         return member
+
+    def _say_budget_kept(self, account: SharedAccount) -> None:
+        """Warn when KVELASTIC_SHARED_BUDGET was not applied: the engines running keep the budget they count on."""
+        try:
+            budget = account.budget
+        except ACCOUNT_ERRORS:
+            return
+        if budget != self.budget:
+            log.warning("kvelastic: KVELASTIC_SHARED_BUDGET=%s is not applied: the account of %s has live members, "
+                        "which keep its budget of %s; `kvelastic budget SIZE --gpu %s` changes it",
+                        format_size(self.budget), self.gpu_id, format_size(budget), self.gpu_id)
 
     @property
     def account(self) -> SharedAccount | None:
