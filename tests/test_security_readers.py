@@ -111,10 +111,22 @@ def test_status_survives_non_finite_numbers_in_a_snapshot(tmp_path, monkeypatch)
         assert member["mapped_bytes"] == GIB and "spilled_bytes" not in member and "limit_bytes" not in member
 
 
+def _forge_name(account: SharedAccount, slot: int, name: str) -> None:
+    """Write ``name`` into a record's name field, as a forged or corrupt file would hold it (join refuses it)."""
+    from kvelastic.cluster.records import record_offset
+
+    fd = os.open(account.path, os.O_RDWR)
+    try:
+        os.pwrite(fd, name.encode().ljust(64, b"\0"), record_offset(slot))
+    finally:
+        os.close(fd)
+
+
 def test_terminal_escapes_in_names_never_reach_the_terminal(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     with SharedAccount.open("GPU-\x1b[31mred", 40 * GIB) as account:
-        account.join("ev\x1b[2Jil\u202e", model="\x1b]0;pwned\x07/models/x\r\n", port=8001)
+        account.join("evil", model="\x1b]0;pwned\x07/models/x\r\n", port=8001)
+        _forge_name(account, 0, "ev\x1b[2Jil\u202e")
         result = _cli(tmp_path, "status")
         assert result.returncode == 0, result.stderr
         for control in ("\x1b", "\x07", "\u202e", "\r"):

@@ -149,6 +149,9 @@ def _group_engine(gpu: str) -> SharedAccount:
 def test_a_group_shares_one_account_and_a_user_outside_it_sees_nothing(shared_root):
     team = env_with(shared_root, KVELASTIC_SHARED_GROUP=str(GROUP))
     os.environ.update(team)  # for the forked engine below
+    # The test's uids are in no user database, so none can show it is a member: root makes the folder,
+    # as an administrator would (a member the database lists may make it too).
+    SafeDir.open(shared_root / f"kvelastic-g{GROUP}", Scope(shared_root, os.geteuid(), GROUP), create=True).close()
     try:
         with RunningAs(OTHER_UID, _group_engine, "GPU-team", groups=(GROUP,)):
             folder = shared_root / f"kvelastic-g{GROUP}"

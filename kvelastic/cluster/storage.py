@@ -145,8 +145,8 @@ class AccountFile:
     def read_all(self) -> tuple[Header, list[MemberRecord]]:
         """Header and records, checked; AccountVanished if the file was removed, AccountCorrupt if bad."""
         st = os.fstat(self._fd)
-        if st.st_nlink == 0:
-            raise AccountVanished(f"the account {self.path} was removed (or replaced) while open")
+        if st.st_nlink == 0 or not self._still_at_path(st):
+            raise AccountVanished(f"the account {self.path} was removed, renamed or replaced while open")
         try:
             header = Header.unpack(os.pread(self._fd, HEADER_SIZE, 0))
             if st.st_size < header.file_size:
@@ -158,6 +158,19 @@ class AccountFile:
         except AccountCorrupt as error:
             raise AccountCorrupt(f"{self.path}: {error}") from None
         return header, records
+
+    def _still_at_path(self, st: os.stat_result) -> bool:
+        """Whether the open file is the one its path names now (same device and inode).
+
+        A file (or its folder) renamed aside stays linked, so its link count
+        cannot tell; engines still holding it would share one account while
+        newcomers create another at the path, and the budget would count twice.
+        """
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
     def write_header(self, header: Header) -> None:
         self._pwrite(header.pack(), 0)

@@ -47,9 +47,10 @@ class SafeDir:
     def open(cls, path: Path, scope: Scope, *, create: bool) -> "SafeDir | None":
         """``path`` checked for ``scope`` (created if missing and ``create``); None if missing otherwise.
 
-        The parent is taken as given (``KVELASTIC_SHARED_DIR`` is the
-        administrator's choice and may itself be a symlink, as ``/dev/shm`` is
-        on some systems); the directory itself never is.
+        The parent (``KVELASTIC_SHARED_DIR``, the administrator's choice) may
+        be reached through a symlink, as ``/dev/shm`` is on some systems; the
+        directory itself never is. The parent's owner and mode are checked
+        (:meth:`Scope.check_root`): nobody untrusted may rename the folder.
         """
         try:
             parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -58,6 +59,7 @@ class SafeDir:
                 raise
             return None
         try:
+            scope.check_root(os.fstat(parent), str(path.parent))
             return cls._open_in(parent, path, scope, create)
         finally:
             os.close(parent)
@@ -93,7 +95,11 @@ class SafeDir:
                 if scope.gid is not None:
                     os.fchown(fd, -1, scope.gid)
                 os.fchmod(fd, scope.dir_mode)  # mkdir's mode passed through the umask
-            scope.check(os.fstat(fd), f"directory {path}")
+            st = os.fstat(fd)
+            scope.check(st, f"directory {path}")
+            if not scope.trusts_owner(st.st_uid):  # a group's folder: made by a member (or root), not a past one
+                raise UnsafeSharedPath(f"directory {path} belongs to uid {st.st_uid}, not a member of group "
+                                       f"{scope.gid}; kvelastic refuses it. Its owner or root must remove it")
         except BaseException:
             os.close(fd)
             raise

@@ -6,13 +6,22 @@ live in ``$KVELASTIC_SHARED_DIR/kvelastic-u<uid>`` (mode 0700). With
 ``kvelastic-g<gid>`` (mode 2770: the set-group-id bit makes every file created
 in it belong to the group). Everyone else can see that such a directory exists,
 and nothing more. Root is trusted everywhere (it can write any file anyway).
-The shared directory itself must not be set-group-id to a group whose
-members are not all trusted (``/dev/shm`` is not).
+
+The shared directory itself (the root, ``KVELASTIC_SHARED_DIR``) is checked
+too (:meth:`Scope.check_root`): whoever may rename entries in it could move a
+scope's folder aside and split its account in two, so it must belong to a
+trusted user and, if others may write it, have the sticky bit (``/dev/shm``
+and ``/tmp`` have). In a group scope it must not be set-group-id (a folder any
+user created in it would get the group), and the scope's folder must belong to
+this user, root or a member of the group.
 """
 
 from __future__ import annotations
 
+import functools
+import grp
 import os
+import pwd
 import re
 import stat
 from dataclasses import dataclass
@@ -63,6 +72,29 @@ class Scope:
         """
         return st.st_uid in (self.uid, 0) or (self.gid is not None and st.st_gid == self.gid)
 
+    def trusts_owner(self, uid: int) -> bool:
+        """Whether ``uid`` may own what this scope relies on: this user, root, or in a group scope a member."""
+        return uid in (self.uid, 0) or (self.gid is not None and is_group_member(uid, self.gid))
+
+    def check_root(self, st: os.stat_result, what: str) -> None:
+        """Raise UnsafeSharedPath unless the shared root ``st`` (of ``what``) keeps this scope's folder in place."""
+        from kvelastic.shared.errors import UnsafeSharedPath
+
+        fix = "use a directory like /dev/shm (root's, mode 1777), or set KVELASTIC_SHARED_DIR (docs/security.md)"
+        if not self.trusts_owner(st.st_uid):
+            raise UnsafeSharedPath(f"the shared directory {what} belongs to uid {st.st_uid}, who could move this "
+                                   f"scope's folder aside; kvelastic refuses it: {fix}")
+        mode = st.st_mode
+        group_ok = st.st_gid == (self.gid if self.gid is not None else os.getegid())
+        if not mode & stat.S_ISVTX and (mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not group_ok)):
+            raise UnsafeSharedPath(f"the shared directory {what} has mode {stat.S_IMODE(mode):o}: others may "
+                                   f"write it and, without the sticky bit, rename this scope's folder (splitting "
+                                   f"its account); kvelastic refuses it: its owner can chmod +t it, or {fix}")
+        if self.gid is not None and mode & stat.S_ISGID:
+            raise UnsafeSharedPath(f"the shared directory {what} is set-group-id (mode {stat.S_IMODE(mode):o}): a "
+                                   f"folder anyone creates in it gets its group, so kvelastic refuses it for the "
+                                   f"group scope of {self.gid}: {fix}")
+
     def check(self, st: os.stat_result, what: str) -> None:
         """Raise UnsafeSharedPath unless ``st`` (of ``what``) is owned and protected as this scope requires.
 
@@ -84,6 +116,24 @@ class Scope:
 
     def describe(self) -> str:
         return f"uid {self.uid}" if self.gid is None else f"the members of group {self.gid}"
+
+
+@functools.lru_cache(maxsize=64)
+def is_group_member(uid: int, gid: int) -> bool:
+    """Whether the user database makes ``uid`` a member of group ``gid`` (its primary group, or listed in it).
+
+    A uid the database does not know is no member: its membership cannot be shown.
+    """
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    if user.pw_gid == gid:
+        return True
+    try:
+        return user.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
 
 
 def current_scope(root: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> Scope:
