@@ -10,12 +10,13 @@ from kvelastic.errors import ConfigError
 _UNITS = {
     "": 1,
     "B": 1,
-    "K": 1024, "KB": 1000, "KIB": 1024,
-    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
+    "KB": 1000, "KIB": 1024,
+    "MB": 1000**2, "MIB": 1024**2,
+    "GB": 1000**3, "GIB": 1024**3,
+    "TB": 1000**4, "TIB": 1024**4,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+UNITS_TEXT = "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)"
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")  # ASCII digits: \d takes other scripts' too
 
 SIZE_FORM = "a byte count such as 4096, 512MiB, 32GiB or 1.5GB (KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000)"
 #: The largest byte count kvelastic accepts anywhere: the readers of a shared account refuse any field above
@@ -27,15 +28,20 @@ MAX_BYTES_TEXT = "2^62 bytes (4194304 TiB)"
 def parse_size(text: str, *, name: str = "size") -> int:
     """Parse ``text`` into bytes; raise :class:`ConfigError` naming ``name`` on garbage.
 
-    Bare letters ``K``, ``M``, ``G``, ``T`` mean powers of 1024, as in most serving flags.
-    Fractions are allowed (``1.5GiB``) but the result must be a whole number of bytes, at most
+    A bare ``K``, ``M``, ``G`` or ``T`` is refused: some tools read ``4G`` as 4 GiB, others as 4 GB, and a
+    limit off by 7 % must not pass silently. Fractions are allowed (``1.5GiB``) but the result must be a whole number of bytes, at most
     :data:`MAX_BYTES`.
     """
     match = _SIZE.match(str(text))
     if not match:
-        raise ConfigError(f"{name}={text!r} is not a size: expected {SIZE_FORM}")
+        what = "is a negative size" if str(text).strip().startswith("-") else "is not a size"
+        raise ConfigError(f"{name}={text!r} {what}: expected {SIZE_FORM}")
     number, unit = match.groups()
     scale = _UNITS.get(unit.upper())
+    if scale is None and unit.upper() in ("K", "M", "G", "T"):
+        letter = unit.upper()
+        raise ConfigError(f"{name}={text!r}: the unit {unit!r} is ambiguous (powers of 1024 or of 1000?): write "
+                          f"{number}{letter}iB or {number}{letter}B; accepted units: {UNITS_TEXT}")
     if scale is None:
         raise ConfigError(f"{name}={text!r} has an unknown unit {unit!r}: expected {SIZE_FORM}")
     value = Decimal(number) * scale  # exact: 4.1MB is 4100000 bytes, not 4099999.99...
