@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import time
 from typing import Sequence
@@ -68,6 +70,7 @@ _CLEAR_WORDS = {"none", "off", "unlimited"}  # a min of 0
 _RESTORE_WORDS = {"none", "reset", "default"}  # a max: the start-up cap
 _UNCAPPED_WORDS = {"off", "unlimited"}  # a max: refused, an engine never runs without its cap
 RESTORE_START_CAP = -1  # parse_max's answer for "put back the start-up cap"
+_NEGATIVE = re.compile(r"-\.?[0-9]")  # a token argparse would read as an option, meant as a negative size
 
 
 class CliError(Exception):
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--gpu", metavar="ID", help="only this GPU's account: its id, UUID or nvidia-smi "
                         "index (default: every account found)")
     status.add_argument("--json", action="store_true", help="machine-readable output (bytes as integers)")
-    status.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+    status.add_argument("--watch", nargs="?", type=seconds_argument, const=2.0, default=None, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until Ctrl-C")
     top.add_parser(sub)
     limit = sub.add_parser("limit", help="change an instance's cap (max) and/or reservation (min)",
@@ -116,6 +119,44 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--force", action="store_true", help="reset an account that is readable and has "
                        "live instances too (their limits set with `kvelastic limit` are lost)")
     return parser
+
+
+MAX_INTERVAL_S = 86400.0  # a refresh period longer than a day is a typo, and time.sleep refuses huge ones
+
+
+def seconds_argument(text: str) -> float:
+    """A refresh period for argparse: finite seconds above zero, at most a day (``nan``, ``inf`` refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_INTERVAL_S:  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 and at most "
+                                         f"{MAX_INTERVAL_S:g} (for example 2 or 0.5)")
+    return value
+
+
+def check_gpu_text(text: str, what: str) -> str:
+    """CliError(2) for a GPU argument that names nothing (empty or blanks); the text otherwise."""
+    if not text.strip():
+        raise CliError(f"kvelastic: {what} {text!r} is empty: give a GPU id as `kvelastic status` shows it, "
+                       f"an nvidia-smi UUID or an index", EXIT_USAGE)
+    return text
+
+
+def negative_size(argv: Sequence[str]) -> CliError | None:
+    """A precise CliError(2) for ``budget -5GiB`` and the like, which argparse would take for an unknown option."""
+    if argv[:1] not in (["budget"], ["limit"]):
+        return None
+    for before, token in zip(argv, argv[1:]):
+        if token == "--":
+            return None
+        if _NEGATIVE.match(token):
+            argument = before if before in ("--min", "--max") else "SIZE" if argv[0] == "budget" else "MAX"
+            also = "; or 'none'" if argv[0] == "limit" else ""
+            return CliError(f"kvelastic {argv[0]}: {argument}={printable(token)!r} is a negative size: sizes are "
+                            f"zero or more, {SIZE_FORM}{also}", EXIT_USAGE)
+    return None
 
 
 def parse_limit(text: str | None, argument: str) -> int | None:
@@ -168,7 +209,7 @@ def open_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[Sha
     show) or, without it, named on stderr and skipped.
     """
     where = shared_dir()
-    gpu = resolve_gpu(gpu) if gpu else None
+    gpu = resolve_gpu(gpu) if gpu is not None else None
     paths = [account_path(gpu)] if gpu else find_account_paths()
     accounts = []
     for path in paths:
@@ -204,6 +245,7 @@ def read_accounts(gpu: str | None, broken: list[dict] | None = None) -> list[dic
 
 def resolve_gpu(text: str) -> str:
     """The account id of ``--gpu``: as ``status`` shows it, an nvidia-smi UUID, or an index (CliError(2))."""
+    check_gpu_text(text, "--gpu")
     if account_path(text).exists():
         return text
     try:
@@ -234,8 +276,9 @@ def status_once(gpu: str | None, as_json: bool) -> int:
 
 def status_watch(gpu: str | None, as_json: bool, seconds: float) -> int:
     """Redraw the status every ``seconds`` until Ctrl-C; missing accounts are shown, not fatal."""
-    if seconds <= 0:
-        raise CliError(f"kvelastic status: --watch={seconds:g} must be a positive number of seconds", EXIT_USAGE)
+    if not 0 < seconds <= MAX_INTERVAL_S:
+        raise CliError(f"kvelastic status: --watch={seconds:g} must be a number of seconds above 0 and at most "
+                       f"{MAX_INTERVAL_S:g}", EXIT_USAGE)
     clear = sys.stdout.isatty() and not as_json
     try:
         while True:
@@ -272,12 +315,12 @@ def limit(name: str, max_bytes: int | None, min_bytes: int | None, gpu: str | No
     finally:
         for account in accounts:
             account.close()
-    if not changed:
-        known = ", ".join(sorted(live)) or "none"
+    if not changed:  # names read from the account are shown as `status` shows them: never terminal codes
+        known = ", ".join(sorted(printable(n) for n in live)) or "none"
         raise CliError(f"kvelastic limit: no live instance called {name!r} (live instances: {known})",
                        EXIT_UNKNOWN)
     for gpu_id, info in changed:
-        print(f"{name} on GPU {gpu_id}: max {_cap(info)}, min {format_size(info.min_bytes)} "
+        print(f"{name} on GPU {printable(gpu_id)}: max {_cap(info)}, min {format_size(info.min_bytes)} "
               f"(holds {format_size(info.mapped_bytes)})")
     return EXIT_OK
 
@@ -329,11 +372,12 @@ def budget(size: str | None, gpu: str | None) -> int:
 
 # --------------------------------------------------------------------- reset
 def reset(gpu: str, force: bool) -> int:
+    check_gpu_text(gpu, "GPU")
     path, problem = reset_account(gpu, force=force)
     if problem is not None:
         print(f"kvelastic reset: it could not be read: {printable(problem)}", file=sys.stderr)
-    print(f"GPU {printable(gpu)}: account {path} removed; running instances create and join a fresh one "
-          f"within a second")
+    print(f"GPU {printable(gpu)}: account {printable(str(path))} removed; running instances create and join a "
+          f"fresh one within a second")
     return EXIT_OK
 
 
@@ -380,6 +424,10 @@ def _main(argv: list[str]) -> int:
         from kvelastic.launch import main as launch
 
         return launch(argv[1:])
+    refused = negative_size(argv)
+    if refused is not None:
+        print(str(refused), file=sys.stderr)
+        return refused.code
     args = build_parser().parse_args(argv)
     try:
         return run(args)

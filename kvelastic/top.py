@@ -11,6 +11,7 @@ with ``rich`` (a vLLM dependency, and one of kvelastic's).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections import deque
 from typing import Any, Iterable
@@ -83,23 +84,27 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     """The ``top`` subcommand of the ``kvelastic`` parser."""
     parser = sub.add_parser("top", help="live view: each instance's KV memory and its recent history")
     parser.add_argument("--gpu", metavar="ID", help="only this GPU's account (as for status)")
-    parser.add_argument("--interval", type=_positive(float), default=2.0, metavar="SECONDS",
+    parser.add_argument("--interval", type=_seconds, default=2.0, metavar="SECONDS",
                         help="refresh period (default 2)")
-    parser.add_argument("--count", type=_positive(int), metavar="N",
-                        help="stop after N refreshes (default: until Ctrl-C)")
+    parser.add_argument("--count", type=_positive_int, metavar="N",
+                        help="stop after N refreshes (default: until Ctrl-C); the exit status is then the "
+                             "last refresh's, as `kvelastic status` gives it")
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {kind.__name__}")
-        return value
+def _seconds(text: str) -> float:
+    from kvelastic.cli import seconds_argument
 
-    return parse
+    return seconds_argument(text)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
@@ -107,30 +112,69 @@ def main(args: argparse.Namespace) -> int:
     return run(args.gpu, args.interval, args.count)
 
 
-def run(gpu: str | None, interval: float, count: int | None) -> int:
-    """Redraw every ``interval`` seconds until Ctrl-C (or ``count`` refreshes); missing accounts are shown."""
-    from rich.console import Console
-    from rich.live import Live
+def frame(gpu: str | None, history: History) -> tuple[Any, int]:
+    """One refresh: the view, and the exit status ``kvelastic status`` would give (0, 4 none, 6 unreadable).
+
+    Bad usage (a ``--gpu`` that names nothing) is raised: no later refresh could change it.
+    """
+    from rich.console import Group
     from rich.text import Text
 
-    from kvelastic.cli import CliError, read_accounts
+    from kvelastic.cli import EXIT_CORRUPT, EXIT_NONE, EXIT_OK, EXIT_USAGE, CliError, read_accounts
+    from kvelastic.shared.text import printable
 
-    history = History()
-    console = Console()
-    done = 0
+    broken: list[dict] = []
     try:
-        with Live(Text("reading accounts..."), console=console, auto_refresh=False) as live:
-            while count is None or done < count:
-                try:
-                    data = read_accounts(gpu)
-                    history.add(data)
-                    view = render(data, history)
-                except CliError as error:
-                    view = Text(str(error))
-                live.update(view, refresh=True)
-                done += 1
+        data = read_accounts(gpu, broken)
+    except CliError as error:
+        if error.code == EXIT_USAGE:
+            raise
+        return Text(str(error)), error.code
+    history.add(data)
+    lines = [Text(f"GPU {printable(b['gpu'])}: cannot read its account: {b['error']}") for b in broken]
+    code = EXIT_CORRUPT if broken else EXIT_OK if any(a["members"] for a in data) else EXIT_NONE
+    return Group(render(data, history), *lines), code
+
+
+def run(gpu: str | None, interval: float, count: int | None) -> int:
+    """Redraw every ``interval`` seconds until Ctrl-C (or ``count`` refreshes); missing accounts are shown.
+
+    On a terminal each refresh replaces the last; otherwise (a pipe, a log
+    file) each is printed whole as it comes, ending with a newline. Stopped
+    after ``count`` refreshes, the exit status is the last one's, as
+    ``kvelastic status`` would give it; stopped with Ctrl-C, 0.
+    """
+    from rich.console import Console
+
+    console = Console()
+    history = History()
+    code = 0
+    try:
+        if console.is_terminal:
+            code = _live(console, gpu, history, interval, count)
+        else:
+            for done in range(1, count + 1) if count is not None else itertools.count(1):
+                view, code = frame(gpu, history)
+                console.print(view)
+                console.file.flush()
                 if count is None or done < count:
                     time.sleep(interval)
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0
+    return code
+
+
+def _live(console: Any, gpu: str | None, history: History, interval: float, count: int | None) -> int:
+    """The refreshes on a terminal: each replaces the last in place; the exit status of the last one."""
+    from rich.live import Live
+    from rich.text import Text
+
+    code, done = 0, 0
+    with Live(Text("reading accounts..."), console=console, auto_refresh=False) as live:
+        while count is None or done < count:
+            view, code = frame(gpu, history)
+            live.update(view, refresh=True)
+            done += 1
+            if count is None or done < count:
+                time.sleep(interval)
+    return code

@@ -363,4 +363,28 @@ def test_top_refreshes_count_times_and_refuses_a_bad_interval(fleet, shared):
     assert result.returncode == 0, result.stderr
     assert "small" in result.stdout and "big" in result.stdout and "GPU GPU-aaaa" in result.stdout
     bad = kvelastic(shared, "top", "--interval", "0")
-    assert bad.returncode == 2 and "--interval: '0' is not a positive float" in bad.stderr
+    assert bad.returncode == 2 and "--interval: '0' is not a number of seconds above 0" in bad.stderr
+
+
+def test_top_without_a_terminal_prints_each_refresh_as_it_comes_each_line_ending(fleet, shared):
+    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
+    top = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "top", "--interval", "0.2"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = [top.stdout.readline() for _ in range(3)]  # while it runs: the refresh came out at once
+        assert top.poll() is None and first[0].startswith("GPU GPU-aaaa: budget 40.00 GiB"), first
+    finally:
+        top.send_signal(signal.SIGINT)
+        out, err = top.communicate(timeout=60)
+    assert top.returncode == 0, err
+    counted = kvelastic(shared, "top", "--interval", "0.05", "--count", "3")
+    assert counted.stdout.endswith("\n") and counted.stdout.count("GPU GPU-aaaa: budget") == 3
+
+
+def test_top_with_a_count_exits_as_status_does(shared):
+    none = kvelastic(shared, "top", "--count", "1")
+    assert none.returncode == 4 == kvelastic(shared, "status").returncode
+    assert "no account" in none.stdout
+    with SharedAccount.open("GPU-empty", GIB):
+        assert kvelastic(shared, "top", "--count", "1").returncode == 4  # an account, no live instance
+        assert kvelastic(shared, "status").returncode == 4

@@ -135,6 +135,20 @@ def test_terminal_escapes_in_names_never_reach_the_terminal(tmp_path, monkeypatc
         assert "\\u001b" in _cli(tmp_path, "status", "--json").stdout  # JSON escapes it: scripts still see it
 
 
+def test_limit_shows_names_from_the_account_as_status_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    with SharedAccount.open("GPU-\x1b[31mred", 40 * GIB) as account:
+        account.join("engine")
+        account.join("evil")
+        _forge_name(account, 1, "ev\x1b[2Jil\u202e")
+        unknown = _cli(tmp_path, "limit", "nobody", "1GiB")
+        assert unknown.returncode == 3 and "ev?[2Jil?" in unknown.stderr
+        changed = _cli(tmp_path, "limit", "engine", "1GiB")
+        assert changed.returncode == 0 and "engine on GPU GPU-?[31mred: max 1.00 GiB" in changed.stdout
+        for output in (unknown.stdout + unknown.stderr, changed.stdout + changed.stderr):
+            assert not any(control in output for control in ("\x1b", "\u202e"))
+
+
 def _cli(root, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVELASTIC_SHARED_DIR": str(root)}
     return subprocess.run([sys.executable, "-m", "kvelastic.cli", *args], env=env, capture_output=True, text=True,
