@@ -32,7 +32,9 @@ from moving while the next one profiles.
 Before starting anything it checks that the Python which will run vLLM has
 kvelastic installed with a hook vLLM runs (the ``vllm.general_plugins`` entry
 point or the ``kvelastic-autopatch.pth`` line): without one the servers would
-silently run plain vLLM and never join the GPU's account.
+silently run plain vLLM and never join the GPU's account; and that it has a
+vLLM release kvelastic supports, which every server would otherwise refuse at
+start.
 
 Ctrl-C (SIGINT) and SIGTERM stop everything from the first moment, even when
 the launcher was started with SIGINT ignored (a background job of a
@@ -40,13 +42,15 @@ non-interactive shell).
 
 Exit codes: 0 stopped on request; 1 a server failed or never became ready;
 2 bad arguments or launch file; 3 no usable GPU; 4 kvelastic is not installed
-in the Python that runs vLLM (nothing was started in the last two cases).
+in the Python that runs vLLM; 5 that Python has no vLLM, or one kvelastic does
+not support (nothing was started in the last three cases).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -61,13 +65,19 @@ from typing import Any, Mapping, Sequence
 from kvelastic.cluster.errors import LaunchConfigError
 from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
                                     make_instance)
-from kvelastic.cluster.supervisor import NO_GPU_ENV, STOP_SIGNALS, Supervisor, gpu_problem, port_in_use
+from kvelastic.cluster.supervisor import STOP_SIGNALS, Supervisor, gpu_problem, port_in_use
 from kvelastic.errors import ConfigError
 from kvelastic.settings import Settings, unknown_variables
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_NO_KVELASTIC = 0, 1, 2, 3, 4
 PROG = "kvelastic launch"
 SEPARATOR = "--and"
+MAX_TIMEOUT_S = 7 * 86400.0
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU, EXIT_NO_KVELASTIC, EXIT_UNSUPPORTED_VLLM = 0, 1, 2, 3, 4, 5
+DESCRIPTION = "Start several kvelastic-enabled vLLM servers on one GPU."
+EPILOG = (f"Instances: one group of instance options each, groups separated by {SEPARATOR}; arguments after -- "
+          f"in a group go to that instance's vllm serve. Launcher options go in the first group. Exit codes: 0 "
+          f"stopped on request, 1 a server failed, 2 bad arguments, 3 no usable GPU, 4 kvelastic not installed "
+          f"in the Python that runs vLLM, 5 no supported vLLM there.")
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "kvelastic"
 # Run by the Python that will run vLLM, with the servers' environment (KVELASTIC=1, so the .pth
 # line imports kvelastic._autopatch and wrapt if it is there). Prints one JSON line.
@@ -83,6 +93,10 @@ from importlib import metadata
 found = metadata.entry_points()
 found = found.select(group=GROUP) if hasattr(found, "select") else found.get(GROUP, [])
 out["entry_points"] = [e.value for e in found if e.name == NAME]
+try:
+    out["vllm"] = metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    out["vllm"] = None
 print(json.dumps(out))
 """.replace("GROUP", repr(PLUGIN_GROUP)).replace("NAME", repr(PLUGIN_NAME))
 
@@ -100,11 +114,7 @@ def _instance_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """(parser of the first group: launcher + instance options, parser of later groups)."""
-    first = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0],
-        epilog=f"Groups are separated by {SEPARATOR}; after -- come vllm serve arguments. "
-               f"{NO_GPU_ENV}=1 makes the GPU check fail (tests).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    first = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     first.add_argument("--config", metavar="FILE.yaml", help="launch file (instead of --model groups)")
     first.add_argument("--dry-run", action="store_true", help="print commands and environment, start nothing")
     first.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
@@ -115,14 +125,30 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     first.add_argument("--parallel", action="store_true", default=None, help="start all instances at once")
     first.add_argument("--python", metavar="PATH", help="Python that runs vLLM (default: this one)")
     first.add_argument("--log-dir", metavar="DIR", help="server logs (default: a new temporary directory)")
-    first.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+    first.add_argument("--startup-timeout", type=_seconds(above_zero=True), default=900.0, metavar="S",
                        help="seconds each server may take to become ready (default 900)")
-    first.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+    first.add_argument("--stop-timeout", type=_seconds(above_zero=False), default=30.0, metavar="S",
                        help="seconds between SIGTERM and SIGKILL when stopping (default 30)")
     _instance_options(first)
     later = argparse.ArgumentParser(prog=f"{PROG} ... {SEPARATOR}", add_help=False)
     _instance_options(later)
     return first, later
+
+
+def _seconds(*, above_zero: bool) -> Any:
+    """An argparse type: finite seconds, at least 0 (or above 0), at most a week; NaN and infinities refused."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (0 < value if above_zero else 0 <= value) or not value <= MAX_TIMEOUT_S:
+            least = "above 0" if above_zero else "0 or more"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {least} and at most "
+                                             f"{MAX_TIMEOUT_S:g}")
+        return value
+
+    return parse
 
 
 def split_groups(argv: Sequence[str]) -> list[tuple[list[str], list[str]]]:
@@ -231,13 +257,11 @@ def check_environments(plan: LaunchPlan, base_env: Mapping[str, str]) -> list[st
     return warnings
 
 
-def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
-    """Why vLLM run by ``python`` with ``env`` would not load kvelastic, or None when it would.
+def probe_kvelastic(python: str, env: Mapping[str, str]) -> dict[str, Any] | str:
+    """What ``python`` with ``env`` has of kvelastic and vLLM (the probe's answer), or why it could not say.
 
     Runs ``python -c`` with a probe, in this directory (the servers' sys.path
-    starts there too): kvelastic must import, and vLLM must have a way in,
-    either the ``.pth`` hook (it ran at interpreter start, wrapt present) or
-    the ``vllm.general_plugins`` entry point not left out by ``VLLM_PLUGINS``.
+    starts there too); imports neither vLLM nor anything heavy.
     """
     try:
         probe = subprocess.run([python, "-c", _PLUGIN_PROBE], capture_output=True, text=True,
@@ -249,6 +273,22 @@ def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
     except (ValueError, IndexError):
         detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         return f"{python} -c <probe> failed (exit {probe.returncode}): {detail}"
+    return found
+
+
+def kvelastic_problem(python: str, env: Mapping[str, str]) -> str | None:
+    """Why vLLM run by ``python`` with ``env`` would not load kvelastic, or None when it would.
+
+    kvelastic must import, and vLLM must have a way in, either the ``.pth``
+    hook (it ran at interpreter start, wrapt present) or the
+    ``vllm.general_plugins`` entry point not left out by ``VLLM_PLUGINS``.
+    """
+    found = probe_kvelastic(python, env)
+    return found if isinstance(found, str) else _missing_kvelastic(python, found, env)
+
+
+def _missing_kvelastic(python: str, found: dict[str, Any], env: Mapping[str, str]) -> str | None:
+    """:func:`kvelastic_problem` for a probe's answer ``found``."""
     install = f"install it there ({python} -m pip install kvelastic, or -e <checkout>) or pass --python"
     if "error" in found:
         return f"kvelastic cannot be imported by {python} ({found['error']}); {install}"
@@ -277,6 +317,22 @@ def _missing_hook(found: dict[str, Any], allowed: str | None, install: str) -> s
             f"(it is on sys.path but not installed); {install}")
 
 
+def vllm_problem(python: str, version: str | None) -> str | None:
+    """Why the vLLM ``version`` in ``python`` (None: none installed) cannot run kvelastic; None when it can."""
+    from kvelastic.patching.versions import INSTALL_SUPPORTED, SUPPORT_DOC, SUPPORTED, Version
+
+    if version is None:
+        return f"vLLM is not installed in {python}; install a supported one there: {INSTALL_SUPPORTED}"
+    try:
+        supported = Version.parse(version) in SUPPORTED
+    except ValueError:
+        supported = False
+    if supported:
+        return None
+    return (f"{python} has vLLM {version}, which kvelastic does not support (vLLM {SUPPORTED}; {SUPPORT_DOC}), "
+            f"so every server would refuse to start; install a supported one: {INSTALL_SUPPORTED}")
+
+
 def preflight(plan: LaunchPlan, base_env: Mapping[str, str]) -> tuple[int, str] | None:
     """(exit code, message) when the plan cannot start here; None when it can. Starts nothing."""
     seen: set[tuple[tuple[str, str], ...]] = set()
@@ -284,9 +340,14 @@ def preflight(plan: LaunchPlan, base_env: Mapping[str, str]) -> tuple[int, str] 
         if instance.env in seen:
             continue  # the probe's answer depends only on the variables an instance adds
         seen.add(instance.env)
-        problem = kvelastic_problem(plan.python, {**base_env, **plan.env(instance)})
+        found = probe_kvelastic(plan.python, {**base_env, **plan.env(instance)})
+        problem = found if isinstance(found, str) else _missing_kvelastic(plan.python, found,
+                                                                            {**base_env, **plan.env(instance)})
         if problem:
             return EXIT_NO_KVELASTIC, f"kvelastic is not usable by {instance.name}, nothing started: {problem}"
+        problem = vllm_problem(plan.python, found["vllm"])  # type: ignore[index]
+        if problem:
+            return EXIT_UNSUPPORTED_VLLM, f"no supported vLLM for {instance.name}, nothing started: {problem}"
     problem = gpu_problem(dict(base_env), python=plan.python)
     if problem:
         return EXIT_NO_GPU, f"no usable NVIDIA GPU, nothing started: {problem}"

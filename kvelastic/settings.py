@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import grp
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -33,12 +34,14 @@ _ASCII_DIGITS = re.compile(r"[0-9]+")
 
 
 def _seconds(name: str, text: str) -> float:
+    """Finite seconds, 0 or more: ``inf`` is refused (a value that never lapses is a large number, said so)."""
     try:
         value = float(text)
     except ValueError:
         raise ConfigError(f"{name}={text!r} is not a number of seconds (for example 10 or 0.5)") from None
-    if value < 0 or value != value:
-        raise ConfigError(f"{name}={text!r} must be a non-negative number of seconds")
+    if not 0 <= value < math.inf:  # NaN fails too
+        raise ConfigError(f"{name}={text!r} must be a finite number of seconds, 0 or more (for a time that in "
+                          f"practice never comes, write a large one, such as 86400 for a day)")
     return value
 
 

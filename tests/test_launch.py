@@ -134,6 +134,14 @@ def test_instances_from_yaml(tmp_path):
     ("device: [0, 1]\ninstances: [{model: m, port: 1}]\n", "must be GPU ids"),
     ("- {model: m, port: 1, limit: 0}\n", "KVELASTIC_LIMIT='0' must be larger than zero"),
     ("- {model: m, port: 1, env: {KVELASTIC_CACHE_TTL: soon}}\n", "KVELASTIC_CACHE_TTL='soon'"),
+    ('- {model: m, port: "8001"}\n', "port='8001' must be a TCP port number, unquoted"),
+    ('- {model: m, port: 1, gpu_memory_utilization: "0.3"}\n', "gpu_memory_utilization='0.3' must be a fraction"),
+    ("- {model: m, port: 1, limit: 8GiB, env: {KVELASTIC_LIMIT: 4GiB}}\n",
+     "env sets KVELASTIC_LIMIT, which the launcher sets itself from limit (KVELASTIC_LIMIT=8GiB)"),
+    ("- {model: m, port: 1, env: {KVELASTIC_NAME: other}}\n", "env sets KVELASTIC_NAME"),
+    ("budget: 40GiB\ninstances: [{model: m, port: 1, env: {KVELASTIC_SHARED_BUDGET: 8GiB}}]\n",
+     "env sets KVELASTIC_SHARED_BUDGET, which the launcher sets itself from budget"),
+    ("- {model: m, port: 1, limit: 4G}\n", "the unit 'G' is ambiguous"),
 ])
 def test_bad_yaml_exits_2_with_a_precise_message(tmp_path, yaml_text, message):
     config = tmp_path / "bad.yaml"
@@ -531,7 +539,8 @@ def test_a_stop_between_start_and_record_still_stops_that_server(tmp_path):
     (["--limit", "1KiB"], "m-1: KVELASTIC_LIMIT='1KiB' is smaller than one chunk (8MiB"),
     (["--min", "4GiB", "--limit", "2GiB"], "m-1: KVELASTIC_MIN='4GiB' is larger than KVELASTIC_LIMIT='2GiB'"),
     (["--env", "KVELASTIC_CACHE_TTL=soon"], "m-1: KVELASTIC_CACHE_TTL='soon' is not a number of seconds"),
-    (["--env", "KVELASTIC_PORT=²"], "m-1: KVELASTIC_PORT='²' is not a TCP port"),
+    (["--env", "KVELASTIC_CACHE_TTL=inf"], "m-1: KVELASTIC_CACHE_TTL='inf' must be a finite"),
+    (["--env", "KVELASTIC_PORT=8002"], "m-1: env sets KVELASTIC_PORT, which the launcher sets itself from port"),
     (["--env", "KVELASTIC_CHUNK_SIZE=3MiB"], "m-1: KVELASTIC_CHUNK_SIZE='3MiB' must be a positive multiple"),
 ])
 def test_dry_run_refuses_what_a_server_would_refuse(args, message):

@@ -230,8 +230,10 @@ def test_cache_ttl_seconds(text, expected):
     assert Settings.from_env({"KVELASTIC_CACHE_TTL": text}).cache_ttl_s == expected
 
 
-def test_cache_ttl_may_be_infinite():
-    assert Settings.from_env({"KVELASTIC_CACHE_TTL": "inf"}).cache_ttl_s == float("inf")
+@pytest.mark.parametrize("text", ["inf", "Infinity", "1e999", "-inf"])
+def test_an_infinite_cache_ttl_is_refused_with_the_way_to_say_never(text):
+    with pytest.raises(ConfigError, match=r"KVELASTIC_CACHE_TTL=.* must be a finite number of seconds.*86400"):
+        Settings.from_env({"KVELASTIC_CACHE_TTL": text})
 
 
 @pytest.mark.parametrize("text", ["-1", "-0.5", "ten", "10s", "nan", "1,5"])

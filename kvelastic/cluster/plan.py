@@ -19,7 +19,7 @@ vLLM integration reads when it joins the GPU's shared account:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -142,8 +142,26 @@ def make_instance(*, model: str, port: Any, name: str | None = None, limit: Any 
         env=tuple((str(k), str(v)) for k, v in (env or {}).items()))
 
 
+#: What the launcher sets in each instance's environment, and the option that sets it.
+SET_BY_LAUNCHER = {"KVELASTIC": "(always 1)", "KVELASTIC_NAME": "name", "KVELASTIC_PORT": "port",
+                   "KVELASTIC_LIMIT": "limit", "KVELASTIC_MIN": "min", "KVELASTIC_SHARED_BUDGET": "budget",
+                   "CUDA_VISIBLE_DEVICES": "device"}
+
+
+def check_env_clashes(plan: LaunchPlan) -> None:
+    """Refuse an instance ``env`` that sets a variable the launcher sets from an option (YAML ``limit:`` and
+    ``env: {KVELASTIC_LIMIT: ...}``): one of the two would be silently ignored."""
+    for instance in plan.instances:
+        own = plan.env(replace(instance, env=()))
+        for key, _ in instance.env:
+            if key in own:
+                option = SET_BY_LAUNCHER.get(key, "an option")
+                raise LaunchConfigError(f"{instance.name}: env sets {key}, which the launcher sets itself from "
+                                        f"{option} ({key}={own[key]}); give it one way only")
+
+
 def check_plan(plan: LaunchPlan) -> LaunchPlan:
-    """Refuse empty plans and clashing names or ports; return the plan."""
+    """Refuse empty plans, clashing names or ports, and variables set twice; return the plan."""
     if not plan.instances:
         raise LaunchConfigError("the launch plan has no instances")
     for attribute in ("name", "port"):
@@ -155,6 +173,7 @@ def check_plan(plan: LaunchPlan) -> LaunchPlan:
             seen[value] = index
     if plan.budget is not None:
         check_size(plan.budget, "budget")
+    check_env_clashes(plan)
     return plan
 
 

@@ -18,8 +18,11 @@ Either a mapping with shared settings and ``instances``, or just the list::
 
 Unknown keys are errors, so a misspelt ``limt`` does not silently mean "no limit",
 and values must have their key's type: ``parallel: "no"`` (a string) is refused
-rather than read as true, and an ``env`` value must be a string, a number or a
-boolean (written to the environment as 1 or 0).
+rather than read as true, ``port: "8001"`` (a string) rather than read as a
+number, and an ``env`` value must be a string, a number or a boolean (written to
+the environment as 1 or 0). An ``env`` entry may not set what the launcher sets
+from a key (``KVELASTIC_LIMIT`` beside ``limit:``, ``KVELASTIC_NAME``,
+``KVELASTIC_PORT``, ...): one of the two would be ignored.
 """
 
 from __future__ import annotations
@@ -71,6 +74,14 @@ def _env(value: Any, where: str) -> dict[str, str]:
     return env
 
 
+def _typed(entry: dict, key: str, kinds: tuple[type, ...], form: str, where: str) -> None:
+    """LaunchConfigError unless ``entry[key]`` (when given) has one of ``kinds``: values keep their key's type,
+    so ``port: "8001"`` is refused as ``parallel: "no"`` is. A YAML boolean is never a number."""
+    value = entry.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+        raise LaunchConfigError(f"{where}: {key}={value!r} must be {form}")
+
+
 def _switch(value: Any, what: str) -> bool:
     """A YAML boolean (true/false) only: the string "no" is not quietly true."""
     if not isinstance(value, bool):
@@ -88,6 +99,11 @@ def _instance(entry: Any, index: int, base: Path) -> Instance:
                                 f"{', '.join(sorted(_INSTANCE_KEYS))}")
     if "port" not in entry:
         raise LaunchConfigError(f"{where}: needs a port")
+    _typed(entry, "port", (int,), "a TCP port number, unquoted (port: 8001)", where)
+    _typed(entry, "gpu_memory_utilization", (int, float), "a fraction of GPU memory, unquoted (0.25)", where)
+    _typed(entry, "name", (str,), "text", where)
+    for key in ("limit", "min"):
+        _typed(entry, key, (str, int), "a size such as 8GiB, or a byte count", where)
     env = _env(entry.get("env"), where)
     return make_instance(model=_model_path(entry.get("model"), base, where), port=entry["port"],
                          name=entry.get("name"), limit=entry.get("limit"), min=entry.get("min"),
@@ -131,7 +147,11 @@ def load_plan(path: str | Path, **overrides: Any) -> LaunchPlan:
                                     f"or \"0,1\" (CUDA_VISIBLE_DEVICES)")
         settings["device"] = str(data["device"])
     if data.get("gpu_memory_utilization") is not None:
+        _typed(data, "gpu_memory_utilization", (int, float), "a fraction of GPU memory, unquoted (0.25)",
+               f"launch file {path}")
         settings["gpu_memory_utilization"] = check_util(data["gpu_memory_utilization"], "gpu_memory_utilization")
+    if data.get("budget") is not None:
+        _typed(data, "budget", (str, int), "a size such as 40GiB, or a byte count", f"launch file {path}")
     if data.get("parallel") is not None:
         settings["parallel"] = _switch(data["parallel"], f"launch file {path}: parallel")
     settings.update({k: v for k, v in overrides.items() if v is not None})

@@ -9,12 +9,14 @@ Readiness is vLLM's own ``GET /health`` answering 200.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -95,6 +97,35 @@ def gpu_problem(environ: Mapping[str, str] | None = None, python: str = sys.exec
     return None
 
 
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_log(directory: Path, name: str) -> IO[bytes]:
+    """``directory/<name>.log``, created or emptied for writing; never through a symlink, never another's file.
+
+    A log folder may be one others can write (``/tmp/logs``): a link planted
+    there under a server's log name would otherwise make the launcher truncate
+    and overwrite whatever it points to, and a file planted there would receive
+    the server's output for its owner to read. LaunchFailed names the file.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.log"
+    try:
+        fd = os.open(path, _LOG_FLAGS, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise LaunchFailed(f"the log file {path} is a symbolic link; kvelastic launch never writes through "
+                               f"one (remove it, or choose another --log-dir)") from None
+        raise LaunchFailed(f"cannot open the log file {path}: {error.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise LaunchFailed(f"the log file {path} is not a regular file of this user (uid {st.st_uid}); kvelastic "
+                           f"launch does not write into it (remove it, or choose another --log-dir)")
+    os.ftruncate(fd, 0)
+    return os.fdopen(fd, "wb")
+
+
 def last_log_line(path: Path, width: int = 110) -> str:
     """The last non-empty line of a log, without colour codes, cut to ``width``."""
     try:
@@ -163,9 +194,10 @@ class Supervisor:
     def run(self) -> int:
         """Start (one after another, or all at once), wait until ready, watch, stop."""
         try:
+            logs = {i.name: open_log(self.log_dir, i.name) for i in self.plan.instances}  # all, before any starts
             waves = [self.plan.instances] if self.plan.parallel else [(i,) for i in self.plan.instances]
             for wave in waves:
-                started = [self.start(instance) for instance in wave]
+                started = [self.start(instance, logs.pop(instance.name)) for instance in wave]
                 self.wait_ready(started)
             self.say(f"all {len(self.servers)} instance(s) ready; Ctrl-C stops them")
             for server in self.servers:
@@ -181,11 +213,12 @@ class Supervisor:
             self.stop_all()
         return 0
 
-    def start(self, instance: Instance) -> Server:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    def start(self, instance: Instance, log: IO[bytes] | None = None) -> Server:
+        """Start ``instance`` with its output to ``log`` (its log file in the log folder, opened if not given)."""
         log_path = self.log_dir / f"{instance.name}.log"
+        log = log if log is not None else open_log(self.log_dir, instance.name)
         env = {**self.base_env, **self.plan.env(instance)}
-        with open(log_path, "wb") as log, stop_signals_held() as previous_mask:
+        with log, stop_signals_held() as previous_mask:
             process = spawn(self.plan.command(instance), env, log, previous_mask)
             server = Server(instance, process, log_path, time.monotonic())
             self.servers.append(server)

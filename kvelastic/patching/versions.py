@@ -92,6 +92,11 @@ BANDS: tuple[Band, ...] = (
     Band("C", since("0.29"), "one KV backing for every layer: allocate_kv_cache(kv_cache_config, device, "
                              "layout, kernel_block_sizes)"),
 )
+#: The command that installs a supported vLLM, built from the two constants above.
+INSTALL_SUPPORTED = f'pip install "vllm>={OLDEST_SUPPORTED},<{FIRST_UNSUPPORTED}"'
+#: Where the supported releases are listed, by a name that needs no network: the README, which is also
+#: the long description in the wheel's metadata.
+SUPPORT_DOC = "the \"vLLM support\" table of kvelastic's README"
 UNSUPPORTED_NEWER_NOTE = (
     f"kvelastic is checked against every vLLM release before {FIRST_UNSUPPORTED}; a newer release may have "
     "moved or reshaped what kvelastic patches, and is refused until its version matrix passes "
