@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping
+from typing import Callable, Mapping
 
 from kvelastic import switch
 
@@ -21,12 +21,17 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def install_if_enabled() -> None:
-    """Register the vLLM import hook when ``KVELASTIC`` is on; never raise at site import."""
+    """Register the vLLM import hook when ``KVELASTIC`` is on; never raise at site import.
+
+    A value that is no switch (``KVELASTIC=maybe``) registers a hook too: it
+    stops a process that imports vLLM with one line and exit status 1, as a bad
+    setting does, and leaves every other interpreter alone.
+    """
     try:
-        if not enabled():
-            return
+        hook = _on_vllm_import if enabled() else None
     except Exception as exc:  # noqa: BLE001 - a .pth must not kill the interpreter
-        print(f"kvelastic: {exc}", file=sys.stderr)
+        hook = _refusing(exc)
+    if hook is None:
         return
     try:
         import wrapt
@@ -34,7 +39,17 @@ def install_if_enabled() -> None:
         print("kvelastic: KVELASTIC is set but wrapt is not installed; vLLM stays unpatched",
               file=sys.stderr)
         return
-    wrapt.register_post_import_hook(_on_vllm_import, "vllm")
+    wrapt.register_post_import_hook(hook, "vllm")
+
+
+def _refusing(error: Exception) -> Callable[[object], None]:
+    def refuse(module: object) -> None:
+        from kvelastic.errors import ConfigError
+        from kvelastic.startup.reporting import StartupRefused
+
+        raise StartupRefused(error if isinstance(error, ConfigError) else ConfigError(str(error)))
+
+    return refuse
 
 
 def _on_vllm_import(module: object) -> None:

@@ -207,8 +207,10 @@ def test_releases_outside_supported_are_refused(release: str) -> None:
         gate.check(ALL_PATCHES, version)
     message = str(refused.value)
     assert f"vLLM {version} is not supported" in message and "KVELASTIC=0" in message
+    assert f'pip install "vllm>={OLDEST_SUPPORTED},<{FIRST_UNSUPPORTED}"' in message and "README" in message
+    assert "docs/" not in message  # the docs folder is not in the wheel
     if version >= SUPPORTED.high:
-        assert f"every vLLM release before {FIRST_UNSUPPORTED}" in message and "Adding a vLLM release" in message
+        assert f"every vLLM release before {FIRST_UNSUPPORTED}" in message
     else:
         assert str(SUPPORTED) in message
     assert static_check.refusal(version) == message

@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 from kvelastic.errors import PatchError
 from kvelastic.patching.rules import Found, init_attributes, problem
 from kvelastic.patching.spec import Patch, Target, claimed
-from kvelastic.patching.versions import SUPPORTED, UNSUPPORTED_NEWER_NOTE, Version, band_of
+from kvelastic.patching.versions import (INSTALL_SUPPORTED, SUPPORT_DOC, SUPPORTED, UNSUPPORTED_NEWER_NOTE, Version,
+                                         band_of)
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,9 @@ def _judge(patches: Sequence[Patch], version: Version,
     if version not in SUPPORTED:
         newer = version >= SUPPORTED.high
         reason = UNSUPPORTED_NEWER_NOTE if newer else f"kvelastic supports vLLM {SUPPORTED}"
-        raise PatchError(f"kvelastic: vLLM {version} is not supported: {reason}. "
-                         f"Set KVELASTIC=0 to run vLLM without kvelastic, or KVELASTIC_STRICT=0 to warn only.")
+        raise PatchError(f"kvelastic: vLLM {version} is not supported: {reason}. Install a supported release "
+                         f"({SUPPORT_DOC} lists them): {INSTALL_SUPPORTED}; or set KVELASTIC=0 to run vLLM "
+                         f"without kvelastic, or KVELASTIC_STRICT=0 to warn only.")
     band = band_of(version)
     chosen = claimed(patches, version)
     problems = problems_of(chosen, version, check_one)

@@ -99,8 +99,7 @@ INSTALL_SUPPORTED = f'pip install "vllm>={OLDEST_SUPPORTED},<{FIRST_UNSUPPORTED}
 SUPPORT_DOC = "the \"vLLM support\" table of kvelastic's README"
 UNSUPPORTED_NEWER_NOTE = (
     f"kvelastic is checked against every vLLM release before {FIRST_UNSUPPORTED}; a newer release may have "
-    "moved or reshaped what kvelastic patches, and is refused until its version matrix passes "
-    "(docs/version-matrix.md, \"Adding a vLLM release\")"
+    "moved or reshaped what kvelastic patches, so it is refused until kvelastic has been checked against it"
 )
 
 

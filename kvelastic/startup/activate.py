@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvelastic import __version__
-from kvelastic.errors import KvelasticError, PatchError
+from kvelastic.errors import EngineFolderError, KvelasticError, PatchError
 from kvelastic.startup.runtime import Runtime, default_backend
 from kvelastic.patching.apply import Patcher
 from kvelastic.patching.gate import check_source
@@ -111,9 +111,34 @@ def deactivate() -> None:
         _Once.failed = False
 
 
+#: Imported as a vLLM engine starts (``LLM(...)``, the API server's engine client, each engine-core process),
+#: and not by ``vllm --version`` or ``vllm --help``: where a refusal of vLLM itself takes effect.
+ENGINE_MODULE = "vllm.v1.engine.core"
+
+
 def activate_from_hook() -> None:
-    """Entry for the import hook and the vLLM plugin: activate from the environment; a refusal is one line."""
+    """Entry for the import hook and the vLLM plugin: activate from the environment; a refusal is one line.
+
+    A bad setting stops the process now. A vLLM that kvelastic cannot patch (a
+    release outside the supported range, a build whose contacts moved) stops
+    only the engine, when one starts: ``vllm --version`` and ``vllm --help``
+    still answer, which is how a user finds out what is installed.
+    """
     try:
         activate()
+    except EngineFolderError as error:
+        raise StartupRefused(error) from None
+    except PatchError as error:
+        refuse_at_engine_start(error)
     except KvelasticError as error:
         raise StartupRefused(error) from None
+
+
+def refuse_at_engine_start(error: KvelasticError) -> None:
+    """Stop with ``error`` (one line, exit 1) when an engine starts: at once if one is starting already."""
+    import wrapt
+
+    def refuse(module: object) -> None:
+        raise StartupRefused(error)
+
+    wrapt.register_post_import_hook(refuse, ENGINE_MODULE)
