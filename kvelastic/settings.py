@@ -285,13 +285,19 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     return warnings
 
 
+#: Shown on the start-up line even at their defaults: what an operator looks for first.
+ALWAYS_DESCRIBED = ("chunk_bytes", "limit_bytes", "name", "shared_budget_bytes")
+
+
 def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
-    """The settings in effect on one line, ``VARIABLE=value``; ``*`` marks those set in the environment."""
+    """The settings on one short line, ``VARIABLE=value``: those set in the environment (marked ``*``) and
+    :data:`ALWAYS_DESCRIBED`; every vLLM process logs it, so the other defaults are left out."""
     env = os.environ if environ is None else environ
     parts = []
     for field in fields(Settings):
         variable, _ = _VARIABLES[field.name]
-        if variable == "KVELASTIC":
+        given = bool((env.get(variable) or "").strip())
+        if variable == "KVELASTIC" or not (given or field.name in ALWAYS_DESCRIBED):
             continue
         value = getattr(settings, field.name)
         if value is None or (field.name == "port" and not value):  # port 0: none given
@@ -302,8 +308,7 @@ def describe(settings: Settings, environ: Mapping[str, str] | None = None) -> st
             shown = format_size(value).replace(" ", "")
         else:
             shown = f"{value:g}" if isinstance(value, float) else str(value)
-        mark = "*" if (env.get(variable) or "").strip() else ""
-        parts.append(f"{variable}={shown}{mark}")
+        parts.append(f"{variable}={shown}{'*' if given else ''}")
     return " ".join(parts)
 
 

@@ -54,4 +54,5 @@ def report_start(settings: Settings, environ: Mapping[str, str] | None = None) -
     env = os.environ if environ is None else environ
     for warning in unknown_variables(env):
         log.warning("kvelastic: %s", warning)
-    log.info("kvelastic: settings in effect (* = set in the environment): %s", describe(settings, env))
+    log.info("kvelastic: settings in effect (* = set in the environment; the rest at their defaults): %s",
+             describe(settings, env))
