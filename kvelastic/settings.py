@@ -258,6 +258,11 @@ def _check_together(settings: Settings, env: Mapping[str, str]) -> None:
             raise ConfigError(f"{variable}={env.get(variable)!r} is smaller than one chunk "
                               f"({_chunk_text(chunk)}, KVELASTIC_CHUNK_SIZE): not even one page could be "
                               f"mapped; use at least {_chunk_text(chunk)}")
+    if settings.limit_bytes is not None and settings.virtual_bytes is not None and \
+            settings.limit_bytes > settings.virtual_bytes:
+        raise ConfigError(f"KVELASTIC_LIMIT={env.get('KVELASTIC_LIMIT')!r} is larger than KVELASTIC_VIRTUAL_BYTES="
+                          f"{env.get('KVELASTIC_VIRTUAL_BYTES')!r}: the cache can never map more than its virtual "
+                          f"size; lower the limit or raise the virtual size")
     if settings.limit_bytes is not None and settings.min_bytes > settings.limit_bytes:
         raise ConfigError(f"KVELASTIC_MIN={env.get('KVELASTIC_MIN')!r} is larger than "
                           f"KVELASTIC_LIMIT={env.get('KVELASTIC_LIMIT')!r}: a reservation must fit under the cap")

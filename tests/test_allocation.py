@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheTensor,
 )
 
-from kvelastic.errors import PoolClosedError  # noqa: E402
+from kvelastic.errors import ConfigError, PoolClosedError  # noqa: E402
 from kvelastic.startup import activate as activation  # noqa: E402
 from kvelastic.worker.allocation import publish_views, startup_blocks  # noqa: E402
 from kvelastic.startup.runtime import Runtime  # noqa: E402
@@ -343,8 +343,11 @@ def test_plan_capacity_honours_limit_and_virtual_settings():
     assert odd.plan_capacity(10 * GIB, 80 * GIB).virtual_bytes == 20 * GIB + 2 * MIB
 
 
-def test_virtual_capacity_is_never_below_the_limit():
-    plan = Runtime(Settings(enabled=True, virtual_bytes=2 * GIB, limit_bytes=4 * GIB)).plan_capacity(GIB, GIB)
-    assert plan.virtual_bytes == 4 * GIB and plan.limit_bytes == 4 * GIB
+def test_the_limit_never_exceeds_the_virtual_capacity(kv_log):
+    plan = Runtime(Settings(enabled=True, limit_bytes=1024 * GIB)).plan_capacity(10 * GIB, 80 * GIB - 3 * MIB)
+    assert plan.limit_bytes == plan.virtual_bytes == 80 * GIB - 8 * MIB  # lowered to what the device can hold
+    assert "KVELASTIC_LIMIT=1.00 TiB is more than this cache's virtual size" in kv_log.text
     plan = Runtime(Settings(enabled=True)).plan_capacity(profiled_bytes=12 * GIB, device_total_bytes=8 * GIB)
     assert plan.virtual_bytes == 12 * GIB and plan.limit_bytes == 12 * GIB
+    with pytest.raises(ConfigError, match="KVELASTIC_LIMIT='4GiB' is larger than KVELASTIC_VIRTUAL_BYTES='2GiB'"):
+        Settings.from_env({"KVELASTIC_LIMIT": "4GiB", "KVELASTIC_VIRTUAL_BYTES": "2GiB"})

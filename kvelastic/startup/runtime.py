@@ -74,10 +74,21 @@ class Runtime:
 
     # ------------------------------------------------------------- capacity
     def plan_capacity(self, profiled_bytes: int, device_total_bytes: int) -> CapacityPlan:
-        """Decide the virtual size shown to vLLM and the physical limit, from vLLM's own profile."""
+        """Decide the virtual size shown to vLLM and the physical limit, from vLLM's own profile.
+
+        The limit never exceeds the virtual size: a ``KVELASTIC_LIMIT`` above
+        it (above the device's memory, without ``KVELASTIC_VIRTUAL_BYTES``) is
+        lowered to it, with a warning (the settings refuse one above an
+        explicit virtual size).
+        """
         chunk = self.settings.chunk_bytes
         limit = self.settings.limit_bytes or profiled_bytes
         virtual = self.settings.virtual_bytes or max(profiled_bytes, device_total_bytes)
+        if limit > virtual:  # KVELASTIC_LIMIT above the device's memory: nothing past the virtual size can map
+            clamped = max(chunk, virtual // chunk * chunk)
+            log.warning("kvelastic: KVELASTIC_LIMIT=%s is more than this cache's virtual size %s (the device's "
+                        "memory); the limit is %s", format_size(limit), format_size(virtual), format_size(clamped))
+            limit = clamped
         virtual = max(virtual, limit) // chunk * chunk
         self.plan = CapacityPlan(virtual_bytes=virtual, limit_bytes=limit, profiled_bytes=profiled_bytes)
         log.info("kvelastic: KV cache virtual %s, physical limit %s (vLLM profiled %s)",
