@@ -9,6 +9,7 @@ the root of site-packages, hence these two small command overrides.
 import importlib.util
 from pathlib import Path
 
+from setuptools import __version__ as setuptools_version
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
@@ -64,4 +65,16 @@ class EditableWheelWithPth(editable_wheel):
         return _StrategyAddingPth(super()._select_strategy(name, tag, build_lib))
 
 
-setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})
+def _license() -> dict[str, str]:
+    """The license as an SPDX expression where setuptools knows them (77+), else as plain text.
+
+    ``project.license`` is dynamic in pyproject.toml for this: the string form there needs
+    setuptools 77, and the table form older ones read is deprecated from 77 on.
+    """
+    major = int(setuptools_version.split(".")[0])
+    return {"license_expression": LICENSE} if major >= 77 else {"license": LICENSE}
+
+
+LICENSE = "Apache-2.0"
+
+setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth}, **_license())

@@ -1,14 +1,29 @@
-"""Shared fixtures: a host-backed page pool with small pages, so tests run fast on any CPU."""
+"""Shared fixtures: a host-backed page pool with small pages, so tests run fast on any CPU.
+
+The tests import ``tests.*`` and ``kvelastic_dev`` from the checkout, which
+are not installed; ``kvelastic`` itself must come from where it is installed
+(an editable install is the checkout again): the checkout's ``kvelastic``
+folder alone has no ``kvelastic.patches``, which the installed package maps
+from ``patches/``. So the checkout goes on ``sys.path`` last, never first:
+``pip install .`` then ``pytest`` (or ``python -m pytest``, which puts the
+current folder first) tests the installed kvelastic.
+"""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import logging
+import sys
+from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT] + [str(ROOT)]
 
-from kvelastic.pool import HostBackend, PagePool
+import importlib  # noqa: E402 - after the path is set
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvelastic.pool import HostBackend, PagePool  # noqa: E402
 
 SMALL_PAGE = 64 * 1024
 

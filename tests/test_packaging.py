@@ -17,11 +17,13 @@ import shutil
 import site
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from kvelastic.patching.versions import FIRST_UNSUPPORTED, OLDEST_SUPPORTED
+from tests.fake_vllm_version import shadow_vllm_version
 
 REPO = Path(__file__).resolve().parents[1]
 PTH = "kvelastic-autopatch.pth"
@@ -43,10 +45,15 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def source(tmp_path_factory) -> Path:
+    """A copy of the checkout, as a user has it after cloning."""
+    return _copy_source(tmp_path_factory.mktemp("wheel") / "src")
+
+
+@pytest.fixture(scope="module")
+def wheel(source) -> Path:
     """Slow-ish (a pip build, with build isolation fetching setuptools): the wheel users install."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    source = _copy_source(tmp / "src")
+    tmp = source.parent
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "out"), "."],
                           cwd=source, env=_clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -66,9 +73,11 @@ def venv(wheel, tmp_path_factory) -> Path:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
-    # A plain path line appends the directory; its own .pth files (our editable install's) are not run.
-    # "00-" sorts before kvelastic-autopatch.pth, whose hook needs wrapt from there.
-    (purelib / "00-test-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Plain path lines append the directories; their own .pth files (our editable install's) are not run.
+    # "00-" sorts before kvelastic-autopatch.pth, whose hook needs wrapt from there. Every site-packages on
+    # this interpreter's path: a venv layered on another (by a .pth line) has its packages in the lower one.
+    here = [entry for entry in sys.path if entry.endswith("site-packages") and Path(entry).is_dir()]
+    (purelib / "00-test-dependencies.pth").write_text("".join(f"{entry}\n" for entry in here))
     return root
 
 
@@ -96,7 +105,12 @@ def test_the_wheel_carries_the_hook_entry_points_model_and_license(wheel):
         meta = {Path(n).name: archive.read(n).decode() for n in names if ".dist-info/" in n}
         assert "[vllm.general_plugins]\nkvelastic = kvelastic.plugin:register" in meta["entry_points.txt"]
         assert "[console_scripts]\nkvelastic = kvelastic.cli:main" in meta["entry_points.txt"]
-        assert "License: Apache-2.0" in meta["METADATA"] and "License-File: LICENSE" in meta["METADATA"]
+        metadata = meta["METADATA"]
+        assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata  # SPDX
+        assert f"Requires-Dist: vllm<{FIRST_UNSUPPORTED},>={OLDEST_SUPPORTED}" in metadata  # not only an extra
+        assert "Requires-Dist: cuda-bindings" in metadata and "Requires-Dist: cuda-python" not in metadata
+        assert "Classifier: Environment :: GPU :: NVIDIA CUDA" in metadata
+        assert "Requires-Python: >=3.10" in metadata
         assert "Apache License" in meta["LICENSE"] and "Version 2.0, January 2004" in meta["LICENSE"]
         assert any(line.startswith(PTH + ",") for line in meta["RECORD"].splitlines())
 
@@ -138,3 +152,24 @@ def test_the_autopatch_of_the_installed_wheel_patches_vllm(venv, tmp_path):
     assert found["active"] is True
     assert found["launcher_probe"] is None  # `kvelastic launch` would accept this Python
     assert "patches applied" in result.stdout + result.stderr
+
+
+def test_pip_install_then_pytest_tests_the_installed_package(venv, source):
+    """`pip install .` then the test command in the checkout: the checkout's kvelastic folder (without
+    kvelastic.patches) must not hide the installed package, while tests.* and kvelastic_dev still import."""
+    chosen = "test_the_supported_range_is_written_once_and_pyproject_agrees or test_releases_outside_supported"
+    result = _run(venv, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_version_matrix.py",
+                  "-k", chosen, cwd=source)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "No module named 'kvelastic.patches'" not in result.stdout + result.stderr
+    assert " passed" in result.stdout
+
+
+def test_pip_reports_a_vllm_outside_the_supported_range(venv, tmp_path):
+    """The range is a real dependency: pip says so when vLLM moves past it (what `pip install -U vllm` prints)."""
+    shadow = shadow_vllm_version(tmp_path / "shadow", "0.99.0")
+    env = {"PYTHONPATH": str(shadow)}
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "check"],
+                          env=_clean_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert f"has requirement vllm<{FIRST_UNSUPPORTED},>={OLDEST_SUPPORTED}, but you have vllm 0.99.0" in done.stdout, \
+        done.stdout[-3000:] + done.stderr[-3000:]
