@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from kvelastic.launch import vllm_problem
 from kvelastic.patching.versions import FIRST_UNSUPPORTED, OLDEST_SUPPORTED
 from tests.fake_vllm_version import python_seeing_vllm
 from tests.other_user import OTHER_UID, as_user, needs_root, shared_root  # noqa: F401
@@ -63,6 +62,8 @@ def test_the_launcher_refuses_an_unsupported_vllm_before_anything_starts(tmp_pat
 
 
 def test_no_vllm_or_an_unreadable_version_is_named_with_the_fix():
+    from kvelastic.launch import vllm_problem
+
     assert INSTALL in vllm_problem("/x/python", None) and "not installed in /x/python" in vllm_problem("/x/python", None)
     assert "does not support" in vllm_problem("/x/python", "banana")
     assert vllm_problem("/x/python", "0.25.0") is None

@@ -71,10 +71,13 @@ def test_a_root_with_the_sticky_bit_or_only_its_owner_writing_is_accepted(shared
 
 
 def _make_group_folder(root: str, gid: int) -> str:
+    """A non-member's folder in a set-group-id root: it inherits the group and the set-group-id bit (a chmod
+    would clear the bit, the maker being no member), and so looks exactly like the group's own."""
     folder = os.path.join(root, f"kvelastic-g{gid}")
-    os.mkdir(folder)
-    os.chmod(folder, 0o2770)
-    return f"{os.stat(folder).st_gid}"
+    os.umask(0)
+    os.mkdir(folder, 0o770)
+    st = os.stat(folder)
+    return f"{st.st_gid} {st.st_mode & 0o7777:o}"
 
 
 def _open_group_account(gpu: str) -> str:
@@ -90,8 +93,8 @@ def _open_group_account(gpu: str) -> str:
 def test_a_non_members_folder_in_a_set_group_id_root_is_not_trusted(shared_root, monkeypatch):
     os.chown(shared_root, 0, GROUP)
     shared_root.chmod(0o3777)  # set-group-id: every entry created in it gets GROUP
-    created_gid = as_user(_make_group_folder, str(shared_root), GROUP)  # OTHER_UID is not in GROUP
-    assert created_gid == str(GROUP)  # the folder has the group's gid although its maker is no member
+    made = as_user(_make_group_folder, str(shared_root), GROUP)  # OTHER_UID is not in GROUP
+    assert made == f"{GROUP} 2770"  # the group's gid and mode, although its maker is no member
     monkeypatch.setenv("KVELASTIC_SHARED_GROUP", str(GROUP))
     answer = as_user(_open_group_account, GPU, uid=THIRD_UID, gid=THIRD_UID, groups=(GROUP,))  # a member
     assert answer.startswith("refused") and "set-group-id" in answer, answer

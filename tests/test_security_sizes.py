@@ -16,9 +16,10 @@ import sys
 import pytest
 
 from kvelastic.cluster import BadLimits, SharedAccount
+from kvelastic.cluster.records import MAX_BYTES  # the readers' limit, which the writers share
 from kvelastic.errors import ConfigError
 from kvelastic.settings import Settings
-from kvelastic.units import MAX_BYTES, parse_size
+from kvelastic.units import parse_size
 
 GPU = "GPU-sizes"
 GIB = 1024**3
