@@ -4,6 +4,7 @@ checked, timeouts that mean something, a help text without markup or test-only v
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,13 +44,29 @@ def test_a_log_planted_in_a_shared_log_dir_is_refused_before_any_server_starts(s
     (port,) = _free_ports(1)
     assert as_user(_plant, str(logs / f"fake-model-{port}.log"), how, str(precious)) == "planted"
     fake = _fake_tool(tmp_path / "fake-python", FAKE_SERVER)
-    done = subprocess.run([sys.executable, "-c", RUN_SUPERVISOR, str(fake), str(logs), str(port), "ok"],
-                          env={**os.environ, "FAKE_DIR": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-    assert done.returncode == 1, done.stdout + done.stderr
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN_SUPERVISOR, str(fake), str(logs), str(port), "ok"],
+                              env={**os.environ, "FAKE_DIR": str(tmp_path)}, capture_output=True, text=True,
+                              timeout=60, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        done = None  # it started the server and watched it: what the launcher did before the fix
+    finally:
+        _stop_fake_servers(tmp_path / f"{port}.pids")
+    assert done is not None and done.returncode == 1, done and done.stdout + done.stderr
     assert ("symbolic link" if how == "symlink" else "not a regular file of this user") in done.stdout
     assert precious.read_text() == "keep me", "the launcher wrote through another user's link"
     assert not (tmp_path / f"{port}.pids").exists(), "a server started although its log could not be opened"
+
+
+def _stop_fake_servers(pids: Path) -> None:
+    """Stop the fake server (and its engine) a launch started, should it have started one."""
+    if not pids.exists():
+        return
+    for pid in pids.read_text().split()[:2]:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_the_launcher_refuses_an_unsupported_vllm_before_anything_starts(tmp_path):
