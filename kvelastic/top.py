@@ -92,7 +92,7 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 
 
 def _seconds(text: str) -> float:
-    from kvelastic.cli import seconds_argument
+    from kvelastic.cli_input import seconds_argument
 
     return seconds_argument(text)
 
