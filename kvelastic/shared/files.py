@@ -60,7 +60,7 @@ class SafeDir:
             return None
         try:
             scope.check_root(os.fstat(parent), str(path.parent))
-            return cls._open_in(parent, path, scope, create)
+            return cls._open_in(parent, path, scope, create, scope_folder=True)
         finally:
             os.close(parent)
 
@@ -69,7 +69,10 @@ class SafeDir:
         return self._open_in(self.fd, self.path / name, self.scope, create)
 
     @classmethod
-    def _open_in(cls, parent: int, path: Path, scope: Scope, create: bool) -> "SafeDir | None":
+    def _open_in(cls, parent: int, path: Path, scope: Scope, create: bool,
+                 scope_folder: bool = False) -> "SafeDir | None":
+        """``path`` (a name in the open directory ``parent``), checked; ``scope_folder``: the scope's own
+        folder, whose owner must be trusted too (:meth:`Scope.trusts_owner`)."""
         created = False
         if create:
             try:
@@ -97,9 +100,11 @@ class SafeDir:
                 os.fchmod(fd, scope.dir_mode)  # mkdir's mode passed through the umask
             st = os.fstat(fd)
             scope.check(st, f"directory {path}")
-            if not scope.trusts_owner(st.st_uid):  # a group's folder: made by a member (or root), not a past one
+            if scope_folder and not scope.trusts_owner(st.st_uid):  # made by a member or root, not a past member
                 raise UnsafeSharedPath(f"directory {path} belongs to uid {st.st_uid}, not a member of group "
-                                       f"{scope.gid}; kvelastic refuses it. Its owner or root must remove it")
+                                       f"{scope.gid} as the user database lists them; kvelastic refuses it. Its "
+                                       f"owner or root must remove it; root may make it for the group: mkdir "
+                                       f"{path} && chgrp {scope.gid} {path} && chmod 2770 {path}")
         except BaseException:
             os.close(fd)
             raise
