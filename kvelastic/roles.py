@@ -225,7 +225,7 @@ class CacheConnection(Protocol):
     #: process waiting on another (``KVELASTIC_CPU_LOAD=async`` needs it).
     async_loads: bool
     #: Whether an unmap takes effect between two steps (the pool is in this process); False where the
-    #: ranks apply it with their next step (``KVELASTIC_RELEASE=preempt`` needs True).
+    #: ranks apply it with their next step.
     unmaps_between_steps: bool
 
     @abstractmethod

@@ -192,10 +192,6 @@ class Settings:
     #: calls) ``group`` reloaded a 16k prefix in 103.4 / 109.6 ms against 115.3 / 112.6, and cost the 1B
     #: multi-turn 6 % (one run), whose runs are shorter than a group and keep one batch with ``long-runs``.
     cpu_load_pieces: str = "long-runs"
-    #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
-    #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
-    #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
-    release: str = "drain"
     #: Under tensor parallelism, where the scheduler learns which page groups every rank mapped: ``board``
     #: (each rank's board in shared memory: one host), ``step`` (each rank's report on its reply to the
     #: step, gathered by vLLM's multiprocess executor or Ray's V2: docs/tp-step-protocol.md), or ``auto``:
@@ -268,12 +264,16 @@ def known_variables() -> tuple[str, ...]:
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One warning per ``KVELASTIC_*`` variable that nothing reads, naming the nearest real one."""
+    """One warning per ``KVELASTIC_*`` variable that nothing reads: what a retired one's job has become, else
+    the nearest real name."""
     env = os.environ if environ is None else environ
     known = known_variables()
     suffixes = {v[len(PREFIX):]: v for v in known if v.startswith(PREFIX)}
     warnings = []
     for variable in sorted(v for v in env if v.startswith(PREFIX) and v not in known):
+        if variable in RETIRED:
+            warnings.append(f"{variable} is retired and ignored: {RETIRED[variable]}")
+            continue
         nearest = difflib.get_close_matches(variable[len(PREFIX):], suffixes, n=1, cutoff=0.6)
         hint = f"did you mean {suffixes[nearest[0]]}?" if nearest else "settings: " + ", ".join(Settings.variables())
         warnings.append(f"{variable} is not a kvelastic setting and is ignored; {hint}")
@@ -327,7 +327,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "cpu_load_path": ("KVELASTIC_CPU_LOAD_PATH", _choice("same", "staged")),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),
-    "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("auto", "board", "step")),
     "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
     "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
@@ -354,3 +353,11 @@ def shared_location(environ: Mapping[str, str] | None = None) -> tuple[Path, int
         text = env.get(variable)
         values[field] = parse(variable, text) if text is not None and text.strip() else None
     return Path(str(values["shared_dir"] or Settings.shared_dir)), values["shared_group"]  # type: ignore[return-value]
+
+
+#: Variables kvelastic does not read that an older environment may still set, each with what kvelastic does
+#: instead. Never an error: start-up names each one set, once (:func:`unknown_variables`).
+RETIRED: dict[str, str] = {
+    "KVELASTIC_RELEASE": "memory that running requests hold drains as they finish or as vLLM preempts its newest "
+                         "(kvelastic preempts nothing itself)",
+}

@@ -348,3 +348,14 @@ def test_every_setting_has_a_row_in_the_readme_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [name for name, _ in _VARIABLES.values() if f"| `{name}` |" not in readme]
     assert missing == []
+
+
+def test_a_retired_variable_is_named_once_with_what_kvelastic_does_instead():
+    """A variable kvelastic stopped reading is not an error: start-up says what became of its job."""
+    from kvelastic.settings import RETIRED
+
+    assert "KVELASTIC_RELEASE" in RETIRED and set(RETIRED).isdisjoint(known_variables())
+    for variable, now in RETIRED.items():
+        (warning,) = unknown_variables({variable: "1", "KVELASTIC": "1"})
+        assert warning == f"{variable} is retired and ignored: {now}"
+    assert Settings.from_env({"KVELASTIC_RELEASE": "preempt"}) == Settings()

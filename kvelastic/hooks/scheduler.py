@@ -74,14 +74,11 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                             keep_free_order=may_walk_free_queue(scheduler.connector))
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
-    vllm_connector = scheduler.connector is not None  # read before kvelastic may put its own there
     async_loads = _loads_beside_compute(scheduler, settings, connection)
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
                               serve_misses=not async_loads)
     if offload is not None and async_loads:
         _attach_host_loads(scheduler, offload, block_pool, runtime, patcher, connection)
-    if settings.release == "preempt":
-        _attach_targeted_release(scheduler, queue, cache, connection, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     reply_hook = connection.reply_hook()
     if reply_hook is not None:  # under tensor parallelism, confirmations on the steps' replies
@@ -201,17 +198,6 @@ def _loads_beside_compute(scheduler: Any, settings: Settings, connection: CacheC
                  "ranks do not report loads on the steps' replies here (KVELASTIC_TP_CONFIRM=step does)")
         return False
     return True
-
-
-def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, connection: CacheConnection,
-                             patcher: Patcher, *, vllm_connector: bool) -> None:
-    """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once.
-    ``vllm_connector``: vLLM made a KV connector (kvelastic's own host-load connector is not one)."""
-    from kvelastic.hooks.targeted_release import install_targeted_release
-
-    release = install_targeted_release(scheduler, queue, cache, patcher, local=connection.unmaps_between_steps,
-                                       vllm_connector=vllm_connector)
-    patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
 def _attach_host_loads(scheduler: Any, offload: OffloadManager, block_pool: Any, runtime: Runtime,
