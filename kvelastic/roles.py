@@ -149,8 +149,7 @@ class Mapper(Protocol):
     #: the queue must not request it twice over (``PageAwareFreeQueue._room_to_request``).
     requests_hold_room: bool = True
     #: Groups mapped since the queue last looked, for it to adopt (it pops them). The queue reads this
-    #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute
-    #: where it can be (a property that first polls the ranks where it cannot).
+    #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute.
     mapped: deque[int]
     #: Groups that could not be mapped, for the queue to put back among the unmapped ones.
     refused: deque[int]

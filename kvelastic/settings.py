@@ -192,27 +192,6 @@ class Settings:
     #: calls) ``group`` reloaded a 16k prefix in 103.4 / 109.6 ms against 115.3 / 112.6, and cost the 1B
     #: multi-turn 6 % (one run), whose runs are shorter than a group and keep one batch with ``long-runs``.
     cpu_load_pieces: str = "long-runs"
-    #: Under tensor parallelism, where the scheduler learns which page groups every rank mapped: ``board``
-    #: (each rank's board in shared memory: one host), ``step`` (each rank's report on its reply to the
-    #: step, gathered by vLLM's multiprocess executor or Ray's V2: docs/tp-step-protocol.md), or ``auto``:
-    #: ``step`` wherever the executor gathers replies (``mp``, Ray V2), else ``board``. ``auto`` since
-    #: ``step`` was ahead of ``board`` on a cold cache in the same call at TP=2 (0.972x vanilla against
-    #: 0.956x, 2 x H200) and TP=4 (0.985x against 0.968x, 4 x H200), and it alone serves ranks on other hosts.
-    tp_confirm: str = "auto"
-    #: Under tensor (or pipeline) parallelism, whether a rank applies a step's page maps after launching
-    #: its forward pass (the GPU computes, the driver calls run beside it) instead of before: exact, since
-    #: a step's maps back none of its own blocks (docs/tp-step-protocol.md, point 7). On 2 x H100 (8B, TP=2)
-    #: cold 0.982x vanilla with it, 0.977x without: within noise.
-    tp_map_after_launch: bool = True
-    #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``allow`` it (every stage
-    #: maps and confirms as a tensor-parallel rank does; 8B PP=2 on 2 x H200 token-identical to vanilla,
-    #: 2026-11-27: docs/tensor-parallel.md), or ``refuse`` start-up.
-    pipeline: str = "allow"
-    #: vLLM's Ray executor (``--distributed-executor-backend ray``): ``allow`` its V2 executor on one host (the
-    #: engine core hands each rank its folder over ``collective_rpc``: docs/tp-step-protocol.md, "Ray"), or
-    #: ``refuse`` start-up. ``allow`` since its GPU run (8B, TP=2 on 2 x H200, 2026-11-28: 512/512 identical to
-    #: vanilla Ray TP=2, 0.96x its throughput).
-    ray: str = "allow"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -327,10 +306,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
     "cpu_load_path": ("KVELASTIC_CPU_LOAD_PATH", _choice("same", "staged")),
     "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),
-    "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("auto", "board", "step")),
-    "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
-    "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
-    "ray": ("KVELASTIC_RAY", _choice("allow", "refuse")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),
@@ -360,4 +335,12 @@ def shared_location(environ: Mapping[str, str] | None = None) -> tuple[Path, int
 RETIRED: dict[str, str] = {
     "KVELASTIC_RELEASE": "memory that running requests hold drains as they finish or as vLLM preempts its newest "
                          "(kvelastic preempts nothing itself)",
+    "KVELASTIC_TP_CONFIRM": "worker ranks confirm their maps on their replies to the steps, which vLLM's "
+                            "multiprocess and Ray V2 executors gather; other executors are refused at start-up",
+    "KVELASTIC_TP_MAP_AFTER_LAUNCH": "a worker rank maps a step's page groups once the step's forward pass is "
+                                     "launched",
+    "KVELASTIC_PIPELINE": "pipeline parallelism runs wherever the executor is supported (each stage maps and "
+                          "confirms its own layers' page groups)",
+    "KVELASTIC_RAY": "Ray's V2 executor runs as vLLM's multiprocess executor does; Ray's v1 executor is refused at "
+                     "start-up",
 }

@@ -22,7 +22,7 @@ from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
     admission_check,
     engine_core_wake,
-    engine_folder_handover,
+    executor_handover,
     executor_step_report,
     hisparse_refusal,
     kv_layout_preference,
@@ -50,7 +50,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
     executor_step_report.PATCH,
-    engine_folder_handover.PATCH,
+    executor_handover.PATCH,
     engine_core_wake.PATCH,
     scheduler_block_pool.PATCH,
     admission_check.PATCH,

@@ -13,7 +13,7 @@ the modules named below, and checked by the gate before anything changes:
 - ``engine_config``: the configuration read;
 - ``offload_connectors``: vLLM's offload connector the scheduler made, if any;
 - ``host_loads``: kvelastic's own connector for host loads beside compute, its outputs;
-- ``engine_core_wake``: ``has_requests``, true while commands wait for idle ranks (TP, step mode);
+- ``engine_core_wake``: ``has_requests``, true while commands wait for idle ranks (worker ranks);
 - here: the scheduler itself, its entry points, and the requests it queues.
 
 Version differences handled here: ``Scheduler.__init__`` takes ``hash_block_size``

@@ -2,8 +2,8 @@
 
 ``bench_vmm_map.py`` found that cuMemMap + cuMemSetAccess on another thread wait while SM
 copy kernels run (48.6 ms for 2 GiB beside them, 8.7 alone). kvelastic maps beside a serving
-engine's steps in several places: a rank's maps after its forward's launch
-(``KVELASTIC_TP_MAP_AFTER_LAUNCH``), the warm reserve's growth on the idle threads, the mapper
+engine's steps in several places: a rank's maps after its forward's launch,
+the warm reserve's growth on the idle threads, the mapper
 thread of a one-GPU engine. If a map that waits for running kernels also holds a driver lock
 that the launching thread needs, each such map stalls the next step's launches: a cost no CPU
 model sees (TP=4 on 4 x H200 ran its warm pass at 0.907x vanilla, 2026-11-28).

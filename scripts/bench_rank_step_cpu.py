@@ -8,7 +8,7 @@ host-memory cache (``rank_step_probe.py`` says what is timed). Two workloads:
 
 * ``empty``: ``--steps`` plans with no command, one after another: the warm decode step;
 * ``mix``: the plans vLLM's real scheduler sends in ``sched_cpu_tp.py``'s cold and warm
-  bursts (``--tp-prompts`` prompts, board confirmations), split into steps with no command
+  bursts (``--tp-prompts`` prompts), split into steps with no command
   and steps with some (the cold pass's maps, unmaps, reserve changes);
 * ``gil``: what the rank's idle thread costs a worker's step through the GIL (one rank in
   the process; ``rank_step_probe.gil_model``): wall time lost per step, idle thread on and off.
@@ -51,11 +51,10 @@ def _shape() -> tuple[int, int]:
 
 def run_empty(args: argparse.Namespace) -> tuple[list[dict], list[int]]:
     """``args.steps`` plans without commands to ``args.world`` timing ranks; their results, one round."""
-    from kvelastic.tp import board as shm
     from kvelastic.tp.protocol import StepPlan
     from rank_step_probe import TimingRanks
 
-    ranks = TimingRanks(shm.engine_dir(os.getpid()), args.world, _shape(), args.profile)
+    ranks = TimingRanks(args.world, _shape(), args.profile)
     try:
         for step in range(1, args.steps + 1):
             ranks.send(StepPlan(step=step))
@@ -71,8 +70,8 @@ def run_mix(args: argparse.Namespace) -> tuple[list[dict], list[int], str]:
 
     made: list[TimingRanks] = []
 
-    def make_ranks(folder: Path, world: int) -> TimingRanks:
-        made.append(TimingRanks(folder, world, _shape(), args.profile))
+    def make_ranks(world: int) -> TimingRanks:
+        made.append(TimingRanks(world, _shape(), args.profile))
         return made[-1]
 
     tp_args = argparse.Namespace(config="kvelastic", tp_prompts=args.tp_prompts, tp_out_len=args.tp_out_len,

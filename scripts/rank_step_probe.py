@@ -21,7 +21,6 @@ import pickle
 import threading
 import time
 import types
-from pathlib import Path
 from typing import Any
 
 RANK_START_S = 240
@@ -46,8 +45,9 @@ def _timed_pool(cache: Any, spent: list[float]) -> None:
         setattr(cache, name, timed)
 
 
-def _one_step(wrapper: Any, forward: Any, blob: bytes, spent: list[float], profiler: Any) -> tuple:
-    """One step on this rank: (step, commands, maps, unpickle s, wrap CPU s, wrap wall s, bare CPU s, pool CPU s)."""
+def _one_step(wrapper: Any, forward: Any, blob: bytes, spent: list[float], profiler: Any) -> tuple[tuple, Any]:
+    """One step on this rank: (step, commands, maps, unpickle s, wrap CPU s, wrap wall s, bare CPU s, pool CPU s),
+    and the wrap's reply (the rank's report on a report step)."""
     c0 = time.thread_time()
     plan = pickle.loads(blob)
     unpickle = time.thread_time() - c0
@@ -56,22 +56,23 @@ def _one_step(wrapper: Any, forward: Any, blob: bytes, spent: list[float], profi
     if profiler is not None:
         profiler.enable()
     w0, c0 = time.perf_counter(), time.thread_time()
-    wrapper(output)
+    reply = wrapper(output)
     c1, w1 = time.thread_time(), time.perf_counter()
     if profiler is not None:
         profiler.disable()
     forward(output)
     bare = time.thread_time() - c1
     maps = sum(1 for c in plan.commands if c[1] == "map")
-    return (plan.step, len(plan.commands), maps, unpickle, c1 - c0, w1 - w0, bare, spent[0])
+    return (plan.step, len(plan.commands), maps, unpickle, c1 - c0, w1 - w0, bare, spent[0]), reply
 
 
-def rank_main(conn: Any, folder: str, rank: int, world: int, shape: tuple[int, int], profile: str | None) -> None:
+def rank_main(conn: Any, rank: int, world: int, shape: tuple[int, int], profile: str | None) -> None:
     """A rank: the cache, the worker, then steps until told to stop; replies with its records."""
     import cProfile
 
     import wrapt
 
+    from kvelastic.tp import rank_handover
     from kvelastic.tp.worker_side import start_rank
     from patches.worker_execute_model import _execute
     from tests.kv_fixtures import build_cache
@@ -79,7 +80,7 @@ def rank_main(conn: Any, folder: str, rank: int, world: int, shape: tuple[int, i
     pool, _views, cache = build_cache(None, layers=3, num_blocks=shape[0], page_bytes=shape[1])
     spent = [0.0]
     _timed_pool(cache, spent)
-    worker = start_rank(cache, Path(folder), rank, world, None, None)
+    worker = start_rank(cache, rank, world, None, None)
     runtime = types.SimpleNamespace(rank_worker=worker)
 
     def forward(scheduler_output: Any) -> None:
@@ -87,15 +88,16 @@ def rank_main(conn: Any, folder: str, rank: int, world: int, shape: tuple[int, i
 
     wrapper = wrapt.FunctionWrapper(forward, functools.partial(_execute, runtime))
     profiler = cProfile.Profile() if profile else None
-    conn.send("ready")
+    conn.send(rank_handover.describe(None))  # what the engine core asks each rank for
     records, idle_clock = [], time.pthread_getcpuclockid(worker._thread.ident)
     idle0, wall0 = time.clock_gettime(idle_clock), time.perf_counter()
     while True:
         blob = conn.recv_bytes()
         if blob == _DONE.encode():
             break
-        records.append(_one_step(wrapper, forward, blob, spent, profiler))
-        conn.send(None)
+        record, reply = _one_step(wrapper, forward, blob, spent, profiler)
+        records.append(record)
+        conn.send(reply)
     idle = time.clock_gettime(idle_clock) - idle0
     if profiler is not None:
         profiler.dump_stats(f"{profile}.rank{rank}")
@@ -105,31 +107,44 @@ def rank_main(conn: Any, folder: str, rank: int, world: int, shape: tuple[int, i
 
 
 class TimingRanks:
-    """``world`` timing ranks on ``folder``; :meth:`send` is one step, :meth:`close` collects what they timed.
+    """``world`` timing ranks; :meth:`send` is one step, :meth:`close` collects what they timed.
 
-    Drop-in for the tests' ``RankProcesses`` where ``sched_cpu_tp.py`` sends plans (``send(plan)``)."""
+    Drop-in for the tests' ``RankProcesses`` where ``sched_cpu_tp.py`` sends plans (``send(plan)``, ``infos``,
+    ``merged_report``)."""
 
-    def __init__(self, folder: Path, world: int, shape: tuple[int, int], profile: str | None = None):
+    def __init__(self, world: int, shape: tuple[int, int], profile: str | None = None):
         ctx = mp.get_context("spawn")
         self.world, self.conns, self.procs = world, [], []
         self.results: list[dict] = []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=rank_main, args=(child, str(folder), rank, world, shape, profile), daemon=True)
+            proc = ctx.Process(target=rank_main, args=(child, rank, world, shape, profile), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
-        for conn in self.conns:
-            assert conn.poll(RANK_START_S) and conn.recv() == "ready", "a timing rank did not start"
+        from kvelastic.tp.rank_info import decode_info
+
+        self.infos = []  # the ranks' descriptions, as the engine core's executor brings them back
+        for rank, conn in enumerate(self.conns):
+            assert conn.poll(RANK_START_S), "a timing rank did not start"
+            self.infos.append(decode_info(conn.recv(), f"timing rank {rank}'s description"))
+        self.replies: list[Any] = []
 
     def send(self, plan: Any, *_: Any) -> None:
         """One step: the plan, pickled once as the broadcast pickles it, to every rank; waits for all."""
         blob = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(blob)
+        self.replies = []
         for rank, conn in enumerate(self.conns):
             assert conn.poll(60), f"timing rank {rank} did not answer"
-            conn.recv()
+            self.replies.append(conn.recv())
+
+    def merged_report(self, plan: Any) -> Any:
+        """The last step's replies merged as vLLM's executor merges them (None unless ``plan`` asked)."""
+        from tests.tp_ranks import merge_replies
+
+        return merge_replies(plan, self.replies)
 
     def close(self) -> None:
         """Stop the ranks; their records land in :attr:`results` (once)."""
@@ -154,12 +169,11 @@ def gil_model(world: int, shape: tuple[int, int], steps: int, forward_s: float =
     while the GPU computes. Per step, the wall time from the step's arrival to the end of
     its CPU work, less that work: first with the idle thread, then with it stopped.
     """
-    from kvelastic.tp import board as shm
     from kvelastic.tp.worker_side import start_rank
     from tests.kv_fixtures import build_cache
 
     pool, _views, cache = build_cache(None, layers=3, num_blocks=shape[0], page_bytes=shape[1])
-    worker = start_rank(cache, shm.engine_dir(os.getpid()), 0, world, None, None)
+    worker = start_rank(cache, 0, world, None, None)
     time.sleep(0.5)
     lost = {"idle thread on": _gil_steps(steps, forward_s, gap_s)}
     worker.close()

@@ -4,9 +4,9 @@ Issue #19's CPU model: the GPU run's shape (``tests/test_tp_warm_pass.py`` at fu
 size: 256 prompts of 50-1250 tokens, a quarter behind one 700-token prefix, 128
 output tokens, 16384 batched tokens, groups of 256 blocks), sent as a cold burst
 then the same burst warm. kvelastic's scheduler is patched as in a TP=2 engine
-core (it finds no cache in its process and connects to the ranks through the
-engine folder); each step's plan goes to both spawned ranks, which map what it
-says. ``vanilla`` runs vLLM's scheduler alone on the same bursts. Per step:
+core (it finds no cache in its process and connects to the ranks from the
+descriptions they sent); each step's plan goes to both rank processes, which map
+what it says, and their reports come back on the step's output. ``vanilla`` runs vLLM's scheduler alone on the same bursts. Per step:
 the engine thread's CPU and wall time of ``schedule`` and ``update_from_output``
 (and a hash of what each step handed out, blocks and commands too, to check two trees decide alike),
 in :func:`sched_cpu_run.run_config`'s row format, so ``bench_scheduler_cpu.py``
@@ -52,37 +52,46 @@ def burst(tag: str, count: int, max_tokens: int) -> list:
                     params, None, block_hasher=block_hasher()) for i in range(count)]
 
 
-def spawn_ranks(folder: Path, world: int) -> Any:
-    """``world`` spawned rank processes (the tests' harness) on ``folder``, each with a full-size cache."""
-    from tests.kv_fixtures import HALF, RankProcesses
+def spawn_ranks(world: int) -> Any:
+    """``world`` rank processes (the tests' harness), each with a full-size cache."""
+    from tests.kv_fixtures import HALF
+    from tests.tp_ranks import RankProcesses
 
-    return RankProcesses(folder, limits=(None,) * world, layers=(3,) * world, shape=(BLOCKS, GROUP_BLOCKS * HALF))
+    return RankProcesses(layers=(3,) * world, shape=(BLOCKS, GROUP_BLOCKS * HALF))
 
 
 def _build_tp(shared: str, world: int, make_ranks: Any = spawn_ranks) -> tuple[Any, Any, Any]:
-    """kvelastic's patched scheduler over ``world`` ranks (``make_ranks(folder, world)``); its ranks and patcher."""
+    """kvelastic's patched scheduler over ``world`` ranks (``make_ranks(world)``); its ranks and patcher."""
     from kvelastic.settings import Settings
     from kvelastic.startup.runtime import Runtime
-    from kvelastic.tp import board as shm
     from tests.scheduler_harness import build_patched
     from tests.test_tp_real_scheduler import _scheduler_with_world
 
     os.environ["KVELASTIC_SHARED_DIR"] = shared
-    ranks = make_ranks(shm.engine_dir(os.getpid()), world)
+    ranks = make_ranks(world)
     runtime = Runtime(Settings(enabled=True, cache_ttl_s=600.0))
+    runtime.rank_handovers.asked()  # as the engine core's executor does, with the ranks' descriptions
+    runtime.rank_handovers.keep_descriptions(ranks.infos)
     scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(world, num_blocks=BLOCKS, **BATCH))
     return scheduler, ranks, patcher
 
 
 def _step(scheduler: Any, out: Any, ranks: Any) -> Any:
-    """The forward pass's stand-in: the plan to the ranks (under TP), one token per finished prompt."""
+    """The forward pass's stand-in: the plan to the ranks (under TP, their reports on the output), one token
+    per finished prompt."""
+    from kvelastic.tp.report_merger import STEP_ATTR
     from tests.scheduler_harness import model_output
 
+    report = None
     if ranks is not None:
         ranks.send(out.kvelastic_plan)
+        report = ranks.merged_report(out.kvelastic_plan)
     samplers = {r for r in out.num_scheduled_tokens
                 if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
-    return model_output(scheduler, out, samplers)
+    output = model_output(scheduler, out, samplers)
+    if report is not None:
+        setattr(output, STEP_ATTR, report)
+    return output
 
 
 def _handed_out(out: Any) -> str:
@@ -112,7 +121,7 @@ def _passes(scheduler: Any, ranks: Any, args: argparse.Namespace, probes: Any, t
 
 def run_tp(args: argparse.Namespace, make_ranks: Any = spawn_ranks) -> dict:
     """One configuration, cold pass then warm, in this process (the ranks, ``args.world`` of them, in
-    spawned ones, made by ``make_ranks(folder, world)``: ``bench_rank_step_cpu.py`` passes ranks that time
+    processes of their own, made by ``make_ranks(world)``: ``bench_rank_step_cpu.py`` passes ranks that time
     themselves)."""
     import kvelastic
     from vllm.utils.gc_utils import freeze_gc_heap

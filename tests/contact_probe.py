@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvelastic.patches import (admission_check, engine_core_wake, engine_folder_handover, executor_step_report,
+from kvelastic.patches import (admission_check, engine_core_wake, executor_handover, executor_step_report,
                                scheduler_block_pool)
 from kvelastic.patching.spec import Absent, Attributes, Target
 from kvelastic.patching.versions import Version
@@ -51,7 +51,7 @@ class Case:
 
 def scheduler_side_targets(version: Version) -> list[Target]:
     patches = [p for p in (scheduler_block_pool.PATCH, admission_check.PATCH, executor_step_report.PATCH,
-                           engine_folder_handover.PATCH, engine_core_wake.PATCH)
+                           executor_handover.PATCH, engine_core_wake.PATCH)
                if p.claims(version)]
     return list(dict.fromkeys(target for patch in patches for target in patch.targets))
 

@@ -1,7 +1,7 @@
 """The host tier under the TP protocol: spills, reloads and write-through stores on every rank's shard.
 
-Two spawned ranks with host-backed pools and the real scheduler side, as in
-``test_tp_protocol.py`` (the harness: ``tests/kv_fixtures.py``). A slot of the
+Two rank processes with host-backed pools and the real scheduler side, as in
+``test_tp_protocol.py`` (the harness: ``tests/tp_cluster.py``). A slot of the
 scheduler's index is one slot on every rank, each holding its own shard; under
 pipeline parallelism a slot holds every stage's share and a group counts at the
 larger stage's bytes.
@@ -10,15 +10,15 @@ larger stage's bytes.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
-from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, RANK_LAYERS, WORLD, StandInRequest,  # noqa: E402
-                               allocate_within, cluster, group_bytes)  # noqa: F401 (cluster: a fixture)
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, RANK_LAYERS, StandInRequest, group_bytes  # noqa: E402
 from tests.scheduler_harness import scheduler_patcher  # noqa: E402
+from tests.tp_cluster import allocate_within, cluster  # noqa: E402,F401 (cluster: a fixture)
 
 CPU_BYTES = 1 << 20
 
@@ -27,10 +27,23 @@ def test_pipeline_stages_count_each_group_at_the_larger_stage_and_a_slot_holds_b
     layers = RANK_LAYERS["pipeline"]
     c = cluster(cpu_bytes=CPU_BYTES, layers=layers)
     assert c.cache.group_bytes == group_bytes(max(layers))
-    infos = [shm.read_info(c.folder, r) for r in range(WORLD)]
+    infos = c.infos
     assert [i.group_bytes for i in infos] == [group_bytes(n) for n in layers]
     assert c.connection.slot_bytes == sum(i.slot_bytes for i in infos)
     assert c.connection.host_slots == min(i.host_slots for i in infos) > 0
+
+
+def every_slot_reported_pinned(c, tier) -> bool:
+    """Run steps until every rank reported its whole host share pinned and the tier took it in (the scheduler
+    asks for a report step every ``PIN_REPORT_PERIOD_S`` while a rank pins)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        c.step()
+        tier.refresh()
+        if tier.stats().slots == c.connection.host_slots > 0:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_spilled_blocks_come_back_on_every_rank(cluster):
@@ -40,7 +53,7 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
     c = cluster(cpu_bytes=CPU_BYTES)
     tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES))
     manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher())
-    assert manager.tier.stats().slots == c.connection.host_slots > 0
+    assert every_slot_reported_pinned(c, manager.tier)
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
     c.step(writes=[(b.block_id, 40 + i % 50) for i, b in enumerate(blocks)])
@@ -49,9 +62,9 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
     c.bp.free_blocks(blocks)
     assert c.queue.reclaim_cached(groups_wanted=8) >= 1  # spill, then unmap, in that order on each rank
     c.queue.set_idle()
-    c.step()
+    report = c.step(report=True)
     assert manager.counters.spilled_blocks == len(blocks)
-    assert all(c.mapped_bytes[r] == c.mapper.boards[r].get(shm.MAPPED_BYTES) for r in range(WORLD))
+    assert [r.mapped_bytes for r in sorted(report.ranks, key=lambda r: r.rank)] == c.mapped_bytes
     c.queue.want_blocks(len(blocks))  # free mapped blocks to load into
     c.step()
     found = [c.bp.get_cached_block(h, [0]) for h in hashes]  # host-tier hits become GPU blocks
@@ -76,6 +89,7 @@ def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
     settings = Settings(cpu_bytes=CPU_BYTES, cpu_store="write-through")
     tier, copier = c.connection.host_tier(settings)
     manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher(), settings)
+    assert every_slot_reported_pinned(c, manager.tier)
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
     hashes = [hashlib.sha256(b"wt%d" % i).digest() for i in range(len(blocks))]
@@ -86,7 +100,7 @@ def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
     for _ in range(2):
         manager.end_step()
         plans.append(c.mapper.take_plan())
-        c.send(plans[-1])
+        c.run(plans[-1])
     kinds = [[cmd[1] for cmd in p.commands] for p in plans]
     assert kinds[0] == [] and kinds[1] == [STORE] and plans[1].commands[0][4] is False  # beside compute
     c.bp.free_blocks(blocks)
@@ -95,7 +109,7 @@ def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
     manager.end_step()
     plan = c.mapper.take_plan()
     assert STORE not in [cmd[1] for cmd in plan.commands]  # the unmap needs no copy: the rank orders the store
-    c.send(plan)
+    c.run(plan)
     c.queue.want_blocks(len(blocks))
     c.step()
     found = [c.bp.get_cached_block(h, [0]) for h in hashes]
@@ -120,4 +134,4 @@ def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
     plan = c.mapper.take_plan()
     kinds = [cmd[1] for cmd in plan.commands]
     assert kinds.count(WAIT) == 1 and STORE not in kinds
-    c.send(plan)  # every rank applies it before its forward pass
+    c.run(plan)  # every rank applies it before its forward pass

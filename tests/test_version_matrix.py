@@ -34,7 +34,7 @@ from kvelastic_dev.remote_zip import SourceFetchError
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
 ONE_BACKING = {"v1_single_backing", "v2_single_backing", "kv_layout_preference", "whole_page_num_blocks"}
-EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_report", "engine_folder_handover",
+EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_report", "executor_handover",
                  "scheduler_block_pool"}
 #: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
 #: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
