@@ -2,7 +2,7 @@
 
 A data-parallel engine core (and TP=1 through the multiprocess executor) runs
 its one worker in a child process: the scheduler reaches the pool through the
-rank protocol. Here vLLM's real scheduler drives a spawned rank process (a
+rank protocol. Here vLLM's real scheduler drives a rank process (a
 host-backed pool) and joins the account the rank's device names, so it shares
 the device with a one-process engine (vLLM's real scheduler over a pool in the
 test's process): both are members of one account, the rank engine's maps are

@@ -119,7 +119,7 @@ def test_maps_left_by_a_step_whose_forward_failed_run_before_the_next_step(rank)
     assert not pool.is_mapped(5) and worker.applied == 3
 
 
-# ------------------------------------------------- two spawned ranks, vLLM's real scheduler
+# ------------------------------------------------- two rank processes, vLLM's real scheduler
 
 
 def test_blocks_come_once_every_rank_mapped_them_behind_the_launch(cluster):

@@ -64,7 +64,7 @@ def steps_per_pass(trace: list) -> tuple[int, int]:
 
 @pytest.fixture
 def gpu_shaped_tp(tmp_path, monkeypatch):
-    """vLLM's scheduler over two spawned ranks of :data:`BLOCKS` blocks in groups of :data:`GROUP_BLOCKS`."""
+    """vLLM's scheduler over two rank processes of :data:`BLOCKS` blocks in groups of :data:`GROUP_BLOCKS`."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
     ranks = RankProcesses(shape=(BLOCKS, GROUP_BLOCKS * HALF))
     try:
