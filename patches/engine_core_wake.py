@@ -22,7 +22,7 @@ scheduler has none runs the loop as it is. Data parallelism with MoE runs
 is not wrapped: no registration, so idle commands go with the next step there, as
 in an in-process engine (no loop to wake). Before 0.18 (no ``WAKEUP``) worker
 ranks are refused at start-up (``kvelastic/tp/executor_handover.py``).
-Facts and releases: docs/tp-step-protocol.md, "Idle delivery by an empty step".
+Facts and releases: docs/tensor-parallel.md, "What vLLM offers".
 """
 
 from __future__ import annotations
