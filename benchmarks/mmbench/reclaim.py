@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from kvelastic.cluster.policy import reclaimable, uses_a_real_part
 from kvelastic.cluster.records import MemberRecord
-from scripts.percentiles import percentile
+from benchmarks.percentiles import percentile
 
 WAIT, RELEASE = "kvelastic_reclaim_wait_seconds", "kvelastic_reclaim_release_seconds"
 COUNTERS = {"lapsed_waits": "kvelastic_reclaim_lapsed_waits_total",

@@ -18,8 +18,8 @@ Each configuration runs alone and then beside a thread running pure Python back 
 vLLM's busy loop does while it schedules): a transaction is Python under the GIL between system
 calls that release it, and each of those must win the GIL back (``bench_gil_convoy.py``)::
 
-    python scripts/bench_account_pages.py --json /tmp/account_pages.json
-    python scripts/bench_account_pages.py --backend cuda --json $OUT/account_pages.json   # on a GPU
+    python benchmarks/bench_account_pages.py --json /tmp/account_pages.json
+    python benchmarks/bench_account_pages.py --backend cuda --json $OUT/account_pages.json   # on a GPU
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Compare vLLM runs with and without kvelastic: greedy outputs must be token-identical.
 
-Runs ``scripts/vllm_run.py`` once per configuration (each in its own process),
+Runs ``benchmarks/vllm_run.py`` once per configuration (each in its own process),
 then prints a table of configurations, token agreement, timings and peak GPU
 memory, and writes every run's JSON under --outdir.
 
-    python scripts/e2e_check.py --model scripts/models/llama-1b --outdir $OUT/e2e --matrix v2 v1
+    python benchmarks/e2e_check.py --model scripts/models/llama-1b --outdir $OUT/e2e --matrix v2 v1
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ two ways. Printed as a table (median, p99 and max of the group maps; median grow
 the busy thread's pace beside the pool's work against its pace alone at that interval, what the
 interval costs the busy loop), written as JSON::
 
-    python scripts/bench_gil_convoy.py --json /tmp/gil_convoy.json                # host pages (CPU)
-    python scripts/bench_gil_convoy.py --backend cuda --page-mib 8 --json $OUT/gil_convoy.json
+    python benchmarks/bench_gil_convoy.py --json /tmp/gil_convoy.json                # host pages (CPU)
+    python benchmarks/bench_gil_convoy.py --backend cuda --page-mib 8 --json $OUT/gil_convoy.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TTFT of a 16k-token prefix served from the host tier vs recomputed (8B shape): issue #4, item 3.
+"""TTFT of a 16k-token prefix served from the host tier vs recomputed (8B shape).
 
 Each configuration runs in its own subprocess (so its environment applies when vLLM is
 imported) and writes ``<outdir>/<config>.json``; this process prints a table and writes --json.
@@ -32,17 +32,17 @@ reload's copies' own time on the copy stream (its copy clock). TTFT is the wall 
 ``llm.generate`` with ``max_tokens=1`` (prefill + first token); vLLM's own first-token latency is
 recorded too. Medians over the repetitions.
 
-    python scripts/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
+    python benchmarks/bench_reload.py --outdir $OUT/reload --json $OUT/reload.json
 
 ``--busy-before S`` (default 0: off): S seconds before each reload, after the prefix went off the
 GPU, a short request of other tokens (one output token) makes the engine busy, as other traffic
-would on a server; the reload then finds what a busy engine keeps warm (``KVELASTIC_RESERVE``,
-``KVELASTIC_RESERVE_HOST_RUNS``) instead of an idle engine's nothing. Keep S under a second
+would on a server; the reload then finds what a busy engine keeps warm (its warm reserve, grown to
+cover the host runs reloaded lately) instead of an idle engine's nothing. Keep S under a second
 (kvelastic counts an engine busy for max(``--ttl``, 1) s after its last allocation) and above two
 upkeep ticks (0.5 s). Every configuration gets the same request.
 
 ``--variant NAME:KVELASTIC_VAR=VALUE[,...]`` adds a kvelastic configuration ``kvelastic-NAME`` with
-those settings to the same run (an A/B in one call: ``--variant pieces:KVELASTIC_CPU_LOAD_PIECES=group``).
+those settings to the same run (an A/B in one call: ``--variant si1ms:KVELASTIC_SWITCH_INTERVAL=0.001``).
 """
 
 from __future__ import annotations
@@ -339,10 +339,10 @@ def parse_args() -> argparse.Namespace:
 
 def default_cpu_bytes(args: argparse.Namespace) -> int:
     """16 GiB, or more where the reps' prefixes need it: the policy must never evict an earlier rep's prefix
-    before its reload (nine 16k-token 8B reps missed once in 16 GiB: session 18). Sized from the model's
+    before its reload (nine 16k-token 8B reps missed once in 16 GiB). Sized from the model's
     ``config.json`` (K and V per layer, bf16) with a fifth to spare for the suffixes and the policy's ghosts,
     in the part of the tier that write-through (the default) leaves to the policy: eight reps missed once
-    in 20 GiB (session 24), ARC's capacity being 15 GiB of it."""
+    in 20 GiB, ARC's capacity being 15 GiB of it."""
     config = json.loads(Path(args.model, "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])

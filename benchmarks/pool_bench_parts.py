@@ -1,7 +1,7 @@
 """Pieces the pool's small benchmarks share: a backend by name, a thread of pure Python, the output.
 
 Used by ``bench_account_pages.py`` and ``bench_gil_convoy.py`` (run from the repository root with
-``PYTHONPATH=.``, or from ``scripts/``).
+``PYTHONPATH=.``, or from ``benchmarks/``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ on kvelastic with each chunk size, one engine per process, in one invocation.
 Prints a table (throughput, ratio to vanilla, median TTFT, identical outputs)
 and writes JSON; exits 1 if a run failed or an output differs from vanilla's.
 
-    python scripts/bench_overhead.py --model scripts/models/llama-8b --chunks 2 8 32 --json $OUT/overhead.json
+    python benchmarks/bench_overhead.py --model scripts/models/llama-8b --chunks 2 8 32 --json $OUT/overhead.json
 """
 
 from __future__ import annotations

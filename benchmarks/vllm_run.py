@@ -1,9 +1,9 @@
 """One vLLM engine run on dummy weights: greedy outputs, timings and GPU memory over time.
 
 Run it twice, with and without ``KVELASTIC=1``, and compare the JSON files:
-``scripts/e2e_check.py`` does exactly that for a matrix of configurations.
+``benchmarks/e2e_check.py`` does exactly that for a matrix of configurations.
 
-    python scripts/vllm_run.py --model scripts/models/llama-1b --out run.json [--v1] [--offload]
+    python benchmarks/vllm_run.py --model scripts/models/llama-1b --out run.json [--v1] [--offload]
 
 ``--connector MODE`` runs one of vLLM's own offload connectors (SimpleCPUOffloadConnector
 eager or lazy, OffloadingConnector lru or arc) with the engine core in this process, and

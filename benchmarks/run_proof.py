@@ -3,9 +3,8 @@
 A kvelastic run differs from a vanilla one only by ``KVELASTIC=1``; if the
 package is importable but not installed (no ``.pth`` hook, no vLLM plugin entry
 point), vLLM starts without it and the run measures vanilla vLLM under
-kvelastic's name. That happened on a device call (2026-11-27: a check that
-imported kvelastic from the repo root passed, the engine never saw it), so the
-benchmark drivers read the log for the line every kvelastic engine prints
+kvelastic's name. A check that imports kvelastic from the repo root passes in
+that case (the engine never sees it), so the benchmark drivers read the log for the line every kvelastic engine prints
 when it sizes its KV cache, and fail the run without it.
 """
 

@@ -15,7 +15,7 @@ Checks:
 Writes tp_sharing.json and the servers' logs under --outdir; prints the checks.
 Exit 0: all passed; 1: one failed; 2: a server did not start.
 
-    python3 scripts/check_tp_sharing.py --outdir "$OUT/tp-sharing"
+    python3 benchmarks/check_tp_sharing.py --outdir "$OUT/tp-sharing"
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``--variant NAME:KVELASTIC_VAR=VALUE[,...]``: one more kvelastic configuration in a benchmark's run.
 
 One parser for every benchmark that runs configurations side by side, so that an A/B of a
-setting (``--variant pieces:KVELASTIC_CPU_LOAD_PIECES=group``) reads the same everywhere.
+setting (``--variant noreserve:KVELASTIC_RESERVE=0``) reads the same everywhere.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Engine start-up with a large host tier against vanilla vLLM (issue #16: at most vanilla + 2 s).
+"""Engine start-up with a large host tier against vanilla vLLM (the target: at most vanilla + 2 s).
 
-Each configuration is one ``scripts/vllm_run.py`` process (its environment applies when vLLM
+Each configuration is one ``benchmarks/vllm_run.py`` process (its environment applies when vLLM
 is imported): the time ``LLM(...)`` takes to return is the start-up; one short pass of
 generation follows, so a tier still pinning in the background is seen serving. The order
 alternates vanilla with the others, and a first vanilla run (left out of the table) warms the
@@ -8,13 +8,12 @@ compile cache, so no configuration pays for compiling alone.
 
 * ``vanilla``: no host tier.
 * ``kvelastic``: ``KVELASTIC_CPU_BYTES=--cpu-gib``, pinned in the background (the default).
-* ``kvelastic-atstart``: the same, ``KVELASTIC_CPU_PIN=at-start`` (pinned before serving).
 * ``offload-lru``: vLLM's OffloadingConnector with ``cpu_bytes_to_use`` the same bytes.
 
 For kvelastic the log line ``host tier pinned ... in X s (background)`` gives how long the
 background pinning took after the tier was built. Prints a table and writes --json.
 
-    python scripts/bench_startup.py --outdir $OUT/startup --json $OUT/startup.json
+    python benchmarks/bench_startup.py --outdir $OUT/startup --json $OUT/startup.json
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ def configs(gib: int) -> dict[str, tuple[dict[str, str], list[str]]]:
     return {
         "vanilla": ({"KVELASTIC": "0"}, []),
         "kvelastic": (tier, ["--idle-after", "15"]),  # long enough for the "pinned" log line
-        "kvelastic-atstart": ({**tier, "KVELASTIC_CPU_PIN": "at-start"}, []),
         "offload-lru": ({"KVELASTIC": "0"}, ["--connector", "offload-lru", "--cpu-bytes", str(gib << 30)]),
     }
 
@@ -115,7 +113,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="scripts/models/llama-1b")
     p.add_argument("--cpu-gib", type=int, default=48)
-    p.add_argument("--configs", nargs="+", default=["kvelastic", "kvelastic-atstart", "offload-lru"])
+    p.add_argument("--configs", nargs="+", default=["kvelastic", "offload-lru"])
     p.add_argument("--repeats", type=int, default=1, help="runs of each configuration, alternated with vanilla")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--timeout", type=float, default=150)

@@ -9,7 +9,7 @@ may come from a different process. Every scrape must show vLLM's own ``vllm:``
 metrics and kvelastic's gauges for the engine. Writes serve_metrics.json and
 server.log under --outdir. Exit 0: all checks passed; 1: one failed; 2: no server.
 
-    python3 scripts/check_serve_metrics.py --outdir "$OUT/serve"
+    python3 benchmarks/check_serve_metrics.py --outdir "$OUT/serve"
 """
 
 from __future__ import annotations

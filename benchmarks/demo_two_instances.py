@@ -9,7 +9,7 @@ memory.png (if matplotlib imports), launch.log and servers/*.log under --outdir 
 checks. Exit 0: every hard check passed; 1: one failed; 2: bad setup, nothing started.
 Run from the repository root, with kvelastic installed in python3 (pip install -e . --no-deps):
 
-    python3 scripts/demo_two_instances.py --outdir "$OUT" --enforce-eager
+    python3 benchmarks/demo_two_instances.py --outdir "$OUT" --enforce-eager
 """
 
 from __future__ import annotations

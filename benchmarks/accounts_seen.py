@@ -1,6 +1,6 @@
 """What ``kvelastic status --json`` samples saw: per GPU account, the most each member mapped.
 
-    python3 scripts/accounts_seen.py DIR     # DIR holds status-*.json, one sample each
+    python3 benchmarks/accounts_seen.py DIR     # DIR holds status-*.json, one sample each
 
 Prints one line per account and member and writes DIR/accounts_seen.json. Exit 0 if at least
 ``--expect`` accounts had a member that mapped KV memory, else 1. ``gpu_session.sh tp-accounts``

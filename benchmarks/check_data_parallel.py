@@ -14,7 +14,7 @@ shared account. This serves the same dummy-weight model twice, vanilla and with
 Writes dp.json, the servers' logs and the samples under --outdir; prints a table.
 Exit 0: all checks passed; 1: one failed; 2: a server did not start.
 
-    python3 scripts/check_data_parallel.py --outdir "$OUT/dp"
+    python3 benchmarks/check_data_parallel.py --outdir "$OUT/dp"
 """
 
 from __future__ import annotations

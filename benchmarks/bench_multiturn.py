@@ -7,7 +7,7 @@ and the same CPU bytes. The histories together are well above the GPU budget
 and within the CPU budget, so what a configuration keeps (and reloads) decides
 how much it recomputes. Prints a table and writes JSON.
 
-    python scripts/bench_multiturn.py --model scripts/models/llama-1b --json $OUT/multiturn.json
+    python benchmarks/bench_multiturn.py --model scripts/models/llama-1b --json $OUT/multiturn.json
 
 ``--configs ... ideal`` adds vanilla vLLM holding the GPU and CPU budgets together on the GPU: no
 offload, no recompute, the bound for every other configuration (its engine needs that much memory).

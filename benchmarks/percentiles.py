@@ -1,8 +1,8 @@
 """The percentile every benchmark here quotes: nearest rank below, on sorted values.
 
 One definition, so a TTFT p99 in the multi-turn benchmark and in the multi-model one mean the
-same thing. Imported as ``percentiles`` by the scripts beside it and as ``scripts.percentiles``
-by the benchmarks (the repository root on ``sys.path``).
+same thing. Imported as ``percentiles`` by the drivers beside it (run as scripts) and as
+``benchmarks.percentiles`` by ``mmbench`` (the repository root on ``sys.path``).
 """
 
 from __future__ import annotations

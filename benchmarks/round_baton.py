@@ -1,8 +1,7 @@
 """Taking turns: several engines alive at once, one round each in turn (``bench_multiturn.py --interleave``).
 
 Why: on the lent GPU machines a round of the same work ran anywhere from 4.8 to 7.6 s, and a
-whole stretch of rounds together fast or slow (session 20: every turn of a round moved with
-it), so configurations run one after another met different stretches of the machine, and
+whole stretch of rounds together fast or slow (every turn of a round moved with it), so configurations run one after another met different stretches of the machine, and
 their medians moved 3.5-16 % from call to call. With every engine started first and the
 rounds dealt out in turn (config A's round r, then B's, then C's, the order rotated each
 round), neighbouring rounds of two configurations meet the same stretch, and the ratio of

@@ -7,7 +7,7 @@ policy change shows up as a diff of the committed JSON and markdown.
 
 Usage::
 
-    python scripts/arc_report.py [--json PATH] [--md PATH] [--seed N] [--requests N]
+    python benchmarks/arc_report.py [--json PATH] [--md PATH] [--seed N] [--requests N]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SCAN_LENGTH = 5_000  # longer than every cache size above
 MIX_LOOP = 2_000
 ZIPF_BLOCK = 7_000  # zipf requests between two bursts
 BURST_LENGTH = 3_000
-REPRODUCE = ("python scripts/arc_report.py"
+REPRODUCE = ("python benchmarks/arc_report.py"
              " --json benchmarks/arc_hit_ratio.json --md docs/arc-hit-ratio.md")
 
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {"ARC": ARC, "LRU": LRU}
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results = run_all(args.seed, args.requests)
     payload = {
-        "generator": "scripts/arc_report.py",
+        "generator": "benchmarks/arc_report.py",
         "seed": args.seed,
         "requests_per_trace": args.requests,
         "cache_sizes": list(CACHE_SIZES),
