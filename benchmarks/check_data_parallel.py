@@ -1,4 +1,4 @@
-"""``vllm serve --data-parallel-size 2`` with kvelastic against vanilla (issue 19, data parallelism).
+"""``vllm serve --data-parallel-size 2`` with kvelastic against vanilla: data parallelism.
 
 vLLM starts one engine core per DP rank, each in its own process with its own GPU
 (``CUDA_VISIBLE_DEVICES`` set per rank), behind one API server. Each engine core

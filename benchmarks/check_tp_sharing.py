@@ -1,4 +1,4 @@
-"""A TP=2 engine and a one-GPU engine sharing GPU 0's shared account (issue 19, sharing under parallelism).
+"""A TP=2 engine and a one-GPU engine sharing GPU 0's shared account: sharing under parallelism.
 
 Starts two ``vllm serve`` processes with ``KVELASTIC=1``: ``tp`` (the 8B config, TP=2 over GPUs 0
 and 1) and ``small`` (the 1B model on GPU 0 only), with one shared budget per GPU

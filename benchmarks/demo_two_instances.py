@@ -1,4 +1,4 @@
-"""Two kvelastic vLLM servers sharing one GPU, end to end (issue #5: many models on one GPU).
+"""Two kvelastic vLLM servers sharing one GPU, end to end: many models on one GPU.
 
 Starts two dummy-weight llama-1b servers with ``python3 -m kvelastic.launch`` and samples
 ``python3 -m kvelastic.cli status --json`` every 0.25 s. Phase A loads instance 1; while it idles

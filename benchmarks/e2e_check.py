@@ -33,7 +33,7 @@ CONFIGS = {
     "v1-tp2": ["--v1", "--tp", "2"],
     "pp2": ["--pp", "2"],       # two pipeline stages
     "ray-tp2": ["--tp", "2", "--executor", "ray"],  # Ray's executor (V2 by default from vLLM 0.21): needs ray
-    # vLLM's own offload connectors (issue 17); vllm_run.py counts the blocks each stores and loads
+    # vLLM's own offload connectors; vllm_run.py counts the blocks each stores and loads
     "simple-eager": ["--connector", "simple-eager"],
     "simple-lazy": ["--connector", "simple-lazy"],
     "offload-lru": ["--connector", "offload-lru"],

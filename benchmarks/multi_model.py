@@ -1,4 +1,4 @@
-"""Many models on one GPU (issue #20): an open-loop, bursty, staggered client for N servers.
+"""Many models on one GPU: an open-loop, bursty, staggered client for N servers.
 
 Each model alternates busy periods (a request rate one third of the GPU cannot
 serve; prompts share long per-model prefixes) and idle periods, offset so that
