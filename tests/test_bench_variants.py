@@ -25,6 +25,12 @@ def test_a_variant_names_a_kvelastic_config_and_the_settings_it_changes() -> Non
     assert (settings.reserve_bytes, settings.prefetch_bytes) == (0, 64 << 20)
 
 
+def test_a_variant_may_run_another_kvelastic_tree() -> None:
+    name, env = parse_variant("old:PYTHONPATH=/root/kvelastic-old,KVELASTIC_RESERVE=0")
+    assert name == "kvelastic-old"
+    assert env == {"PYTHONPATH": "/root/kvelastic-old", "KVELASTIC_RESERVE": "0"}
+
+
 def test_a_variant_without_settings_is_the_baseline_again_under_its_own_name() -> None:
     assert parse_variant("again") == ("kvelastic-again", {})  # an A/A run: the call's own noise
 
