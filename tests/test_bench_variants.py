@@ -18,19 +18,19 @@ from variants import parse_variant  # noqa: E402
 
 
 def test_a_variant_names_a_kvelastic_config_and_the_settings_it_changes() -> None:
-    name, env = parse_variant("nopieces:KVELASTIC_CPU_LOAD_PIECES=off,KVELASTIC_CPU_PIN=at-start")
-    assert name == "kvelastic-nopieces"
-    assert env == {"KVELASTIC_CPU_LOAD_PIECES": "off", "KVELASTIC_CPU_PIN": "at-start"}
+    name, env = parse_variant("lru:KVELASTIC_CPU_POLICY=lru,KVELASTIC_RESERVE=0")
+    assert name == "kvelastic-lru"
+    assert env == {"KVELASTIC_CPU_POLICY": "lru", "KVELASTIC_RESERVE": "0"}
     settings = Settings.from_env(env)  # what the variant's engine will run with
-    assert (settings.cpu_load_pieces, settings.cpu_pin) == ("off", "at-start")
+    assert (settings.cpu_policy, settings.reserve_bytes) == ("lru", 0)
 
 
 def test_a_variant_without_settings_is_the_baseline_again_under_its_own_name() -> None:
     assert parse_variant("again") == ("kvelastic-again", {})  # an A/A run: the call's own noise
 
 
-@pytest.mark.parametrize("text", [":KVELASTIC_CPU_PIN=at-start", "x:VLLM_FOO=1",
-                                  "x:KVELASTIC_CPU_PIN=at-start,KVELASTIC_CPU_LOAD_PIECES"])
+@pytest.mark.parametrize("text", [":KVELASTIC_CPU_POLICY=lru", "x:VLLM_FOO=1",
+                                  "x:KVELASTIC_CPU_POLICY=lru,KVELASTIC_RESERVE"])
 def test_a_malformed_variant_stops_the_benchmark_naming_the_flag(text: str) -> None:
     with pytest.raises(SystemExit, match="--variant"):
         parse_variant(text)
