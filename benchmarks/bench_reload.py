@@ -358,10 +358,9 @@ def policy_bytes(tier_bytes: int, block_bytes: int) -> int:
     """What of a host tier of ``tier_bytes`` its policy manages with the default write-through, whose share
     for copies made ahead (:func:`kvelastic.offload.write_through.ahead_slots`) it does not."""
     from kvelastic.offload.write_through import ahead_slots
-    from kvelastic.settings import Settings
 
     slots = int(tier_bytes // block_bytes)
-    return (slots - ahead_slots(Settings(cpu_store="write-through"), slots, int(block_bytes))) * int(block_bytes)
+    return (slots - ahead_slots(slots)) * int(block_bytes)
 
 
 def main() -> int:

@@ -91,16 +91,15 @@ def tp_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))  # the engine's shared accounts and stats
     made: list = []
 
-    def make(limit_groups: int | None = None, cpu_bytes: int | None = None, cpu_load: str = "sync",
-             split: str = "tensor", cache_ttl_s: float = Settings.cache_ttl_s):
+    def make(limit_groups: int | None = None, cpu_bytes: int | None = None, split: str = "tensor",
+             cache_ttl_s: float = Settings.cache_ttl_s):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own layers.
         ``cache_ttl_s``: how long the reclaimer keeps an idle engine's cached groups."""
         layers = RANK_LAYERS[split]
         ranks = RankProcesses((limit_groups, limit_groups), cpu_bytes, layers)
         made.append(ranks)  # closed even if the scheduler cannot be built
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
-        settings = Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit, cpu_load=cpu_load,
-                            cache_ttl_s=cache_ttl_s)
+        settings = Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit, cache_ttl_s=cache_ttl_s)
         scheduler, patcher = engine_over(ranks, settings, stages=WORLD if split == "pipeline" else 1)
         made.append((scheduler, patcher))
         return scheduler, ranks
@@ -229,9 +228,10 @@ def test_one_worker_in_a_child_process_confirms_on_its_replies(tmp_path, monkeyp
 
 
 def test_host_hits_load_beside_compute_on_both_ranks_and_come_back_right(tp_engine):
-    """KVELASTIC_CPU_LOAD=async under TP: a pushed-out prefix loads while its request waits; the request runs
-    only once both ranks reported the load done, and every block it reads holds its tokens' data."""
-    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD, cpu_load="async")
+    """Under TP with the ranks' reports on the steps' replies: a pushed-out prefix loads while its request
+    waits; the request runs only once both ranks reported the load done, and every block it reads holds its
+    tokens' data."""
+    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     waves = [make_requests("a", 4, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
     reports: list = []

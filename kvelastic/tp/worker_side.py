@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvelastic.cluster.device import device_identity
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
-from kvelastic.settings import Settings
 from kvelastic.tp import rank_handover
 from kvelastic.tp.rank import RankWorker
 from kvelastic.tp.rank_info import RankInfo
@@ -52,20 +51,19 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
     rank, world = rank_and_world(runner)
     settings = runtime.settings
     engine_pid = rank_handover.engine_core(runner.vllm_config.parallel_config.distributed_executor_backend)
-    worker = start_rank(cache, rank, world, runtime.limit_bytes, settings.cpu_bytes,
-                        copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start")
+    worker = start_rank(cache, rank, world, runtime.limit_bytes, settings.cpu_bytes)
     runtime.rank_worker = worker
     log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) over vLLM's calls", rank, world, engine_pid)
     return worker
 
 
-def start_rank(cache: ElasticKVCache, rank: int, world: int, limit_bytes: int | None, cpu_bytes: int | None,
-               copy_path: str = Settings.copy_path, pin_at_start: bool = False) -> RankWorker:
+def start_rank(cache: ElasticKVCache, rank: int, world: int, limit_bytes: int | None,
+               cpu_bytes: int | None) -> RankWorker:
     """Describe this rank's cache (kept for the engine core to ask for), set up its host-tier share, start
     its worker."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
-        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
+        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world)
     gpu_id, gpu_total = device_identity(cache.pool.backend)
     info = RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                     group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
@@ -80,9 +78,10 @@ def start_rank(cache: ElasticKVCache, rank: int, world: int, limit_bytes: int | 
     return worker
 
 
-def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: str,
-                pin_at_start: bool = False) -> tuple["BlockCopier | None", "HostMemory | None", int]:
-    """This rank's slots, pinned in the background (or now): ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
+def _host_share(cache: ElasticKVCache, cpu_bytes: int,
+                world: int) -> tuple["BlockCopier | None", "HostMemory | None", int]:
+    """This rank's slots, pinned in the background: ``KVELASTIC_CPU_BYTES`` covers all ranks together. Its
+    copier has no staging buffers: a rank stores as blocks leave the GPU, and its loads take its own path."""
     from kvelastic.hooks.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
@@ -90,5 +89,5 @@ def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: st
     slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
         return None, None, rows.slot_bytes
-    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, at_start=pin_at_start, deferred=True)
-    return rows.copier(memory, copy_path), memory, rows.slot_bytes
+    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, deferred=True)
+    return rows.copier(memory), memory, rows.slot_bytes
