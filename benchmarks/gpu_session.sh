@@ -114,7 +114,9 @@ tp-spill)
         --summary "$W/tp-spill/summary.json" --extra --passes 3 --prompts 48 2>&1 | tee "$W/tp-spill.log" ;;
 matrix)  # the end-to-end check on whichever vLLM bundle is staged (issue 6's GPU matrix)
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
-    e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
+    runners=$(python3 -c 'from kvelastic.patching.versions import band_of, installed_vllm_version as v
+print(" ".join(r.lower() for r in band_of(v()).runners))')  # band D (0.34+) has the V2 runner alone
+    e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix $runners --label="-vllm$ver" \
         --kve-env KVELASTIC_CACHE_TTL=2 --summary "$W/matrix-$ver/summary.json" --extra --idle-after 6 \
         2>&1 | tee "$W/matrix-$ver.log"
     r=$?
@@ -137,6 +139,9 @@ overhead)
     ver=$(python3 -c 'import vllm; print(vllm.__version__)')
     python3 scripts/bench_overhead.py --model scripts/models/llama-8b --chunks ${OVERHEAD_CHUNKS:-8} \
         --outdir "$W/overhead-$ver" --json "$W/overhead-$ver/overhead.json" 2>&1 | tee "$W/overhead-$ver.log" ;;
+colocate|colocate-vanilla|colocate-split)  # issue 45: two plain `vllm serve` (0.34+) on one GPU, no utilization set
+    bash benchmarks/colocate_serve.sh "$(case $stage in colocate) echo kvelastic;; *) echo "${stage#colocate-}";; esac)" \
+        2>&1 | tee "$W/$stage.log" ;;
 demo)
     python3 scripts/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 copy)
