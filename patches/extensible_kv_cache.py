@@ -19,11 +19,11 @@ Two contacts, both of the worker:
 - ``gpu_worker:request_memory`` (wrapped, imported by name from
   ``vllm.v1.worker.utils``): the engine's memory budget. vLLM's rule for an
   extensible cache applies to kvelastic's, which maps pages only as they are used:
-  the budget is a cap, not memory that must be free at start-up, and
-  ``gpu_memory_utilization`` left unset means 1.0. vLLM's own function computes it,
-  over a copy of the cache config that says the cache is extensible; without this a
-  second ``vllm serve`` on a GPU the first one shares would be refused at start-up
-  (``kvelastic/worker/extensible.py``).
+  the budget is a cap, not memory that must be free at start-up. The share is the
+  one the engine resolves (unset: vLLM's estimate-based 0.92, since kvelastic's
+  limit comes from the profiling estimate). vLLM's own function computes it, over a
+  copy of the cache config; without this a second ``vllm serve`` on a GPU the first
+  one shares would be refused at start-up (``kvelastic/worker/extensible.py``).
 """
 
 from __future__ import annotations

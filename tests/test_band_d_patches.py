@@ -69,10 +69,14 @@ def test_vanilla_refuses_the_second_server_that_kvelastic_starts(patched):
     from vllm.v1.worker import gpu_worker, utils
 
     config = cache_config()  # unset, as a plain `vllm serve` leaves it
+    estimate_share = config.resolved_gpu_memory_utilization  # vLLM's default without its extensible cache
+    assert 0.5 < estimate_share < 1.0
     with pytest.raises(ValueError, match="Free memory on device"):
-        utils.request_memory(snapshot(20 * GIB), config)  # vLLM's own function, unpatched: 0.92 of 80 GiB
-    assert gpu_worker.request_memory(snapshot(20 * GIB), config, 0) == TOTAL  # unset means 1.0, a cap
-    assert config.enable_extensible_kv_cache is False  # the engine's config is left as it was
+        utils.request_memory(snapshot(20 * GIB), config)  # vLLM's own function, unpatched
+    assert gpu_worker.request_memory(snapshot(20 * GIB), config, 0) == math.ceil(TOTAL * estimate_share)
+    assert config.enable_extensible_kv_cache is False and config.gpu_memory_utilization is None  # left as it was
+    while_extensible = cache_config(extensible=True)  # a worker's start, before vLLM turns its cache off
+    assert gpu_worker.request_memory(snapshot(20 * GIB), while_extensible, 0) == TOTAL
     explicit = cache_config(0.4)
     assert gpu_worker.request_memory(snapshot(2 * GIB), explicit, 0) == math.ceil(TOTAL * 0.4)
     with pytest.raises(ValueError, match="exceed the desired GPU memory utilization"):
@@ -99,8 +103,10 @@ def test_every_worker_gives_kvelastics_reason_and_vllm_turns_its_cache_off_every
     Executor.disable_extensible_kv_cache(executor, reason)
     assert calls == ["extensible_kv_cache_unsupported_reason", "disable_extensible_kv_cache"]
     assert config.enable_extensible_kv_cache is False
-    # Worker.disable_extensible_kv_cache recomputed the budget through request_memory, unrefused at 20 GiB free.
-    assert [each.requested_memory for each in workers] == [TOTAL, TOTAL]
+    # Worker.disable_extensible_kv_cache recomputed the budget through request_memory, unrefused at 20 GiB free,
+    # at the estimate-based share that now applies.
+    share = config.resolved_gpu_memory_utilization
+    assert share < 1.0 and [each.requested_memory for each in workers] == [math.ceil(TOTAL * share)] * 2
 
 
 def test_unpatched_the_second_worker_is_refused_when_vllm_turns_its_cache_off():
