@@ -2,14 +2,15 @@
 # Two plain `vllm serve` of vLLM 0.34+ on one GPU, started one after the other with no
 # --gpu-memory-utilization, then loaded in turns (issue 45: co-location by default).
 #   bash benchmarks/colocate_serve.sh kvelastic   # KVELASTIC=1: both start, both serve, memory moves between them
-#   bash benchmarks/colocate_serve.sh vanilla     # plain 0.34 (its extensible cache takes the GPU): the second fails
+#   bash benchmarks/colocate_serve.sh vanilla     # plain 0.34 (its extensible cache takes the GPU): the second is
+#                                                 # expected to fail (docs/vllm-0.34.md)
 #   bash benchmarks/colocate_serve.sh split       # plain 0.34 with a hand split: --gpu-memory-utilization 0.45 each
 # Dummy-weight 1B servers (scripts/models/llama-1b, config only). Each turn sends CO_REQUESTS (24)
 # prompts of about 1.5k tokens to one server, CO_TURNS (6) turns alternating a, b, a, b, ...; greedy,
 # 64 tokens. Output: $OUT/colocate-CONFIG.tgz with steps.log (each start's outcome, each turn's
 # completions), memory.csv (nvidia-smi every second: used MiB per process), status.jsonl (`kvelastic
 # status --json` every second, kvelastic only) and the servers' logs. Exit 0 when both servers
-# started and every request of every turn completed, 1 otherwise (the expected result of `vanilla`).
+# started and every request of every turn completed, 1 otherwise (what `vanilla` is expected to give).
 # Knobs: CO_MODEL, CO_TURNS, CO_REQUESTS, CO_EAGER=1 (no CUDA graphs: faster starts), CO_SETTLE_S (20:
 # seconds between the first server's /health and the second's start, so the first has given back its
 # warm-up groups: vLLM's profiling asserts that no other process frees memory while it profiles).
