@@ -125,7 +125,7 @@ class WarmReserve:
     group after a reload used the reserve). What it did not grow, the next tick does. While requests
     run (a block allocated within :data:`PACED_WITHIN_S`) it grows ``busy_step_bytes`` a tick
     (``KVELASTIC_RESERVE_BUSY_STEP``, 256 MiB by default; None: a growth chunk): on an H200
-    (session 25) 2 GiB grown at once beside the request after a 16k reload cost that request 15-40 ms
+    2 GiB grown at once beside the request after a 16k reload cost that request 15-40 ms
     in a third of the reps although no engine thread waited for the pool's lock (its driver calls
     beside the engine's launches, not established which part); between requests it grows at once.
     """
