@@ -24,6 +24,7 @@ from kvelastic.patches import (
     engine_core_wake,
     executor_handover,
     executor_step_report,
+    extensible_kv_cache,
     hisparse_refusal,
     kv_layout_preference,
     release_kv_cache_refusal,
@@ -61,4 +62,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     whole_page_num_blocks.PATCH,
     release_kv_cache_refusal.PATCH,
     vllm_logging.PATCH,
+    extensible_kv_cache.PATCH,
 )

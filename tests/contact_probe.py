@@ -115,9 +115,13 @@ def break_contact(case: Case) -> Callable[[], None]:
         return _drop(getattr(owner, name), case.attribute)
     raw = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
     if case.target.kind == "setter":
-        setter = {"remove": None, "reshape": _reshaped(raw.fset) if raw and raw.fset else None,
+        # A slot (a dataclass field of a slotted class: KVCacheBlock.block_hash from 0.34) reads through its
+        # descriptor and has no setter to reshape; adding one makes it a property like any other.
+        is_property = isinstance(raw, property)
+        getter = raw.fget if is_property else raw.__get__
+        setter = {"remove": None, "reshape": _reshaped(raw.fset) if is_property and raw.fset else None,
                   "add": lambda self, value: None}[case.how]
-        return _set(owner, name, property(raw.fget, setter))
+        return _set(owner, name, property(getter, setter))
     if case.how == "remove":
         return _set(owner, name, None)
     if case.how == "add":
