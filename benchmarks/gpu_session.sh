@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_session.sh serve              # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh demo               # two 1B servers on one GPU through the launcher
 #   bash benchmarks/gpu_session.sh colocate           # vLLM 0.34+: two plain `vllm serve`, no utilization set, loaded in turns
-#   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic (colocate-split: a hand split of 0.45 each)
+#   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic
+#   bash benchmarks/gpu_session.sh colocate-split     # the same without kvelastic, a hand split of 0.45 each
 #   bash benchmarks/gpu_session.sh tp                 # 8B TP=2: identical outputs, both GPUs' KV memory rising and falling
 #   bash benchmarks/gpu_session.sh tp-spill           # `tp`, then TP=2 with a 1 GiB limit and an 8 GiB host tier
 #   bash benchmarks/gpu_session.sh pp                 # 8B PP=2: identical outputs, memory on both GPUs
