@@ -36,6 +36,16 @@ def host_pool():
     assert pool.leak_report() == []
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the forkserver the TP tests' ranks fork from (``tests/tp_ranks.py``), if one started: it ends with
+    the session, reaped by it (its ranks' CPU counted as the session's), never left as an orphan."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def pytest_configure(config):
     """In CI a missing vLLM is an error, never a silent skip of the integration tests."""
     import os

@@ -1,7 +1,7 @@
-"""The host tier under the TP protocol: spills, reloads and write-through stores on every rank's shard.
+"""The host tier under the TP protocol: spills and reloads on every rank's shard.
 
-Two spawned ranks with host-backed pools and the real scheduler side, as in
-``test_tp_protocol.py`` (the harness: ``tests/kv_fixtures.py``). A slot of the
+Two rank processes with host-backed pools and the real scheduler side, as in
+``test_tp_protocol.py`` (the harness: ``tests/tp_cluster.py``). A slot of the
 scheduler's index is one slot on every rank, each holding its own shard; under
 pipeline parallelism a slot holds every stage's share and a group counts at the
 larger stage's bytes.
@@ -10,15 +10,15 @@ larger stage's bytes.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
-from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, RANK_LAYERS, WORLD, StandInRequest,  # noqa: E402
-                               allocate_within, cluster, group_bytes)  # noqa: F401 (cluster: a fixture)
+from tests.kv_fixtures import BLOCKS_PER_GROUP, BS, RANK_LAYERS, StandInRequest, group_bytes  # noqa: E402
 from tests.scheduler_harness import scheduler_patcher  # noqa: E402
+from tests.tp_cluster import allocate_within, cluster  # noqa: E402,F401 (cluster: a fixture)
 
 CPU_BYTES = 1 << 20
 
@@ -27,20 +27,34 @@ def test_pipeline_stages_count_each_group_at_the_larger_stage_and_a_slot_holds_b
     layers = RANK_LAYERS["pipeline"]
     c = cluster(cpu_bytes=CPU_BYTES, layers=layers)
     assert c.cache.group_bytes == group_bytes(max(layers))
-    infos = [shm.read_info(c.folder, r) for r in range(WORLD)]
+    infos = c.infos
     assert [i.group_bytes for i in infos] == [group_bytes(n) for n in layers]
     assert c.connection.slot_bytes == sum(i.slot_bytes for i in infos)
     assert c.connection.host_slots == min(i.host_slots for i in infos) > 0
 
 
+def every_slot_reported_pinned(c, tier) -> bool:
+    """Run steps until every rank reported its whole host share pinned and the tier took it in (the scheduler
+    asks for a report step every ``PIN_REPORT_PERIOD_S`` while a rank pins)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        c.step()
+        tier.refresh()
+        if tier.stats().slots == c.connection.host_slots > 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def test_spilled_blocks_come_back_on_every_rank(cluster):
     from kvelastic.hooks.offload_setup import wire_offload
     from kvelastic.settings import Settings
+    from tests.host_plans import ON_RANKS
 
     c = cluster(cpu_bytes=CPU_BYTES)
-    tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES))
-    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher())
-    assert manager.tier.stats().slots == c.connection.host_slots > 0
+    tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES), ON_RANKS)
+    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher(), ON_RANKS)
+    assert every_slot_reported_pinned(c, manager.tier)
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
     c.step(writes=[(b.block_id, 40 + i % 50) for i, b in enumerate(blocks)])
@@ -49,9 +63,9 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
     c.bp.free_blocks(blocks)
     assert c.queue.reclaim_cached(groups_wanted=8) >= 1  # spill, then unmap, in that order on each rank
     c.queue.set_idle()
-    c.step()
+    report = c.step(report=True)
     assert manager.counters.spilled_blocks == len(blocks)
-    assert all(c.mapped_bytes[r] == c.mapper.boards[r].get(shm.MAPPED_BYTES) for r in range(WORLD))
+    assert [r.mapped_bytes for r in sorted(report.ranks, key=lambda r: r.rank)] == c.mapped_bytes
     c.queue.want_blocks(len(blocks))  # free mapped blocks to load into
     c.step()
     found = [c.bp.get_cached_block(h, [0]) for h in hashes]  # host-tier hits become GPU blocks
@@ -65,59 +79,3 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
         steps += 1
     c.step(checks=[(b, 40 + i % 50) for i, b in enumerate(new_ids)])
     assert manager.counters.reloaded_blocks == len(blocks)
-
-
-def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
-    from kvelastic.hooks.offload_setup import wire_offload
-    from kvelastic.settings import Settings
-    from kvelastic.tp.protocol import STORE, WAIT
-
-    c = cluster(cpu_bytes=CPU_BYTES)
-    settings = Settings(cpu_bytes=CPU_BYTES, cpu_store="write-through")
-    tier, copier = c.connection.host_tier(settings)
-    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher(), settings)
-    allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
-    blocks = allocate_within(c, BLOCKS_PER_GROUP)
-    hashes = [hashlib.sha256(b"wt%d" % i).digest() for i in range(len(blocks))]
-    c.bp.cache_full_blocks(StandInRequest(hashes), blocks, 0, len(blocks), BS, 0)  # named in this step
-    manager.end_step()
-    c.step(writes=[(b.block_id, 60 + i % 30) for i, b in enumerate(blocks)])  # whose forward computes them
-    plans = []
-    for _ in range(2):
-        manager.end_step()
-        plans.append(c.mapper.take_plan())
-        c.send(plans[-1])
-    kinds = [[cmd[1] for cmd in p.commands] for p in plans]
-    assert kinds[0] == [] and kinds[1] == [STORE] and plans[1].commands[0][4] is False  # beside compute
-    c.bp.free_blocks(blocks)
-    assert c.queue.reclaim_cached(groups_wanted=8) >= 1  # released: the copies made ahead are promoted
-    assert manager.counters.evicted_free == len(blocks) and manager.counters.spilled_blocks == 0
-    manager.end_step()
-    plan = c.mapper.take_plan()
-    assert STORE not in [cmd[1] for cmd in plan.commands]  # the unmap needs no copy: the rank orders the store
-    c.send(plan)
-    c.queue.want_blocks(len(blocks))
-    c.step()
-    found = [c.bp.get_cached_block(h, [0]) for h in hashes]
-    assert all(f is not None for f in found)
-    manager.end_step()
-    new_ids = [f[0].block_id for f in found]
-    for _ in range(5):
-        if all(c.cache.group_of_block(b) in c.mapper.mapped_groups for b in new_ids):
-            break
-        c.step()
-    c.step(checks=[(b, 60 + i % 30) for i, b in enumerate(new_ids)])  # every rank's shard came back
-    # A block reused while the scheduler cannot know its store passed: one WAIT, no second copy.
-    more = allocate_within(c, 4)
-    more_hashes = [hashlib.sha256(b"more%d" % i).digest() for i in range(4)]
-    c.bp.cache_full_blocks(StandInRequest(more_hashes), more, 0, 4, BS, 0)
-    for _ in range(3):
-        manager.end_step()
-        c.step()
-    c.bp.free_blocks(more)
-    manager.spill(more, before_reuse=True)  # as popleft_n does when it evicts them for reuse
-    manager.end_step()
-    plan = c.mapper.take_plan()
-    kinds = [cmd[1] for cmd in plan.commands]
-    assert kinds.count(WAIT) == 1 and STORE not in kinds
-    c.send(plan)  # every rank applies it before its forward pass
