@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvelastic import __version__
-from kvelastic.errors import EngineFolderError, KvelasticError, PatchError
+from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.startup.runtime import Runtime, default_backend
 from kvelastic.patching.apply import Patcher
 from kvelastic.patching.gate import check_source
@@ -126,10 +126,10 @@ def activate_from_hook() -> None:
     """
     try:
         activate()
-    except EngineFolderError as error:
-        raise StartupRefused(error) from None
     except PatchError as error:
-        refuse_at_engine_start(error)
+        if type(error) is not PatchError:  # a narrower refusal (a rank without its engine core): now
+            raise StartupRefused(error) from None
+        refuse_at_engine_start(error)  # the gate's: this vLLM cannot be patched
     except KvelasticError as error:
         raise StartupRefused(error) from None
 
