@@ -16,8 +16,10 @@ cd "$(dirname "$0")/.."
 
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "torch==$torch"
-"$venv/bin/python" -m pip install -q "vllm==$vllm"
+# --no-compile: byte-compiling every file of torch, vLLM and their dependencies costs about 100 s of
+# CPU a band; Python compiles the modules the tests import, on their first import, instead.
+"$venv/bin/python" -m pip install -q --no-compile "torch==$torch"
+"$venv/bin/python" -m pip install -q --no-compile "vllm==$vllm"
 # vLLM pulls a CUDA torchvision that cannot load beside a CPU torch; kvelastic needs none of them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$venv/bin/python" -m pip install -q -e ".[test]"

@@ -102,10 +102,17 @@ def _left_out(relative: str, config) -> bool:
     return pace != "all" and (pace == "serial") != (relative in WALL_CLOCK)
 
 
+def _relative(path: Path) -> str | None:
+    """``path`` below tests/, as suite_parts spells it; None outside tests/."""
+    try:
+        return path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return None
+
+
 def _test_name(item: pytest.Item) -> str:
     """``file::test`` as BAND_TESTS spells it: the path below tests/, no parameters."""
-    relative = item.path.resolve().relative_to(TESTS).as_posix()
-    return "::".join([relative, *item.nodeid.split("::")[1:]]).partition("[")[0]
+    return "::".join([str(_relative(item.path)), *item.nodeid.split("::")[1:]]).partition("[")[0]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -116,7 +123,7 @@ def pytest_collection_modifyitems(config, items):
     kept, dropped = [], []
     for item in items:
         in_band = _test_name(item) in BAND_TESTS
-        free = item.path.resolve().relative_to(TESTS).as_posix() in VERSION_FREE
+        free = _relative(item.path) in VERSION_FREE
         wanted = (free and not in_band) if files == "version-free" else (not free or in_band)
         (kept if wanted else dropped).append(item)
     if dropped:
@@ -124,22 +131,29 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-def pytest_ignore_collect(collection_path, config):
+class LeftToAnotherPass(pytest.File):
+    """A test file named on the command line that this pass leaves out: found, but holds no test
+    here (pytest would call a file that yields no collector "not found")."""
+
+    def collect(self):
+        return []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
     """Files left to another pass are not even imported (importing vLLM is much of a file's cost)."""
-    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        try:
-            relative = collection_path.resolve().relative_to(TESTS).as_posix()
-        except ValueError:
-            return None
-        if _left_out(relative, config):
-            return True
-    return None
+    collected = yield
+    relative = _relative(file_path)
+    if relative is None or file_path.suffix != ".py" or not file_path.name.startswith("test_") \
+            or not _left_out(relative, parent.config):
+        return collected
+    return [LeftToAnotherPass.from_parent(parent, path=file_path)] if parent.session.isinitpath(file_path) else []
 
 
 def pytest_report_header(config):
     if (config.getoption("files"), config.getoption("pace")) == ("all", "all"):
         return None
-    every = [path.relative_to(TESTS).as_posix() for path in TESTS.rglob("test_*.py")]
+    every = [str(_relative(path)) for path in TESTS.rglob("test_*.py")]
     kept = [name for name in every if not _left_out(name, config)]
     return (f"kvelastic pass --files={config.getoption('files')} --pace={config.getoption('pace')}: "
             f"{len(kept)} of {len(every)} test files; the others run in another pass (tests/suite_parts.py)")

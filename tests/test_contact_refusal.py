@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm installed")
 
 from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
-from tests.contact_probe import MARK, Case, cases, one_per_kind  # noqa: E402
+from tests.contact_probe import MARK, Case, cases, kind_of_breakage, one_per_kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = installed_vllm_version()
@@ -71,6 +71,13 @@ def test_the_control_activates_and_deactivating_restores_vllm(probe):
 def test_every_scheduler_side_contact_has_cases():
     targets = {case.target for case in CASES}
     assert len(targets) >= 25 and all(case.how in EXPECTED for case in CASES)
+
+
+def test_one_case_per_kind_keeps_every_kind_of_breakage_once():
+    kinds = {kind_of_breakage(case) for case in CASES}
+    chosen = one_per_kind(CASES)
+    assert {kind_of_breakage(case) for case in chosen} == kinds and len(chosen) == len(kinds)
+    assert len(kinds) >= 6 and {case.how for case in chosen} == {case.how for case in CASES}
 
 
 def test_a_broken_contact_refuses_start_up_naming_it_and_leaves_vllm_as_it_was(probe, case: Case):
