@@ -28,8 +28,9 @@ time, real engine loops); under two busy xdist workers their margins are not
 kept, so they run in a serial pass (``--pace=serial``). A file that flakes under
 ``-n 2`` belongs here.
 
-Both are sets of file names in ``tests/``; a file in neither runs in every band,
-in the parallel pass: the safe default for a new file.
+The lists name files below ``tests/`` (and ``file::test`` in BAND_TESTS); a file
+in none runs in every band, in the parallel pass: the safe default for a new
+file. tests/test_suite_parts.py checks that every name exists.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ VERSION_FREE = frozenset({
     "test_settings.py",
     "test_shared_files.py",
     "test_static_check.py",
+    "test_suite_parts.py",
     "test_tp_folder_watch.py",
     "test_tp_scheduler_side.py",
     "test_version_matrix.py",
@@ -77,4 +79,13 @@ BAND_TESTS = frozenset({
 })
 
 WALL_CLOCK = frozenset({
+    "test_cluster_resilience.py",  # a stopped member costs the scheduler under 0.5 s
+    "test_host_memory.py",  # an admit with no slot ready returns within 0.1 s
+    "test_lock_waits.py",  # lock holds and waits measured in tens of milliseconds
+    "test_multi_model_client.py",  # CPU rates of spinning processes (flaked under load)
+    "test_reclaim_timing.py",  # the engines' own reclaim waits and releases
+    "test_security_crashes.py",  # a huge slot count is refused, not read: within 1 s
+    "test_shared_files.py",  # a FIFO refused within 1 s; a lock held elsewhere costs under 0.1 s
+    "test_tp_rank_failures.py",  # a slow or dead rank holds nothing up: 20 allocations within 1 s
+    "test_tp_ray_other_host.py",  # the tick without an engine loop never waits: under 1 s
 })
