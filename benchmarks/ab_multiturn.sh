@@ -6,7 +6,7 @@
 # OLD_TREE.tar.gz: `git archive --format=tar.gz -o .ab/old.tar.gz <commit> -- . ':!benchmarks/results'`
 # (an untracked file travels with the working tree). AB_ORDER's words are old, new and vanilla (vLLM
 # without kvelastic), each optionally with a variant, new.NAME, run with the settings AB_ENV_NAME holds
-# (AB_ORDER="old new new.atstart old" AB_ENV_atstart="KVELASTIC_CPU_PIN=at-start"); each is one bench_multiturn.py run of about 2 minutes with the default workload,
+# (AB_ORDER="old new new.si1ms old" AB_ENV_si1ms="KVELASTIC_SWITCH_INTERVAL=0.001"); each is one bench_multiturn.py run of about 2 minutes with the default workload,
 # so four fit a call. Each run's JSON is $W/multiturn/TAG-N.json; benchmarks/ab_table.py tabulates them
 # (per run, the median of each tree's rounds, new/old, tokens against the first run). Output: $OUT/ab.tgz
 set -uo pipefail
@@ -33,7 +33,7 @@ run() {  # TAG N [bench args]: one run of the tree TAG names (with TAG's variant
         [ -n "$settings" ] || { echo "$tag-$n: $var is empty"; return 1; }
     fi
     install "$tree" || { echo "$tag-$n: install of $tree failed (install.log)"; return 1; }
-    env ${settings//,/ } python3 scripts/bench_multiturn.py --outdir "$W/scratch" --json "$W/scratch/last.json" --configs "$config" "$@" \
+    env ${settings//,/ } python3 benchmarks/bench_multiturn.py --outdir "$W/scratch" --json "$W/scratch/last.json" --configs "$config" "$@" \
         && mv "$W/scratch/$config.json" "$W/multiturn/$tag-$n.json" \
         && mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.log" \
         || { mv "$W/scratch/$config.log" "$W/multiturn/$tag-$n.failed.log" 2>/dev/null; return 1; }

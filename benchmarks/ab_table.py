@@ -2,7 +2,7 @@
 
 Each run is one ``<outdir>/<tag>-<n>.json`` of ``bench_multiturn.py --config``
 (tag ``old``, ``new`` or ``vanilla``, or one of them with a variant's name,
-``new.atstart``; ``n`` its place in the call's order). Runs
+``new.si1ms``; ``n`` its place in the call's order). Runs
 of one tree are pooled by the median of their rounds' throughput, so a drift
 across the call (the machine warming, page cache) lands on both trees alike
 when the order is symmetric (old new new old). Outputs: every run's against
@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_multiturn, beside this file
 from bench_multiturn import identical, summarize  # noqa: E402
 
 RUN = re.compile(r"^((?:old|new|vanilla)(?:\.\w+)?)-(\d+)\.json$")

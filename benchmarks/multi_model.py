@@ -1,4 +1,4 @@
-"""Many models on one GPU (issue #20): an open-loop, bursty, staggered client for N servers.
+"""Many models on one GPU: an open-loop, bursty, staggered client for N servers.
 
 Each model alternates busy periods (a request rate one third of the GPU cannot
 serve; prompts share long per-model prefixes) and idle periods, offset so that
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*, scripts.*
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.*
 
 import aiohttp  # noqa: E402
 
@@ -175,7 +175,7 @@ async def drive(args: argparse.Namespace, workload: Workload, requests: list[Req
         asyncio.get_running_loop().add_signal_handler(signum, stop.set)
     # vLLM's server (uvicorn) closes a connection idle for 5 s; aiohttp keeps one for 15 s, so a
     # request could go out on a socket the server was closing and fail with a reset before vLLM
-    # saw it (2 of 1,861 on the H100, 2026-11-27). Let idle connections go first.
+    # saw it (2 of 1,861 in one H100 run). Let idle connections go first.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         exited = process_problem(args.watch_pid)

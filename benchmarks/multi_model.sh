@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #20 on the GPU machine: three Llama-3.1-8B-shaped dummy-weight servers on one GPU, one
+# Many models on one GPU: three Llama-3.1-8B-shaped dummy-weight servers on one GPU, one
 # configuration per device call (staging the vLLM bundle first: benchmarks/README.md).
 #   bash benchmarks/multi_model.sh static          # vanilla vLLM: a fixed KV share each (MM_KV_GIB)
 #   bash benchmarks/multi_model.sh kvelastic       # `kvelastic launch`: one budget of 3 x MM_KV_GIB
@@ -13,13 +13,13 @@
 # MM_BUDGET_S (540: the client is stopped so that servers are down and the tarball written by then;
 # MM_STOP_S, 60, of it kept for that),
 # MM_MODEL, MM_TOKENIZER, MM_KVCACHED_ENV ("VAR=VALUE ..." added for kvcached), MM_KVELASTIC_ENV (the same
-# for the kvelastic configurations, e.g. "KVELASTIC_RELEASE=preempt"), MM_VLLM_ARGS (more
+# for the kvelastic configurations, e.g. "KVELASTIC_CACHE_TTL=5"), MM_VLLM_ARGS (more
 # arguments for every server of every configuration: give all the same), MM_API_SERVERS (4) and
 # MM_STREAM_INTERVAL (8): vLLM's --api-server-count and --stream-interval for every server. With one
 # API server streaming every token, that process was the bottleneck of this workload (H100,
-# 2026-11-27, static: TTFT p50 1.8 s with one, 0.11 s with two and tokens streamed 8 at a time);
+# static: TTFT p50 1.8 s with one, 0.11 s with two and tokens streamed 8 at a time);
 # with two, 50 of kvelastic's 57 requests over the TTFT objective still waited while their model's
-# two API servers ran at >= 85 % of a core each (session 10), so four.
+# two API servers ran at >= 85 % of a core each, so four.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 config=${1:?usage: bash benchmarks/multi_model.sh static|kvelastic|kvelastic-host|kvcached [client args...]}
@@ -139,7 +139,7 @@ kvcached)
     # Its README: "no need to set memory utilization limit"; its physical total is capped by
     # KVCACHED_GPU_UTILIZATION (0.95 unless MM_KVCACHED_ENV sets it), vLLM's 0.9 bounds each engine.
     # kvcached 0.1.6 refuses vLLM 0.25's default model runner (V2) at start-up and names the way
-    # out, VLLM_USE_V2_MODEL_RUNNER=0 (2026-11-27): set here, so its servers run vLLM's V1 runner
+    # out, VLLM_USE_V2_MODEL_RUNNER=0: set here, so its servers run vLLM's V1 runner
     # while the other configurations run the default one (say so beside any comparison).
     PLAIN_ARGS=()
     # shellcheck disable=SC2086 # MM_KVCACHED_ENV is a list of VAR=VALUE words

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvelastic.pool.kv_layout import KVGroupLayout
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_tier import HostTier
+    from kvelastic.offload.plan import HostPlan
     from kvelastic.pool.backend import Fence
     from kvelastic.pool.lock_waits import LockWaits
     from kvelastic.pool.stats import PoolStats
@@ -197,7 +198,7 @@ class Copier(Protocol):
 
     def store_beside(self, block_ids: Sequence[int], slots: Sequence[int]) -> "Fence":
         """A write-through store beside the other copies, where the copier has a stream for it
-        (``KVELASTIC_CPU_STORE_STREAM=own``); by default an ordinary store nothing waits for."""
+        (:attr:`side_stores`); by default an ordinary store nothing waits for."""
         return self.store(block_ids, slots, block_compute=False)
 
     def wait_for(self, fences: Sequence["Fence"]) -> None:
@@ -222,15 +223,16 @@ class CacheConnection(Protocol):
     #: What each GPU's pool really holds, for the log line; None with a single pool in this process.
     rank_held_bytes: Callable[[], list[int]] | None
     #: Whether a host load can run beside compute: its copier's fence says when it is done without this
-    #: process waiting on another (``KVELASTIC_CPU_LOAD=async`` needs it).
+    #: process waiting on another (the host tier's plan loads hits beside compute only then).
     async_loads: bool
     #: Whether an unmap takes effect between two steps (the pool is in this process); False where the
     #: ranks apply it with their next step (``KVELASTIC_RELEASE=preempt`` needs True).
     unmaps_between_steps: bool
 
     @abstractmethod
-    def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
-        """The host tier's index of ``settings.cpu_bytes`` and the copier that fills its slots."""
+    def host_tier(self, settings: "Settings", plan: "HostPlan") -> tuple["HostTier", Copier]:
+        """The host tier's index of ``settings.cpu_bytes`` and the copier that fills its slots, as ``plan``
+        has them."""
 
     @abstractmethod
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None] | None:

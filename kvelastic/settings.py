@@ -125,73 +125,16 @@ class Settings:
     virtual_bytes: int | None = None
     limit_bytes: int | None = None
     reserve_bytes: int = 256 * MIB
-    #: Most bytes the warm reserve grows to, while busy and nobody else waits, to cover the longest host-tier
-    #: run reloaded in the last minute (0: off). On an H100 it took a busy engine's 16k-token 8B reload from
-    #: 84 to 64 ms (docs/offload.md, item 6).
-    reserve_host_runs_bytes: int = 2048 * MIB
-    #: Most bytes the warm reserve grows by per upkeep tick (four a second) while requests run; between
-    #: requests it grows at once. On an H200 (session 25) 2 GiB grown at once beside the request after a
-    #: 16k-token reload cost that request 15-40 ms in a third of the reps; 256 MiB a tick, none.
-    reserve_busy_step_bytes: int = 256 * MIB
     prefetch_bytes: int = 1024 * MIB
     cache_ttl_s: float = 10.0
     #: Python's thread switch interval in the processes that hold a KV pool (None: Python's own, 5 ms).
     #: Their mapper and upkeep threads make runs of driver calls, each of which must win the GIL back from
-    #: vLLM's busy loop; CPython hands it over after at most this long. On an H200 (session 27,
-    #: docs/pool.md) a 32-tensor group map beside a Python-busy thread took 326 ms at 5 ms, 64 at 1 ms and
+    #: vLLM's busy loop; CPython hands it over after at most this long. On an H200 (docs/pool.md)
+    #: a 32-tensor group map beside a Python-busy thread took 326 ms at 5 ms, 64 at 1 ms and
     #: 14 at 0.2 ms (1.0 alone), and an idle engine's 16k-token 8B reload 80.9 ms, 68.8 and 64.6.
     switch_interval_s: float | None = 0.0002
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
-    #: ``auto``: the copy engines for runs of blocks where a block's pieces are 32 KiB or wider, the direct
-    #: kernels otherwise (copier.RUNS_MIN_PIECE_BYTES; bench_copy.py and bench_reload.py on an H100, 2026-11-28)
-    copy_path: str = "auto"
-    #: How the host tier's memory is pinned: ``background`` (one mmap registered chunk by chunk while the
-    #: engine serves) or ``at-start`` (one torch pinned allocation before it serves, as before 2026-11-26):
-    #: the multi-turn A/B of 2026-11-27 found the tier 9 % slower than a tree that used torch's allocation.
-    cpu_pin: str = "background"
-    #: When blocks are copied to the host: once computed, beside the forward passes (``write-through``), or as
-    #: they leave the GPU, in front of the step that reuses them (``eviction``; docs/offload.md); ``auto``:
-    #: ``write-through`` where the KV cache is in the engine's process (its stores then get a stream and a
-    #: staging buffer of their own, below), ``eviction`` where worker ranks hold it (tensor or pipeline
-    #: parallelism, the multiprocess executor: their stores would share the ranks' copy stream, never run
-    #: on a GPU). ``auto`` since the H200 calls of 2026-11-28
-    #: (8B multi-turn, two calls): TTFT p50 0.87x and 0.97x the OffloadingConnector with LRU, throughput
-    #: 1.005x and 1.012x, where ``eviction`` had 1.31x (the spills of the blocks a turn's loads go into).
-    cpu_store: str = "auto"
-    cpu_ahead_bytes: int | None = None  # write-through's share of the tier; None: a quarter of it
-    cpu_store_step_bytes: int = 512 * MIB  # write-through bytes issued per scheduling step, at most
-    #: Where write-through's stores run: on the one copy stream, ahead of the next step's loads (``shared``),
-    #: or on a stream of their own (``own``), the loads waiting only for a store they would race. ``own``:
-    #: token-identical in every GPU run (H200, 2026-11-28), and with ``staged`` (below) the 8B shape's best.
-    cpu_store_stream: str = "own"
-    #: How the stores on their own stream (``own``) move: as the other copies (``same``: with ``auto``, SM
-    #: kernels wherever blocks are scattered) or through a staging buffer of their own onto the copy engines
-    #: (``staged``: their SMs only gather at device-memory speed). ``staged``: on an H200 (2026-11-28,
-    #: scripts/bench_copy_beside.py) stores of 8B-shaped blocks beside a compute loop slowed it 4.4 % on the
-    #: direct kernels, 48 % on the fused one, 0 % staged; multi-turn 8B 1.005x the connector staged, 0.965x not.
-    cpu_store_path: str = "staged"
-    #: How host-tier hits load: ``sync`` in front of the step's forward pass (every request of the step
-    #: waits), ``async`` while their request waits and the others compute (docs/offload-async-loads.md), or
-    #: ``auto``: ``async`` wherever the loads can finish beside compute (the cache in the engine's process, or
-    #: ranks that report on the steps' replies), else ``sync``, said in the log. ``auto`` since the H200 calls
-    #: of 2026-11-28: on the 1B multi-turn ``async`` led ``sync`` (1.09x against 1.04x the connector, the one
-    #: call that ran both), and on the 8B its TTFT p50 was 1.18x the connector's against 1.31x. Under ``auto``
-    #: a request alone in an idle engine loads in front of the step (``hooks/host_loads.InFrontWhenAlone``):
-    #: a 16k-token 8B reload took 105 ms beside compute, 72 in front (H200, 2026-11-29).
-    cpu_load: str = "auto"
-    cpu_load_async_min_bytes: int = 0  # with ``async``: a smaller run loads in front of the step instead
-    #: How the asynchronous loads move: as the other copies (``same``) or through a staging buffer of their
-    #: own (``staged``: DMA on the copy engines, then a scatter at device-memory speed), as
-    #: ``cpu_store_path`` does for the stores, and for the same reason: they too run beside compute.
-    #: ``staged``: an 8B-shaped load beside the compute loop cost it 0.4 % staged, 40 % fused (H200, 2026-11-28).
-    cpu_load_path: str = "staged"
-    #: When a step's synchronous host loads go out: a page group's worth at a time as vLLM looks the blocks
-    #: up, each copy beside the next group's mapping, within a run of host hits two groups long (``long-runs``)
-    #: or any run (``group``); or all at the step's end (``off``). ``long-runs``: on an H100 (2026-11-27, two
-    #: calls) ``group`` reloaded a 16k prefix in 103.4 / 109.6 ms against 115.3 / 112.6, and cost the 1B
-    #: multi-turn 6 % (one run), whose runs are shorter than a group and keep one batch with ``long-runs``.
-    cpu_load_pieces: str = "long-runs"
     #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
     #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
     #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
@@ -268,12 +211,17 @@ def known_variables() -> tuple[str, ...]:
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """One warning per ``KVELASTIC_*`` variable that nothing reads, naming the nearest real one."""
+    """One warning per ``KVELASTIC_*`` variable that nothing reads: a retired one (:data:`RETIRED`) says
+    what kvelastic does now, any other names the nearest real one. Neither stops start-up: a retired
+    variable left in a deployment's environment means what kvelastic does anyway, or close to it."""
     env = os.environ if environ is None else environ
     known = known_variables()
     suffixes = {v[len(PREFIX):]: v for v in known if v.startswith(PREFIX)}
     warnings = []
     for variable in sorted(v for v in env if v.startswith(PREFIX) and v not in known):
+        if variable in RETIRED:
+            warnings.append(f"{variable} is retired and ignored: {RETIRED[variable]}")
+            continue
         nearest = difflib.get_close_matches(variable[len(PREFIX):], suffixes, n=1, cutoff=0.6)
         hint = f"did you mean {suffixes[nearest[0]]}?" if nearest else "settings: " + ", ".join(Settings.variables())
         warnings.append(f"{variable} is not a kvelastic setting and is ignored; {hint}")
@@ -309,24 +257,11 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "virtual_bytes": ("KVELASTIC_VIRTUAL_BYTES", _size),
     "limit_bytes": ("KVELASTIC_LIMIT", _size),
     "reserve_bytes": ("KVELASTIC_RESERVE", lambda n, t: parse_size(t, name=n)),
-    "reserve_host_runs_bytes": ("KVELASTIC_RESERVE_HOST_RUNS", lambda n, t: parse_size(t, name=n)),
-    "reserve_busy_step_bytes": ("KVELASTIC_RESERVE_BUSY_STEP", _size),
     "prefetch_bytes": ("KVELASTIC_PREFETCH", lambda n, t: parse_size(t, name=n)),
     "cache_ttl_s": ("KVELASTIC_CACHE_TTL", _seconds),
     "switch_interval_s": ("KVELASTIC_SWITCH_INTERVAL", _switch_interval),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
-    "copy_path": ("KVELASTIC_COPY_PATH", _choice("auto", "direct", "staged", "fused", "runs")),
-    "cpu_store": ("KVELASTIC_CPU_STORE", _choice("auto", "write-through", "eviction")),
-    "cpu_pin": ("KVELASTIC_CPU_PIN", _choice("background", "at-start")),
-    "cpu_ahead_bytes": ("KVELASTIC_CPU_AHEAD", _size),
-    "cpu_store_step_bytes": ("KVELASTIC_CPU_STORE_STEP", _size),
-    "cpu_store_stream": ("KVELASTIC_CPU_STORE_STREAM", _choice("shared", "own")),
-    "cpu_store_path": ("KVELASTIC_CPU_STORE_PATH", _choice("same", "staged")),
-    "cpu_load": ("KVELASTIC_CPU_LOAD", _choice("auto", "sync", "async")),
-    "cpu_load_async_min_bytes": ("KVELASTIC_CPU_LOAD_ASYNC_MIN", lambda n, t: parse_size(t, name=n)),
-    "cpu_load_path": ("KVELASTIC_CPU_LOAD_PATH", _choice("same", "staged")),
-    "cpu_load_pieces": ("KVELASTIC_CPU_LOAD_PIECES", _choice("long-runs", "group", "off")),
     "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
     "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("auto", "board", "step")),
     "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
@@ -354,3 +289,21 @@ def shared_location(environ: Mapping[str, str] | None = None) -> tuple[Path, int
         text = env.get(variable)
         values[field] = parse(variable, text) if text is not None and text.strip() else None
     return Path(str(values["shared_dir"] or Settings.shared_dir)), values["shared_group"]  # type: ignore[return-value]
+
+
+#: Variables kvelastic no longer reads -> what it does now; start-up warns once for each one set.
+RETIRED: dict[str, str] = {
+    "KVELASTIC_COPY_PATH": "copies use the copy engines where a block's pieces are 32 KiB or wider, else GPU kernels",
+    "KVELASTIC_CPU_STORE": "blocks are stored as computed with the cache in process, as they leave the GPU on ranks",
+    "KVELASTIC_CPU_STORE_STREAM": "write-through's stores run on a stream of their own",
+    "KVELASTIC_CPU_STORE_PATH": "write-through's stores go through a staging buffer of their own",
+    "KVELASTIC_CPU_LOAD": "host hits load while their request waits wherever that can run, else before the step",
+    "KVELASTIC_CPU_LOAD_ASYNC_MIN": "every host run that can load while its request waits does",
+    "KVELASTIC_CPU_LOAD_PATH": "loads beside compute go through a staging buffer of their own, the cache in process",
+    "KVELASTIC_CPU_LOAD_PIECES": "a host run two page groups long loads a group at a time, beside the next one's map",
+    "KVELASTIC_CPU_PIN": "the host tier is pinned in the background while the engine serves",
+    "KVELASTIC_CPU_AHEAD": "write-through keeps a quarter of the host tier for its copies",
+    "KVELASTIC_CPU_STORE_STEP": "write-through issues at most 512 MiB of stores per scheduling step",
+    "KVELASTIC_RESERVE_HOST_RUNS": "the warm reserve covers the longest host run reloaded in the last minute, to 2 GiB",
+    "KVELASTIC_RESERVE_BUSY_STEP": "the warm reserve grows by at most 256 MiB per upkeep tick while requests run",
+}

@@ -1,4 +1,4 @@
-"""Host-tier loads beside compute (``KVELASTIC_CPU_LOAD=async``): what kvelastic sets and reads of vLLM.
+"""Host-tier loads beside compute (``kvelastic.offload.plan``): what kvelastic sets and reads of vLLM.
 
 vLLM runs a load while its request waits only for a KV connector, so kvelastic
 puts its own scheduler-side connector (``kvelastic/hooks/host_loads.py``, a

@@ -51,8 +51,7 @@ class GatedHostShare:
         self._seen: list[tuple[int, bool]] = []
         self._watching = False
 
-        def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, at_start: bool = False,
-                           deferred: bool = False) -> HostMemory:
+        def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, deferred: bool = False) -> HostMemory:
             self.memory = HostMemory(slots, slot_bytes, pinner=self.pinner, chunk_bytes=CHUNK_SLOTS * slot_bytes,
                                      head_bytes=slot_bytes, threads=1, hugepages=False, deferred=deferred)
             return self.memory

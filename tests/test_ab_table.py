@@ -49,16 +49,16 @@ def test_trees_are_pooled_over_their_runs_and_tokens_checked_against_the_first(t
 def test_a_variant_run_is_a_tree_of_its_own_set_against_old(tmp_path):
     same = [[1, 2, 3], [4, 5, 6]]
     runs = {"old-1": _run("kvelastic", [9.0, 1.0, 1.0, 1.0], same),
-            "new.atstart-2": _run("kvelastic-atstart", [9.0, 4.0, 4.0, 4.0], same),
+            "new.si1ms-2": _run("kvelastic-si1ms", [9.0, 4.0, 4.0, 4.0], same),
             "new-3": _run("kvelastic", [9.0, 2.0, 2.0, 2.0], same)}
     for name, result in runs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(result))
     result = table(load_runs(tmp_path), out_len=3)
-    assert sorted(result["trees"]) == ["new", "new.atstart", "old"]
-    assert result["trees"]["new.atstart"]["over_old"] == pytest.approx(0.25)
+    assert sorted(result["trees"]) == ["new", "new.si1ms", "old"]
+    assert result["trees"]["new.si1ms"]["over_old"] == pytest.approx(0.25)
     assert result["trees"]["new"]["over_old"] == pytest.approx(0.5)
     assert "over_old" not in result["trees"]["old"]
-    assert "new.atstart: median of 3 rounds" in render(result) and "0.250x old" in render(result)
+    assert "new.si1ms: median of 3 rounds" in render(result) and "0.250x old" in render(result)
 
 
 def test_the_engine_s_own_copy_times_come_from_the_last_copy_clock_line_of_its_log(tmp_path):

@@ -10,8 +10,6 @@ checked. The connector is wired as ``attach_scheduler`` will wire it: set on
 
 from __future__ import annotations
 
-import logging
-import types
 from typing import Sequence
 
 import pytest
@@ -106,7 +104,7 @@ def test_looking_at_a_run_changes_nothing_and_stops_at_the_first_key_the_host_la
 def test_a_planned_load_pins_its_keys_and_holds_its_blocks_until_its_fence_passed():
     loads, tier, copier = ledger(["a", "b"])
     blocks = [Block(5), Block(6)]
-    loads.plan("r", ["a", "b"], blocks, asynchronous=True)
+    loads.plan("r", ["a", "b"], blocks)
     assert tier.hits == 2 and all(tier.policy.is_pinned(k) for k in "ab") and [b.refs for b in blocks] == [2, 2]
     assert loads.host_run(["a"]) is None  # another request asks again later
     loads.issue()
@@ -126,20 +124,20 @@ def test_a_planned_run_counts_toward_the_longest_run_the_warm_reserve_covers():
 
     runs = HostRuns()
     loads, tier, copier = ledger(["a", "b", "c"], runs=runs)
-    loads.plan("r1", ["a", "b", "c"], [Block(1), Block(2), Block(3)], asynchronous=True)
-    loads.plan("r2", ["a"], [Block(4)], asynchronous=True)
+    loads.plan("r1", ["a", "b", "c"], [Block(1), Block(2), Block(3)])
+    loads.plan("r2", ["a"], [Block(4)])
     assert runs.longest() == 3 and runs.current == 0
     tier.clear()
-    loads.plan("r3", ["a", "b", "c", "a"], [Block(5), Block(6), Block(7), Block(8)], asynchronous=True)  # gone: fails
+    loads.plan("r3", ["a", "b", "c", "a"], [Block(5), Block(6), Block(7), Block(8)])  # gone: fails
     assert runs.longest() == 3
 
 
 def test_loads_retire_in_issue_order_and_a_refused_copy_is_reported_as_failed_blocks():
     loads, tier, copier = ledger(["a", "b"])
-    loads.plan("r1", ["a"], [Block(1)], asynchronous=True)
+    loads.plan("r1", ["a"], [Block(1)])
     loads.issue()
     copier.fail = True
-    loads.plan("r2", ["b"], [Block(2)], asynchronous=True)
+    loads.plan("r2", ["b"], [Block(2)])
     loads.issue()
     assert loads.retire().finished == []  # r2 failed, but r1 (issued first) still runs
     copier.pass_all()
@@ -164,7 +162,7 @@ def test_a_run_offered_to_a_request_survives_spills_until_planned_and_is_let_go_
     loads.promise("p", ["s3"])
     assert tier.admit("s4") is None and tier.refused_all_pinned == 1  # all resident keys pinned: not kept
     assert "s4" not in tier and "s3" in tier
-    loads.plan("r", ["a", "b"], [Block(1), Block(2)], asynchronous=True)
+    loads.plan("r", ["a", "b"], [Block(1), Block(2)])
     loads.issue()  # the end of schedule(): q's offer lapses, r's pins are its load's now
     assert tier.policy.is_pinned("a") and not tier.policy.is_pinned("c") and not tier.policy.is_pinned("s3")
     copier.pass_all()
@@ -177,7 +175,7 @@ def test_a_key_gone_before_its_plan_fails_the_load_into_a_recompute_instead_of_s
     blocks = [Block(1), Block(2)]
     tier.admit("c")  # a spill with no offer holding the run: "a" leaves the tier
     assert "a" not in tier
-    loads.plan("r", ["a", "b"], blocks, asynchronous=True)
+    loads.plan("r", ["a", "b"], blocks)
     assert [b.refs for b in blocks] == [2, 2] and tier.hits == 0
     loads.issue()
     assert copier.loads == []  # nothing copied
@@ -187,31 +185,20 @@ def test_a_key_gone_before_its_plan_fails_the_load_into_a_recompute_instead_of_s
     assert loads.host_run(["b"], "r") == 0 and not tier.policy.is_pinned("b")
 
 
-def test_a_small_run_loads_in_front_of_the_step_and_sync_loads_go_out_first():
-    loads, _, copier = ledger(["a", "b", "c"], async_min_bytes=2 * BLOCK_BYTES)
-    assert not loads.is_async(1) and loads.is_async(2)
-    loads.plan("big", ["a", "b"], [Block(1), Block(2)], asynchronous=True)
-    loads.plan("small", ["c"], [Block(3)], asynchronous=False)
-    loads.issue()
-    assert [(ids, compute) for ids, _, compute, _ in copier.loads] == [([3], True), ([1, 2], False)]
-    copier.pass_all()
-    assert loads.retire().finished == ["big"]  # a sync load is not reported: its request already runs
-
-
-def test_the_loads_of_one_step_go_to_the_copier_as_one_batch_per_kind_and_retire_together():
-    """Several requests' runs planned in one schedule(): one copy per kind (sync, async), each load keeping
-    its own blocks and slots in the batch; each request is reported once the shared fence passed."""
-    loads, tier, copier = ledger(["a", "b", "c", "d", "e"], async_min_bytes=2 * BLOCK_BYTES)
-    loads.plan("r1", ["a", "b"], [Block(10), Block(11)], asynchronous=True)
-    loads.plan("tiny", ["c"], [Block(12)], asynchronous=False)
-    loads.plan("r2", ["d", "e"], [Block(20), Block(21)], asynchronous=True)
+def test_the_loads_of_one_step_go_to_the_copier_as_one_batch_and_retire_together():
+    """Several requests' runs planned in one schedule(): one copy beside compute, each load keeping its own
+    blocks and slots in the batch; each request is reported once the shared fence passed."""
+    loads, tier, copier = ledger(["a", "b", "c", "d", "e"])
+    loads.plan("r1", ["a", "b"], [Block(10), Block(11)])
+    loads.plan("tiny", ["c"], [Block(12)])
+    loads.plan("r2", ["d", "e"], [Block(20), Block(21)])
     loads.issue()
     assert [(ids, slots, compute) for ids, slots, compute, _ in copier.loads] == [
-        ([12], [2], True), ([10, 11, 20, 21], [0, 1, 3, 4], False)]
-    assert loads.counters.async_loads == 2 and loads.counters.async_blocks == 4 and loads.counters.sync_loads == 1
-    assert loads.retire().finished == [] and loads.waiting_for("r1") and loads.waiting_for("r2")
+        ([10, 11, 12, 20, 21], [0, 1, 2, 3, 4], False)]
+    assert loads.counters.async_loads == 3 and loads.counters.async_blocks == 5
+    assert loads.retire().finished == [] and all(loads.waiting_for(r) for r in ("r1", "tiny", "r2"))
     copier.pass_all()
-    assert loads.retire().finished == ["r1", "r2"] and not loads.in_flight
+    assert loads.retire().finished == ["r1", "tiny", "r2"] and not loads.in_flight
     assert copier.gpu == {10: ("data", "a"), 11: ("data", "b"), 12: ("data", "c"), 20: ("data", "d"),
                           21: ("data", "e")}
     assert not any(tier.policy.is_pinned(k) for k in "abcde")
@@ -220,8 +207,8 @@ def test_the_loads_of_one_step_go_to_the_copier_as_one_batch_per_kind_and_retire
 def test_a_batch_the_copier_refuses_fails_every_load_in_it_and_each_is_recomputed():
     loads, tier, copier = ledger(["a", "b", "c"])
     copier.fail = True
-    loads.plan("r1", ["a"], [Block(1)], asynchronous=True)
-    loads.plan("r2", ["b", "c"], [Block(2), Block(3)], asynchronous=True)
+    loads.plan("r1", ["a"], [Block(1)])
+    loads.plan("r2", ["b", "c"], [Block(2), Block(3)])
     loads.issue()
     retired = loads.retire()
     assert retired.finished == ["r1", "r2"] and retired.invalid_block_ids == {1, 2, 3}
@@ -352,45 +339,6 @@ def test_a_load_that_cannot_be_issued_is_recomputed():
     assert not any(tier.policy.is_pinned(k) for k in keys_of(b))
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-
-
-def test_a_run_below_the_async_minimum_loads_in_front_of_the_step_and_runs_at_once():
-    b, _ = requests()
-    scheduler, connector, copier, _ = engine(keys_of(b), async_min_bytes=64 * BLOCK_BYTES)
-    scheduler.add_request(b)
-    assert step(scheduler, connector)["b-0"] == 320 - 19 * 16
-    ((ids, _, block_compute, _),) = copier.loads
-    assert block_compute and len(ids) == 19
-
-
-def test_loads_are_asynchronous_by_default_where_they_can_finish_beside_compute_and_refused_if_asked_elsewhere(caplog):
-    """``auto`` (the default): asynchronous where the connection can finish loads beside compute, else in
-    front of the step, said in the log; ``async`` asked for where ranks cannot report loads: refused."""
-    from kvelastic.errors import ConfigError
-    from kvelastic.hooks.host_loads import attach_host_loads
-    from kvelastic.hooks.scheduler import _loads_beside_compute
-    from kvelastic.settings import Settings
-
-    assert Settings().cpu_load == "auto"
-    with_tier = Settings(cpu_bytes=1 << 20)
-    plain, with_connector = types.SimpleNamespace(connector=None), types.SimpleNamespace(connector=object())
-    reporting, silent = types.SimpleNamespace(async_loads=True), types.SimpleNamespace(async_loads=False)
-    assert _loads_beside_compute(plain, with_tier, reporting)
-    with caplog.at_level(logging.INFO, logger="vllm.kvelastic"):
-        assert not _loads_beside_compute(plain, with_tier, silent)
-    assert "host-tier hits load in front of the step (KVELASTIC_CPU_LOAD=auto)" in caplog.text
-    assert not _loads_beside_compute(with_connector, with_tier, reporting)  # vLLM's own connector has the seam
-    assert not _loads_beside_compute(plain, Settings(), reporting)  # no host tier
-    assert not _loads_beside_compute(plain, Settings(cpu_bytes=1 << 20, cpu_load="sync"), reporting)
-    asked = Settings(cpu_bytes=1 << 20, cpu_load="async")
-    assert _loads_beside_compute(plain, asked, silent)  # passed on, to be refused where it is attached:
-    with pytest.raises(ConfigError, match="set KVELASTIC_TP_CONFIRM=auto or step"):  # ranks that confirm on boards
-        attach_host_loads(None, None, None, asked, beside_compute=False)
-    assert attach_host_loads(None, None, None, Settings(cpu_bytes=1 << 20, cpu_load="sync"), beside_compute=True) is None
-    env = Settings.from_env({"KVELASTIC_CPU_LOAD": "async", "KVELASTIC_CPU_LOAD_ASYNC_MIN": "16MiB"})
-    assert (env.cpu_load, env.cpu_load_async_min_bytes) == ("async", 16 << 20)
-    with pytest.raises(ConfigError, match="KVELASTIC_CPU_LOAD='later' is not one of: auto, sync, async"):
-        Settings.from_env({"KVELASTIC_CPU_LOAD": "later"})
 
 
 def test_loads_a_reset_waited_for_still_promote_their_requests():

@@ -1,4 +1,5 @@
-"""The block copier's two paths, its column layout and its slot runs, on the CPU."""
+"""The block copier's movers (its own, and the staged ones of the copies beside compute), its column
+layout and its slot runs, on the CPU."""
 
 from __future__ import annotations
 
@@ -11,12 +12,20 @@ from kvelastic.offload.staged_copy import slot_runs
 from tests.copier_cases import round_trip
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("widths", [[64, 64, 128], [12, 20], [5, 3]], ids=["int64", "int32", "int8"])
+def test_round_trip_is_exact(widths):
+    copier = round_trip("cpu", "direct", widths)
+    assert copier.path == "direct" and copier._side_mover is None and copier._async_load_mover is None
+
+
 @pytest.mark.parametrize("widths", [[64, 64, 128], [12, 20], [5, 3]], ids=["int64", "int32", "int8"])
 @pytest.mark.parametrize("staging_rows", [1, 7, 1000])
-def test_round_trip_is_exact(path, widths, staging_rows):
-    copier = round_trip("cpu", path, widths, staging_bytes=staging_rows * sum(widths))
-    assert copier.path == path
+def test_the_staged_movers_round_trip_exactly_chunk_by_chunk(widths, staging_rows):
+    """Write-through's stores on their own stream and the loads nothing waits for, each through a staging
+    buffer of its own, one row, seven rows or the whole batch at a time."""
+    copier = round_trip("cpu", "direct", widths, staging_bytes=staging_rows * sum(widths))
+    for mover in (copier._side_mover, copier._async_load_mover):
+        assert mover is not None and mover.rows_per_chunk == min(staging_rows, 48)
 
 
 def test_widest_dtype_follows_widths_and_offsets():
@@ -50,14 +59,14 @@ def test_auto_takes_the_copy_engines_only_for_wide_pieces_on_cuda():
 
 
 def test_auto_is_direct_on_a_cpu_and_says_so(kv_log):
-    copier = round_trip("cpu", "auto", [64 * 1024, 48 * 1024], staging_bytes=1)
+    copier = round_trip("cpu", "auto", [64 * 1024, 48 * 1024])
     assert copier.path == "direct"
-    assert "copy path auto -> direct (narrowest piece of a block 48.00 KiB)" in kv_log.text
+    assert "host-tier copies run on GPU kernels (narrowest piece of a block 48.00 KiB)" in kv_log.text
 
 
 def test_a_named_path_is_not_announced(kv_log):
-    round_trip("cpu", "direct", [64, 64], staging_bytes=1)
-    assert "copy path" not in kv_log.text
+    round_trip("cpu", "direct", [64, 64])
+    assert "host-tier copies run on" not in kv_log.text
 
 
 def test_slot_runs():

@@ -1,10 +1,12 @@
-"""The fused copy path's kernel, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``).
+"""The fused gather's kernel, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``).
 
-The interpreter executes the same kernel source with numpy, reading and writing
-the raw addresses of the piece table, so the address arithmetic, the column
-offsets, the masks and the piece table are checked byte for byte here; only
-the compiled GPU code (16-byte accesses) needs the GPU tests
-(``tests/gpu/test_fused_copy_cuda.py``).
+The staged movers (write-through's stores on their own stream, the loads nothing
+waits for) gather into their staging rows with this kernel. The interpreter
+executes the same kernel source with numpy, reading and writing the raw
+addresses of the piece table, so the address arithmetic, the column offsets,
+the masks and the piece table are checked byte for byte here (between block
+views and plain rows); only the compiled GPU code (16-byte accesses) needs the
+GPU tests (``tests/gpu/test_fused_copy_cuda.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import torch
 from kvelastic.errors import ConfigError
 from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.copier import BlockCopier
-from kvelastic.offload.fused_copy import kernel_for
+from kvelastic.offload.fused_copy import FusedCopy, kernel_for
 from kvelastic.offload.staged_copy import StagedCopy
-from kvelastic.settings import Settings
 from tests.copier_cases import round_trip, strided_views
 
 pytest.importorskip("triton")
@@ -48,23 +49,27 @@ def block_bytes(views: list[torch.Tensor], block: int) -> torch.Tensor:
     return torch.cat([v[block] for v in views])
 
 
-def round_trip_views(views: list[torch.Tensor], raws: list[torch.Tensor], *, seed: int) -> BlockCopier:
-    """Store random blocks to shuffled slots, load them into other blocks; compare every byte, gaps included."""
+def fused(views: list[torch.Tensor], rows: torch.Tensor) -> FusedCopy:
+    return FusedCopy(BlockColumns.of(views, rows), rows, torch.device("cpu"))
+
+
+def round_trip_views(views: list[torch.Tensor], raws: list[torch.Tensor], *, seed: int) -> FusedCopy:
+    """Store random blocks to shuffled rows, load them into other blocks; compare every byte, gaps included."""
     rng = random.Random(seed)
     num_blocks, slots = views[0].shape[0], 24
     count = min(12, num_blocks // 2)
     host = torch.zeros((slots, sum(v.shape[1] for v in views)), dtype=torch.int8)
-    copier = BlockCopier(views, host, path="fused")
+    mover = fused(views, host)
     sources, targets = rng.sample(range(num_blocks), count), rng.sample(range(slots), count)
     want = {s: block_bytes(views, s) for s in sources}
-    copier.store(sources, targets).wait()
+    mover.store(sources, targets, _indices)
     for block, slot in zip(sources, targets):
         assert torch.equal(host[slot], want[block]), f"slot {slot} differs from block {block}"
     untouched = [s for s in range(slots) if s not in targets]
     assert not host[untouched].any(), "a slot nobody stored into was written"
     before = [r.clone() for r in raws]
     destinations = rng.sample(range(num_blocks), count)
-    copier.load(destinations, targets).wait()
+    mover.load(destinations, targets, _indices)
     for block, source in zip(destinations, sources):
         assert torch.equal(block_bytes(views, block), want[source]), f"block {block} wrong after load"
     for raw, old in zip(raws, before):  # everything outside the loaded blocks' pieces is as it was
@@ -74,7 +79,7 @@ def round_trip_views(views: list[torch.Tensor], raws: list[torch.Tensor], *, see
                     offset = v.storage_offset() + block * v.stride(0)
                     old[offset:offset + v.shape[1]] = raw[offset:offset + v.shape[1]]
         assert torch.equal(raw, old), "bytes outside the loaded blocks changed"
-    return copier
+    return mover
 
 
 @pytest.mark.parametrize("layers, widths, strides, align, even", [
@@ -86,37 +91,38 @@ def round_trip_views(views: list[torch.Tensor], raws: list[torch.Tensor], *, see
 ], ids=["8b-like", "1b-like", "width-1000", "odd", "two-widths"])
 def test_interpreted_round_trip_is_exact(interpreted, layers, widths, strides, align, even):
     raws, views = kv_views(layers, widths, strides, num_blocks=40)
-    copier = round_trip_views(views, raws, seed=layers + len(widths))
-    launch = copier.mover.launch
+    launch = round_trip_views(views, raws, seed=layers + len(widths)).launch
     assert (launch.align, launch.even) == (align, even), launch
 
 
 @pytest.mark.parametrize("widths", [[4096, 4096], [1000, 24], [5, 3]])
-def test_the_shared_copier_cases_pass_interpreted(interpreted, widths):
-    round_trip("cpu", "fused", widths, staging_bytes=0)
+@pytest.mark.parametrize("staging_rows", [1, 7, 1000])
+def test_the_shared_copier_cases_pass_through_staged_movers_with_the_fused_gather(interpreted, widths, staging_rows):
+    copier = round_trip("cpu", "direct", widths, staging_bytes=staging_rows * sum(widths))
+    assert copier._side_mover.fused is not None and copier._async_load_mover.fused is not None
 
 
 def test_a_large_piece_spans_many_chunks(interpreted):
     """A 2 MiB-wide view (one piece per block, as one tensor per layer would be) over 256 chunks of 8 KiB."""
     raws, views = kv_views(1, [2048 * KIB], [2048 * KIB], num_blocks=6)
-    copier = round_trip_views(views, raws, seed=3)
-    assert (copier.mover.launch.chunks, copier.mover.launch.chunk) == (256, 8 * KIB)
+    launch = round_trip_views(views, raws, seed=3).launch
+    assert (launch.chunks, launch.chunk) == (256, 8 * KIB)
 
 
 def test_out_of_range_ids_raise_before_anything_is_written(interpreted):
     raws, views = kv_views(1, [64], [64], num_blocks=8)
     host = torch.zeros((4, 64), dtype=torch.int8)
-    copier = BlockCopier(views, host, path="fused")
+    mover = fused(views, host)
     for blocks, slots in (([8], [0]), ([0], [4]), ([-1], [0]), ([0, 1], [0])):
         with pytest.raises((IndexError, ValueError)):
-            copier.store(blocks, slots)
+            mover.store(blocks, slots, _indices)
     assert not host.any()
 
 
 def test_fused_refuses_a_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigError, match="KVELASTIC_COPY_PATH=fused needs a CUDA device"):
-        BlockCopier([torch.zeros((4, 64), dtype=torch.int8)], torch.zeros((4, 64), dtype=torch.int8), path="fused")
+    with pytest.raises(ConfigError, match="the fused gather needs a CUDA device"):
+        fused([torch.zeros((4, 64), dtype=torch.int8)], torch.zeros((4, 64), dtype=torch.int8))
 
 
 def test_fused_refuses_the_interpreter_on_a_gpu(interpreted):
@@ -127,22 +133,20 @@ def test_fused_refuses_the_interpreter_on_a_gpu(interpreted):
 
 def test_fused_without_triton_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
-    with pytest.raises(ConfigError, match="KVELASTIC_COPY_PATH=fused needs triton"):
+    with pytest.raises(ConfigError, match="the fused gather needs triton"):
         kernel_for(torch.device("cuda", 0))
 
 
-def test_settings_accept_fused_beside_the_auto_default():
-    assert Settings().copy_path == "auto"
-    assert Settings.from_env({"KVELASTIC_COPY_PATH": " Fused "}).copy_path == "fused"
-    with pytest.raises(ConfigError, match="is not one of: auto, direct, staged, fused, runs"):
-        Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
+def test_fused_is_no_path_of_the_copier_itself():
+    with pytest.raises(ValueError, match="unknown copy path 'fused'"):
+        BlockCopier([torch.zeros((4, 64), dtype=torch.int8)], torch.zeros((4, 64), dtype=torch.int8), path="fused")
 
 
 def test_views_with_strided_rows_are_refused(interpreted):
     raw = torch.zeros(4 * 128, dtype=torch.int8)
     view = torch.as_strided(raw, (4, 64), (128, 2))
     with pytest.raises(ConfigError, match="rows of contiguous bytes"):
-        BlockCopier([view], torch.zeros((4, 64), dtype=torch.int8), path="fused")
+        fused([view], torch.zeros((4, 64), dtype=torch.int8))
 
 
 def test_strided_views_of_the_shared_cases_are_what_the_kernel_sees(interpreted):
@@ -181,7 +185,7 @@ def test_the_kernel_compiles_to_wide_accesses_for_an_h100(monkeypatch, align, ev
 
 
 def test_a_staged_copy_with_a_fused_gather_is_exact_across_chunks(interpreted):
-    """``KVELASTIC_CPU_STORE_PATH=staged``'s mover: one fused kernel gathers a chunk into the staging rows
+    """A staged mover: one fused kernel gathers a chunk into the staging rows
     (and scatters it back), five rows a chunk here, so a batch of twelve takes three chunks each way."""
     raws, views = kv_views(3, [1000, 24], [1008, 40], num_blocks=40)
     host = torch.zeros((24, sum(v.shape[1] for v in views)), dtype=torch.int8)
@@ -203,7 +207,7 @@ def test_a_staged_copy_with_a_fused_gather_is_exact_across_chunks(interpreted):
 def test_side_stores_gather_with_one_kernel_where_triton_runs(interpreted):
     raws, views = kv_views(2, [4096, 4096], [4096, 4096], num_blocks=8)
     host = torch.zeros((8, 4 * 4096), dtype=torch.int8)
-    copier = BlockCopier(views, host, path="direct", side_path="staged")
+    copier = BlockCopier(views, host, path="direct", staged_side_stores=True)
     assert copier._side_mover.fused is not None
     copier.store_beside([3, 6], [1, 0]).wait()
     assert torch.equal(host[1], block_bytes(views, 3)) and torch.equal(host[0], block_bytes(views, 6))
@@ -212,9 +216,9 @@ def test_side_stores_gather_with_one_kernel_where_triton_runs(interpreted):
 def test_side_stores_gather_piece_by_piece_where_triton_cannot_run_and_say_so(monkeypatch, kv_log):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # a CPU without the interpreter: no kernel
     raws, views = kv_views(2, [4096, 4096], [4096, 4096], num_blocks=8)
-    copier = BlockCopier(views, torch.zeros((8, 4 * 4096), dtype=torch.int8), side_path="staged", path="direct")
+    copier = BlockCopier(views, torch.zeros((8, 4 * 4096), dtype=torch.int8), staged_side_stores=True, path="direct")
     assert copier._side_mover.fused is None
-    assert any("the staged side copies move piece by piece" in r.message for r in kv_log.records)
+    assert any("the staged side store copies move piece by piece" in r.message for r in kv_log.records)
 
 
 def _indices(values):

@@ -91,20 +91,6 @@ def test_without_a_pinner_every_slot_is_ready_at_once():
     assert tier.stats().slots == 10 and tier.memory is not None and tier.memory.settled
 
 
-def test_a_buffer_pinned_at_start_is_used_as_it_is():
-    """KVELASTIC_CPU_PIN=at-start hands over one buffer already pinned (torch's): all ready, no chunks."""
-    import torch
-
-    given = torch.zeros((10, SLOT), dtype=torch.int8)
-    mem = HostMemory(10, SLOT, pinner=None, buffer=given)
-    assert mem.buffer is given and mem.ready_slots == 10 and mem.settled and mem.breaks == frozenset()
-    mem.free()  # nothing to unpin
-    with pytest.raises(ValueError, match="shaped"):
-        HostMemory(11, SLOT, pinner=None, buffer=given)
-    with pytest.raises(ValueError, match="no pinner"):
-        HostMemory(10, SLOT, pinner=GatedPinner(), buffer=given)
-
-
 def test_slots_appear_as_chunks_complete():
     pinner = GatedPinner()
     mem = memory(13, pinner)  # chunks: [0,1) [1,5) [5,9) [9,13)

@@ -13,6 +13,7 @@ from kvelastic.offload.copier import BlockCopier
 from kvelastic.hooks.scheduler import _attach_offload
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.settings import Settings
+from tests.host_plans import BESIDE_A_CONNECTOR as IN_FRONT
 from tests.scheduler_harness import scheduler_patcher
 from tests.test_page_aware_block_pool import BS, StandInRequest, build
 
@@ -69,16 +70,22 @@ def test_the_log_line_gives_the_copies_gpu_time_and_rate_where_the_copier_measur
     assert "copies on the GPU" not in StatsLog(cache, types.SimpleNamespace(stats=lambda: base)).line()
 
 
-@pytest.mark.parametrize("policy, copy_path", [("arc", "direct"), ("lru", "staged")])
-def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_path):
+
+@pytest.mark.parametrize("policy", ["arc", "lru"])
+def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy):
+    reclaimed_prefix_comes_back(policy, "direct")  # a CPU's copier: the kernels' stand-in
+
+
+def reclaimed_prefix_comes_back(policy: str, path: str) -> None:
+    """Blocks of a released group, spilled to the tier as the patch wires it, come back on lookups."""
     pool, views, cache, bp, queue = build(limit_groups=None)
     slot_bytes = sum(v.shape[1] for v in block_views(cache))
-    settings = Settings(cpu_bytes=64 * slot_bytes, cpu_policy=policy, copy_path=copy_path)
+    settings = Settings(cpu_bytes=64 * slot_bytes, cpu_policy=policy)
     scheduler = types.SimpleNamespace()
     manager = _attach_offload(scheduler, bp, queue, LocalConnection(cache, None), settings,  # as the patch does
-                              scheduler_patcher())
-    copier = getattr(manager.copier, "inner", manager.copier)  # write-through (the default) wraps it
-    assert scheduler.kvelastic_offload is manager and copier.path == copy_path
+                              IN_FRONT, scheduler_patcher())
+    copier = getattr(manager.copier, "inner", manager.copier)  # write-through (the cache in process) wraps it
+    assert scheduler.kvelastic_offload is manager and copier.path == path
     assert type(manager.tier.policy).__name__ == policy.upper()
     blocks = bp.get_new_blocks(40)
     for i, block in enumerate(blocks):
@@ -105,7 +112,8 @@ def test_reclaimed_prefix_comes_back_from_the_host_with_its_data(policy, copy_pa
 
 def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
     pool, views, cache, bp, queue = build(limit_groups=2)
-    manager = wire_offload(bp, queue, *local_host_tier(cache, Settings(cpu_bytes=1 << 20)), scheduler_patcher())
+    manager = wire_offload(bp, queue, *local_host_tier(cache, 1 << 20, "arc", IN_FRONT), scheduler_patcher(),
+                           IN_FRONT)
     first = bp.get_new_blocks(30)
     for i, block in enumerate(first):
         _stamp(views, block.block_id, 7)
@@ -125,7 +133,8 @@ def test_blocks_evicted_under_pressure_are_spilled_before_reuse():
 
 def test_loads_under_full_memory_evict_unmatched_cached_blocks_only():
     pool, views, cache, bp, queue = build(limit_groups=1)  # one group: 31 usable blocks
-    manager = wire_offload(bp, queue, *local_host_tier(cache, Settings(cpu_bytes=1 << 20)), scheduler_patcher())
+    manager = wire_offload(bp, queue, *local_host_tier(cache, 1 << 20, "arc", IN_FRONT), scheduler_patcher(),
+                           IN_FRONT)
     old = bp.get_new_blocks(31)
     for block in old:
         _stamp(views, block.block_id, 5)

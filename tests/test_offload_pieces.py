@@ -19,7 +19,7 @@ from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
 from kvelastic.pool.backend import DoneFence
-from kvelastic.settings import Settings
+from tests.host_plans import BESIDE_A_CONNECTOR, ON_RANKS
 from tests.kv_fixtures import BLOCKS_PER_GROUP
 from tests.scheduler_harness import scheduler_patcher
 from tests.test_page_aware_block_pool import BS, StandInRequest, build
@@ -29,6 +29,8 @@ pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 class Recording:
     """Wraps a copier: records each call as (what, block ids, slots, block_compute) and passes it on."""
+
+    side_stores = False  # one stream
 
     def __init__(self, inner=None):
         self.inner = inner
@@ -61,16 +63,15 @@ def _values(views, block_id: int) -> set[int]:
     return {int(v) for view in views for v in view[:, block_id].unique()}
 
 
-@pytest.mark.parametrize("pieces", ["long-runs", "group", "off"])
-def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end(pieces):
-    """``off``: the same data, all of it in one batch at the step's end; ``long-runs`` (the default): the
-    first piece goes once the run is two groups long, then a group at a time."""
-    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_CPU_LOAD_PIECES": pieces,
-                                  "KVELASTIC_CPU_STORE": "eviction", "KVELASTIC_CPU_LOAD": "sync"})  # spills, then loads in front of the step
+@pytest.mark.parametrize("plan", [BESIDE_A_CONNECTOR, ON_RANKS], ids=["pieces", "one-batch"])
+def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_the_end(plan):
+    """With the cache in process (hits loaded in front of the step, as beside a vLLM connector) the first
+    piece goes once the run is two groups long, then a group at a time; without pieces (the plan on ranks,
+    whose maps are not synchronous anyway) the same data, all of it in one batch at the step's end."""
     pool, views, cache, bp, queue = build(limit_groups=None)
-    tier, copier = local_host_tier(cache, settings)
+    tier, copier = local_host_tier(cache, 1 << 24, "arc", plan)
     recording = Recording(copier)
-    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), settings)
+    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), plan)
     n = 3 * BLOCKS_PER_GROUP + 5  # a run over four groups, the last one partly
     held = bp.get_new_blocks(BLOCKS_PER_GROUP - 1)  # group 0 (with the null block) stays in use
     blocks = bp.get_new_blocks(n)
@@ -87,14 +88,11 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
     early = list(recording.calls)
     manager.flush()  # the step's end
     loads = [c for c in recording.calls if c[0] == "load"]
-    if pieces == "off":
+    if not plan.load_pieces:
         assert early == [] and [len(c[1]) for c in loads] == [n]
-    elif pieces == "long-runs":
-        assert [len(c[1]) for c in loads] == [2 * BLOCKS_PER_GROUP, BLOCKS_PER_GROUP, 5]
-        assert all(c[3] is False for c in early) and len(early) == 2
     else:
-        assert [len(c[1]) for c in loads] == [BLOCKS_PER_GROUP] * 3 + [5]
-        assert all(c[3] is False for c in early) and len(early) == 3  # issued before the end, not fenced one by one
+        assert [len(c[1]) for c in loads] == [2 * BLOCKS_PER_GROUP, BLOCKS_PER_GROUP, 5]
+        assert all(c[3] is False for c in early) and len(early) == 2  # issued before the end, not fenced one by one
     assert recording.calls[-1][0] == "load" and recording.calls[-1][3] is True  # the last one fences them all
     assert sorted(b for c in loads for b in c[1]) == sorted(b.block_id for b in found)
     for i, block in enumerate(found):
@@ -104,11 +102,6 @@ def test_a_long_host_hit_comes_back_exactly_in_pieces_of_a_group_each_fenced_at_
     assert manager.stats()["load_runs"] == 1  # one run in front of the step, however many pieces
     bp.free_blocks(held)
     pool.close()
-
-
-def test_the_default_issues_pieces_only_within_long_runs():
-    assert Settings().cpu_load_pieces == "long-runs"
-    assert Settings.from_env({"KVELASTIC_CPU_LOAD_PIECES": "group"}).cpu_load_pieces == "group"
 
 
 class _Queue:
@@ -133,7 +126,7 @@ class _Queue:
         pass
 
 
-def _manager(blocks, *, synchronous=True, per_group=4, victims=None, pieces="group"):
+def _manager(blocks, *, synchronous=True, per_group=2, victims=None, pieces=True):
     tier = HostTier(64, 1, pin=False, allocate=False)
     queue = _Queue(blocks, synchronous, per_group, victims)
     recording = Recording()
@@ -156,8 +149,8 @@ def test_each_piece_issues_its_spills_before_its_loads():
         assert manager.load_on_miss(f"k{i}") is blocks[i]
     manager.flush()
     kinds = [(c[0], c[1], c[3]) for c in recording.calls]
-    assert kinds == [("store", [3], False), ("load", [0, 1, 2, 3], False),
-                     ("store", [6], True), ("load", [4, 5, 6, 7], True)]
+    assert kinds == [("store", [3], False), ("load", [0, 1, 2, 3], False), ("load", [4, 5], False),
+                     ("store", [6], True), ("load", [6, 7], True)]
 
 
 def test_a_step_whose_last_lookup_found_no_block_still_fences_the_pieces_issued_early():
@@ -213,19 +206,18 @@ def _look_up_runs(manager, tier, lengths, *, between):
 
 
 @pytest.mark.parametrize("between", ["miss", "gpu-hit"])
-def test_a_step_of_short_runs_keeps_one_batched_load_with_long_runs(between):
-    """Three requests' runs of 1.5 groups each: ``group`` issues a piece per group's worth, ``long-runs`` one batch."""
-    for pieces, expected in (("long-runs", [18]), ("group", [4, 4, 4, 4, 2])):
-        manager, tier, recording = _manager([_block(i) for i in range(18)], pieces=pieces)
-        _look_up_runs(manager, tier, [6, 6, 6], between=between)
-        manager.flush()
-        assert [len(c[1]) for c in recording.calls if c[0] == "load"] == expected, pieces
-        assert manager.runs.longest() == 6
+def test_a_step_of_short_runs_keeps_one_batched_load(between):
+    """Three requests' runs of 1.5 groups each, none two groups long: one batch at the step's end."""
+    manager, tier, recording = _manager([_block(i) for i in range(18)], per_group=4)
+    _look_up_runs(manager, tier, [6, 6, 6], between=between)
+    manager.flush()
+    assert [len(c[1]) for c in recording.calls if c[0] == "load"] == [18]
+    assert manager.runs.longest() == 6
 
 
 def test_a_long_run_after_short_ones_issues_what_is_pending_once_it_is_long():
     """The first piece carries the step's earlier loads too: they are due anyway, and one stream orders them."""
-    manager, tier, recording = _manager([_block(i) for i in range(17)], pieces="long-runs")
+    manager, tier, recording = _manager([_block(i) for i in range(17)], per_group=4)
     _look_up_runs(manager, tier, [3, 14], between="miss")
     manager.flush()
     assert [(len(c[1]), c[3]) for c in recording.calls if c[0] == "load"] == [(11, False), (4, False), (2, True)]

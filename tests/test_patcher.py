@@ -175,24 +175,28 @@ def test_a_failure_late_in_attaching_leaves_every_object_of_the_scheduler_as_vll
         pool.close()
 
 
-@pytest.mark.parametrize("load", ["sync", "auto"])
+@pytest.mark.parametrize("load", ["in-front", "beside"])
 def test_attaching_changes_the_schedulers_objects_and_revert_puts_every_one_back(monkeypatch, tmp_path, load):
+    from tests.host_plans import as_beside_a_connector
+
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    if load == "in-front":  # the plan beside a vLLM connector
+        as_beside_a_connector(monkeypatch)
     pool, views, cache = build_cache(4)
     scheduler = make_scheduler()
     objects = scheduler_objects(scheduler)
     before = state(*objects)
     patcher = scheduler_patcher()
-    # host hits loaded in front of the step: the lookup hook on vLLM's prefix map; ``auto`` adds a connector
-    # for the loads beside compute, and keeps the hook for a request alone
-    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES, cpu_load=load), patcher)
+    # host hits loaded in front of the step: the lookup hook on vLLM's prefix map; loads beside compute add
+    # a connector, and keep the hook for a request alone
+    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES), patcher)
     try:
         unchanged = [type(o).__name__ for b, o in zip(before, objects) if same_state([b], state(o))]
         assert unchanged == ["KVCacheManager"]  # only read: the others each carry a change
         changed = {(type(c.owner).__name__, c.name) for c in patcher.changes}
         assert {("Scheduler", "schedule"), ("Scheduler", "kvelastic_reclaimer"), ("BlockPool", "free_block_queue"),
                 ("BlockHashToBlockMap", "get_one_block")} <= changed
-        assert (("Scheduler", "connector") in changed) == (load == "auto")
+        assert (("Scheduler", "connector") in changed) == (load == "beside")
         assert len(instance_changes(scheduler)) >= 8  # what the refusal probe looks for is visible here
     finally:
         reclaimer.stop()
@@ -208,7 +212,7 @@ def test_the_lookup_hook_follows_the_prefix_map_through_resets_without_piling_up
     pool, views, cache = build_cache(4)
     scheduler = make_scheduler()
     patcher = scheduler_patcher()
-    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES, cpu_load="sync"), patcher)
+    reclaimer = attach_scheduler(scheduler, runtime_over(cache, cpu_bytes=16 * GROUP_BYTES), patcher)
     block_pool = scheduler.kv_cache_manager.block_pool
     try:
         for _ in range(3):

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_script(name: str, *args: str, json_path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("KVELASTIC_SHARED_DIR", None)
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--json", str(json_path)],
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args, "--json", str(json_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(json_path.read_text())

@@ -158,7 +158,7 @@ def test_adopting_a_shared_page_returns_the_parked_groups_other_page(pool):
 def test_a_map_that_needs_a_parked_groups_shared_page_and_a_fresh_one_succeeds_at_the_limit():
     """Shared pages, held at the limit: group 1 needs page 1 (parked with group 0) and page 2, which no
     warm page can back until group 0's other page goes back. The map must not be refused (a scheduling
-    miss for memory the pool has: thousands of them in bench_scheduler_cpu's unaligned layout)."""
+    miss for memory the pool has: thousands of them a run in a layout whose groups share pages)."""
     pool = PagePool.standard(CountingHostBackend(), page_bytes=SMALL_PAGE, limit_bytes=2 * SMALL_PAGE)
     try:
         tensor = pool.add_tensor(6 * SMALL_PAGE)

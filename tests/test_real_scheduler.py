@@ -15,6 +15,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 
 from kvelastic.cluster.source import SharedBudgetSource  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
+from tests.host_plans import as_beside_a_connector  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP, GROUP_BYTES, N, build_cache  # noqa: E402
 from tests.scheduler_harness import (check_every_step, drive, drive_async, make_requests, make_scheduler,  # noqa: E402
                                      model_output, prefill, repeat_waves, wait_unmapped)
@@ -72,13 +73,13 @@ def test_under_a_tight_limit_every_request_finishes_within_it(patched):
 
 
 @pytest.mark.parametrize("cpu", [False, True, "async"], ids=["no-host-tier", "host-tier", "host-tier-async-loads"])
-def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, cpu):
+def test_a_prefix_pushed_out_by_other_work_comes_back_from_the_host_tier(patched, monkeypatch, cpu):
     """a, then unrelated work that evicts a's blocks, then a's prompts again (loaded in front of the step,
-    KVELASTIC_CPU_LOAD=sync, or while b's requests wait, through kvelastic's connector: the default, auto,
-    in a process that holds its cache)."""
+    as the plan has them beside a vLLM connector, or while b's requests wait, through kvelastic's connector:
+    the plan in a process that holds its cache)."""
     settings = {"cpu_bytes": 16 * GROUP_BYTES} if cpu else {}  # room for every block the test caches
     if cpu is True:
-        settings["cpu_load"] = "sync"
+        as_beside_a_connector(monkeypatch)
     scheduler, pool, _ = patched(limit_groups=3, **settings)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     trace = drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler, make_requests("b", 4, 320, 320, seed=0)],
@@ -198,11 +199,13 @@ def test_async_scheduling_makes_vanillas_decisions_and_keeps_the_invariants(patc
     assert prefill(vanilla, "b") < prefill(vanilla, "a") / 10
 
 
-@pytest.mark.parametrize("load", ["sync", "async"])
-def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched, load):
+@pytest.mark.parametrize("load", ["in-front", "beside"])
+def test_async_scheduling_under_a_tight_limit_with_the_host_tier(patched, monkeypatch, load):
     """Step N+1 scheduled before step N's output arrives (vLLM's default from 0.14), with host hits loaded
-    in front of the step or while their request waits (KVELASTIC_CPU_LOAD)."""
-    scheduler, pool, _ = patched(limit_groups=3, asynchronous=True, cpu_bytes=16 * GROUP_BYTES, cpu_load=load)
+    in front of the step (the plan beside a vLLM connector) or while their request waits."""
+    if load == "in-front":
+        as_beside_a_connector(monkeypatch)
+    scheduler, pool, _ = patched(limit_groups=3, asynchronous=True, cpu_bytes=16 * GROUP_BYTES)
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     trace = drive_async(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler,
                                      make_requests("b", 4, 320, 320, seed=0)], after_step=check_every_step(pool))
@@ -344,13 +347,16 @@ def test_a_reclaimer_ticking_constantly_beside_the_scheduler_breaks_nothing(patc
     assert len(ticks) >= 3, "the reclaimer thread never ran beside the steps"
 
 
-def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(patched):
+def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(patched, monkeypatch):
     """The same trace through both load paths: the host tier's policy sees the same requests in the same
     order (one hit per loaded block, in prefix order, when the load is planned), so ARC's lists and p match.
     Memory stays enough to admit every request at once, where the two paths make the same lookups."""
     snapshots, traces, counts = [], [], []
-    for load in ("sync", "async"):
-        scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES, cpu_load=load)
+    for in_front in (True, False):
+        with monkeypatch.context() as planned:
+            if in_front:  # the plan beside a vLLM connector
+                as_beside_a_connector(planned)
+            scheduler, pool, _ = patched(limit_groups=3, cpu_bytes=16 * GROUP_BYTES)
         filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
         traces.append(drive(scheduler, [make_requests("a", 4, 320, 320, seed=0), *filler,
                                         make_requests("b", 4, 320, 320, seed=0)]))
@@ -367,7 +373,7 @@ def test_asynchronous_loads_leave_arc_where_loads_in_front_of_the_step_leave_it(
 
 @pytest.mark.parametrize("company", [False, True], ids=["alone", "beside-a-running-request"])
 def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_compute_otherwise(patched, company):
-    """KVELASTIC_CPU_LOAD=auto (the default): a request alone in an idle engine takes its host run as GPU
+    """Hits load beside compute (the plan in process): a request alone in an idle engine takes its host run as GPU
     hits loaded in front of the step, and is scheduled in the step that finds them; with a request running
     beside it, the connector loads the run while it waits, and the other request's step does not wait."""
     from vllm.v1.request import RequestStatus
@@ -408,9 +414,13 @@ def test_auto_loads_a_lone_requests_host_run_in_front_of_the_step_and_beside_com
     assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED and b.num_output_tokens == 20
 
 
-def test_the_reserves_busy_step_reaches_the_engines_upkeep(patched):
-    from kvelastic.scheduler.reclaimer import WarmReserve
+def test_the_engines_upkeep_grows_the_reserve_a_step_a_tick_and_covers_reloads_with_a_host_tier(patched):
+    from kvelastic.scheduler.reclaimer import BUSY_STEP_BYTES, WarmReserve
+    from kvelastic.scheduler.reload_reserve import MAX_BYTES
 
-    scheduler, _, _ = patched(reserve_busy_step_bytes=3 * GROUP_BYTES)
-    warm = next(job for job in scheduler.kvelastic_reclaimer.jobs if isinstance(job, WarmReserve))
-    assert warm.busy_step_bytes == 3 * GROUP_BYTES
+    for cpu, reloads in (({}, False), ({"cpu_bytes": 16 * GROUP_BYTES}, True)):
+        scheduler, _, _ = patched(**cpu)
+        warm = next(job for job in scheduler.kvelastic_reclaimer.jobs if isinstance(job, WarmReserve))
+        assert warm.busy_step_bytes == BUSY_STEP_BYTES
+        assert (warm.reloads is not None) == reloads
+        assert not reloads or warm.reloads.cap_bytes == MAX_BYTES

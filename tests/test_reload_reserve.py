@@ -1,4 +1,4 @@
-"""The warm reserve covers the longest host-tier run reloaded lately (``KVELASTIC_RESERVE_HOST_RUNS``).
+"""The warm reserve covers the longest host-tier run reloaded lately (``scheduler/reload_reserve.py``).
 
 Over the host backend (real memory), vLLM's real ``BlockPool`` made
 page-aware and the host tier's real manager: a run spilled and unmapped comes
@@ -22,10 +22,10 @@ from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
 from kvelastic.hooks.scheduler import _reload_reserve
 from kvelastic.offload.host_runs import HostRuns
 from kvelastic.scheduler.mapper import GroupMapper
-from kvelastic.scheduler.reclaimer import CacheReclaim, WarmReserve
-from kvelastic.scheduler.reload_reserve import ReloadReserve
+from kvelastic.scheduler.reclaimer import BUSY_STEP_BYTES, CacheReclaim, WarmReserve
+from kvelastic.scheduler.reload_reserve import MAX_BYTES, ReloadReserve
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
-from kvelastic.settings import Settings
+from tests.host_plans import BESIDE_A_CONNECTOR
 from tests.kv_fixtures import (BLOCKS_PER_GROUP, BS, GROUP_BYTES, GROUP_PAGES, PAGE, N, Clock, Engine,
                                 StandInRequest, build_cache)
 from tests.scheduler_harness import scheduler_patcher
@@ -37,27 +37,33 @@ RUN = 2 * BLOCKS_PER_GROUP + 5  # a run over three groups
 
 
 def make_engine(*, cap_bytes: int = 8 * GROUP_BYTES, limit_groups: int | None = None, wrap_device=None,
-                **env: str) -> Engine:
+                busy_step_bytes: int = BUSY_STEP_BYTES) -> Engine:
+    """An engine whose host tier loads hits in front of the step (as beside a vLLM connector), its reserve
+    for reloads capped at ``cap_bytes`` (the engine's :data:`MAX_BYTES` is larger than this test's cache)
+    and grown ``busy_step_bytes`` a tick while requests run."""
     pool, views, cache = build_cache(limit_groups, wrap_device=wrap_device)
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
-    settings = Settings.from_env({"KVELASTIC_CPU_BYTES": str(1 << 24), "KVELASTIC_RESERVE_HOST_RUNS": str(cap_bytes),
-                                  **env})
-    tier, copier = local_host_tier(cache, settings)
-    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
+    tier, copier = local_host_tier(cache, 1 << 24, "arc", BESIDE_A_CONNECTOR)
+    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), BESIDE_A_CONNECTOR)
     return Engine(pool=pool, views=views, cache=cache, bp=bp, queue=queue, tier=tier, manager=manager,
-                  settings=settings, clock=Clock(), held=bp.get_new_blocks(BLOCKS_PER_GROUP - 1))
+                  cap_bytes=cap_bytes, busy_step_bytes=busy_step_bytes, clock=Clock(),
+                  held=bp.get_new_blocks(BLOCKS_PER_GROUP - 1))
 
 
 def upkeep(engine: Engine, *, reserve_pages: int = 1, account=None) -> UpkeepThread:
-    reloads = _reload_reserve(engine.manager, engine.cache, engine.settings)
+    reloads = _reload_reserve(engine.manager, engine.cache)
+    reloads.cap_bytes = engine.cap_bytes
     if account is None:
-        return engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=TTL,
-                             reserve_bytes=reserve_pages * PAGE, offload=engine.manager, reloads=reloads,
-                             reserve_busy_step_bytes=engine.settings.reserve_busy_step_bytes, clock=engine.clock)
+        thread = engine_upkeep(engine.queue, engine.cache, threading.RLock(), cache_ttl_s=TTL,
+                               reserve_bytes=reserve_pages * PAGE, offload=engine.manager, reloads=reloads,
+                               clock=engine.clock)
+        warm = next(job for job in thread.jobs if isinstance(job, WarmReserve))
+        warm.busy_step_bytes = engine.busy_step_bytes
+        return thread
     jobs = [CacheReclaim(engine.queue, engine.cache, cache_ttl_s=TTL, account=account),
             WarmReserve(engine.queue, engine.cache, reserve_pages=reserve_pages, cache_ttl_s=TTL,
-                        reloads=reloads, account=account)]
+                        reloads=reloads, account=account, busy_step_bytes=engine.busy_step_bytes)]
     return UpkeepThread(jobs, threading.RLock(), clock=engine.clock)
 
 
@@ -194,11 +200,11 @@ def test_the_reserve_for_reloads_is_given_back_when_idle_and_when_the_run_ages_o
     close(engine)
 
 
-def test_on_by_default_and_zero_keeps_the_reserve_at_its_usual_size_after_a_long_reload():
-    assert Settings().reserve_host_runs_bytes == 2 << 30
-    assert Settings.from_env({"KVELASTIC_RESERVE_HOST_RUNS": "0"}).reserve_host_runs_bytes == 0
+def test_every_host_tier_brings_a_reserve_for_reloads_of_at_most_two_gib_and_a_zero_cap_keeps_the_usual():
     engine = make_engine(cap_bytes=0)
-    assert _reload_reserve(engine.manager, engine.cache, engine.settings) is None
+    reloads = _reload_reserve(engine.manager, engine.cache)
+    assert reloads is not None and reloads.cap_bytes == MAX_BYTES == 2 << 30
+    assert _reload_reserve(None, engine.cache) is None  # no host tier, nothing reloads
     reclaimer = upkeep(engine)
     a_run_reloaded_and_given_back(engine)
     reclaimer.tick()
@@ -283,15 +289,15 @@ def test_regrowing_the_reserve_takes_the_pools_lock_one_page_group_at_a_time(mon
 
 
 def test_while_requests_run_the_reserve_grows_a_step_a_tick_and_between_them_the_rest():
-    """2 GiB grown at once beside a running request cost it 15-40 ms on an H200 (session 25) with no lock
-    wait to show for it: while blocks are being allocated the tick grows ``KVELASTIC_RESERVE_BUSY_STEP``,
+    """Growth at once beside a running request cost it time with no lock wait to show for it: while
+    blocks are being allocated the tick grows ``busy_step_bytes`` (``reclaimer.BUSY_STEP_BYTES``),
     and the first tick after the engine's last allocation grows what is missing."""
     import time
 
     import kvelastic.scheduler.reclaimer as reclaimer_module
 
     chunk = GROUP_PAGES // 2
-    engine = make_engine(KVELASTIC_RESERVE_BUSY_STEP=str(chunk * PAGE))
+    engine = make_engine(busy_step_bytes=chunk * PAGE)
     reclaimer = upkeep(engine)
     a_run_reloaded_and_given_back(engine)
     start = time.monotonic()

@@ -67,7 +67,11 @@ def connections(tmp_path, monkeypatch):
 
 
 def _role_objects(connection: roles.CacheConnection) -> list[tuple[type, object]]:
-    tier, copier = connection.host_tier(Settings(cpu_bytes=CPU_BYTES))
+    from kvelastic.offload.plan import host_plan
+
+    plan = host_plan(cache_in_process=connection.unmaps_between_steps, loads_reported=connection.async_loads,
+                     vllm_connector=None)  # as the scheduler's attach makes it
+    tier, copier = connection.host_tier(Settings(cpu_bytes=CPU_BYTES), plan)
     return [(roles.CacheConnection, connection), (roles.SchedulerCache, connection.cache),
             (roles.PoolView, connection.cache.pool), (roles.Mapper, connection.mapper), (roles.Copier, copier)]
 

@@ -12,10 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from round_baton import Conductor, rotated  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 PLAYER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
@@ -37,7 +37,7 @@ PLAYER = textwrap.dedent("""
 
 
 def _start(tmp_path: Path, name: str, rounds: int, die_after: int = -1) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PLAYER, str(SCRIPTS), str(tmp_path), name, str(rounds),
+    return subprocess.Popen([sys.executable, "-c", PLAYER, str(BENCHMARKS), str(tmp_path), name, str(rounds),
                              str(die_after)])
 
 

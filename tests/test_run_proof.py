@@ -13,7 +13,7 @@ from pathlib import Path
 from kvelastic.settings import Settings
 from kvelastic.startup.runtime import Runtime
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from run_proof import inactive_reason, kvelastic_took_effect  # noqa: E402
 
 GIB = 1 << 30

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from kvelastic.errors import ConfigError
-from kvelastic.settings import Settings, describe, known_variables, unknown_variables
+from kvelastic.settings import RETIRED, Settings, describe, known_variables, unknown_variables
 from kvelastic.units import SIZE_FORM, align_up, format_size, parse_size
 
 KIB, MIB, GIB, TIB = 1024, 1024**2, 1024**3, 1024**4
@@ -161,13 +161,6 @@ def test_zero_is_no_limit_size(variable):
         Settings.from_env({variable: "0"})
 
 
-def test_the_reserves_busy_step_is_a_size_above_zero():
-    assert Settings.from_env({}).reserve_busy_step_bytes == 256 * 1024 * 1024
-    assert Settings.from_env({"KVELASTIC_RESERVE_BUSY_STEP": "1GiB"}).reserve_busy_step_bytes == 1 << 30
-    with pytest.raises(ConfigError, match="KVELASTIC_RESERVE_BUSY_STEP='0' must be larger than zero"):
-        Settings.from_env({"KVELASTIC_RESERVE_BUSY_STEP": "0"})
-
-
 def test_reserve_and_prefetch_may_be_zero():
     settings = Settings.from_env({"KVELASTIC_RESERVE": "0", "KVELASTIC_PREFETCH": "0GiB"})
     assert settings.reserve_bytes == 0 and settings.prefetch_bytes == 0
@@ -255,18 +248,11 @@ def test_settings_are_immutable():
         settings.enabled = True  # type: ignore[misc]
 
 
-def test_host_tier_policy_and_copy_path_are_choices():
-    assert (Settings().cpu_policy, Settings().copy_path) == ("arc", "auto")
-    settings = Settings.from_env({"KVELASTIC_CPU_POLICY": " LRU ", "KVELASTIC_COPY_PATH": "staged"})
-    assert (settings.cpu_policy, settings.copy_path) == ("lru", "staged")
+def test_the_host_tier_policy_is_a_choice():
+    assert Settings().cpu_policy == "arc"
+    assert Settings.from_env({"KVELASTIC_CPU_POLICY": " LRU "}).cpu_policy == "lru"
     with pytest.raises(ConfigError, match=r"KVELASTIC_CPU_POLICY='fifo' is not one of: arc, lru"):
         Settings.from_env({"KVELASTIC_CPU_POLICY": "fifo"})
-    with pytest.raises(ConfigError, match=r"KVELASTIC_COPY_PATH='dma' is not one of: auto, direct, staged, fused, runs"):
-        Settings.from_env({"KVELASTIC_COPY_PATH": "dma"})
-    assert Settings().cpu_pin == "background"
-    assert Settings.from_env({"KVELASTIC_CPU_PIN": "at-start"}).cpu_pin == "at-start"
-    with pytest.raises(ConfigError, match=r"KVELASTIC_CPU_PIN='now' is not one of: background, at-start"):
-        Settings.from_env({"KVELASTIC_CPU_PIN": "now"})
 
 
 # ------------------------------------------------- values that cannot work
@@ -315,6 +301,51 @@ def test_a_variable_like_nothing_lists_the_settings_and_known_ones_pass():
     assert unknown_variables(every) == [] and unknown_variables({"KVELASTICX": "1", "OTHER_LIMT": "1"}) == []
 
 
+# ------------------------------------------------------ retired variables
+def test_a_retired_variable_is_one_warning_saying_what_kvelastic_does_now_never_an_error():
+    env = {"KVELASTIC_CPU_LOAD": "sync", "KVELASTIC_COPY_PATH": "fused", "KVELASTIC_LIMIT": "8GiB",
+           "KVELASTIC_CPU_PIN": "bogus"}  # not even parsed
+    assert unknown_variables(env) == [f"{name} is retired and ignored: {RETIRED[name]}"
+                                      for name in ("KVELASTIC_COPY_PATH", "KVELASTIC_CPU_LOAD", "KVELASTIC_CPU_PIN")]
+    assert Settings.from_env(env).limit_bytes == 8 * GIB
+    assert "KVELASTIC_CPU_LOAD" not in describe(Settings.from_env(env), env)
+
+
+def test_retired_variables_are_read_by_nothing_and_each_says_one_line():
+    assert not set(RETIRED) & set(known_variables())
+    assert all(name.startswith("KVELASTIC_") for name in RETIRED)
+    assert all(text.strip() and "\n" not in text and len(text) < 100 for text in RETIRED.values())
+    assert not any(field in Settings.variables().values() for field in ("copy_path", "cpu_load", "cpu_store",
+                                                                          "cpu_pin", "reserve_host_runs_bytes"))
+
+
+def test_start_up_warns_once_for_each_retired_variable_set(caplog):
+    import logging
+
+    from kvelastic.startup.reporting import report_start
+
+    env = {"KVELASTIC_CPU_STORE": "eviction", "KVELASTIC_RESERVE_BUSY_STEP": "1GiB", "KVELASTIC_CPU_BYTES": "1GiB"}
+    with caplog.at_level(logging.INFO, logger="vllm.kvelastic"):
+        report_start(Settings.from_env(env), env)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"kvelastic: {name} is retired and ignored: {RETIRED[name]}"
+                      for name in ("KVELASTIC_CPU_STORE", "KVELASTIC_RESERVE_BUSY_STEP")]
+
+
+def test_the_retired_lines_state_the_constants_kvelastic_uses():
+    """The sizes a retired variable's line states are the constants the code uses."""
+    from kvelastic.offload.copier import RUNS_MIN_PIECE_BYTES
+    from kvelastic.offload.write_through import AHEAD_SHARE, STEP_BYTES
+    from kvelastic.scheduler.reclaimer import BUSY_STEP_BYTES
+    from kvelastic.scheduler.reload_reserve import MAX_BYTES
+
+    assert f"{RUNS_MIN_PIECE_BYTES // 1024} KiB" in RETIRED["KVELASTIC_COPY_PATH"]
+    assert f"{STEP_BYTES // MIB} MiB" in RETIRED["KVELASTIC_CPU_STORE_STEP"]
+    assert AHEAD_SHARE == 4 and "a quarter" in RETIRED["KVELASTIC_CPU_AHEAD"]
+    assert f"{BUSY_STEP_BYTES // MIB} MiB" in RETIRED["KVELASTIC_RESERVE_BUSY_STEP"]
+    assert f"{MAX_BYTES // GIB} GiB" in RETIRED["KVELASTIC_RESERVE_HOST_RUNS"]
+
+
 def test_describe_names_every_variable_and_marks_the_ones_set():
     env = {"KVELASTIC": "1", "KVELASTIC_LIMIT": "8GiB", "KVELASTIC_CACHE_TTL": "2.5"}
     line = describe(Settings.from_env(env), env)
@@ -339,12 +370,28 @@ def test_every_variable_the_test_scripts_read_is_known():
     assert used <= set(known_variables())
 
 
-def test_every_setting_has_a_row_in_the_readme_table():
-    """Users learn the settings from README's table: a variable added without a row is invisible to them."""
+#: The README's settings table: what a user sets. Everything else is in docs/tuning.md.
+USER_SETTINGS = ("KVELASTIC", "KVELASTIC_STRICT", "KVELASTIC_LIMIT", "KVELASTIC_MIN", "KVELASTIC_NAME",
+                 "KVELASTIC_PORT", "KVELASTIC_CACHE_TTL", "KVELASTIC_CPU_BYTES", "KVELASTIC_CPU_POLICY",
+                 "KVELASTIC_SHARED_BUDGET", "KVELASTIC_SHARED_DIR", "KVELASTIC_SHARED_GROUP")
+
+
+def _table_rows(text: str) -> list[str]:
+    return re.findall(r"^\| `(KVELASTIC[A-Z_]*)` \|", text, re.M)
+
+
+def test_the_readme_table_holds_exactly_the_user_settings_and_tuning_md_every_other():
+    """Users learn the settings from README's table, the advanced ones from docs/tuning.md: a variable added
+    without a row in one of them is invisible, and the README's table stays at what a user sets."""
     from pathlib import Path
 
     from kvelastic.settings import _VARIABLES
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [name for name, _ in _VARIABLES.values() if f"| `{name}` |" not in readme]
+    root = Path(__file__).resolve().parents[1]
+    readme_rows = _table_rows((root / "README.md").read_text())
+    tuning_rows = _table_rows((root / "docs" / "tuning.md").read_text())
+    assert sorted(readme_rows) == sorted(USER_SETTINGS)
+    assert set(USER_SETTINGS) <= {name for name, _ in _VARIABLES.values()}
+    missing = [name for name, _ in _VARIABLES.values() if name not in readme_rows and name not in tuning_rows]
     assert missing == []
+    assert not set(readme_rows) & set(tuning_rows)

@@ -1,4 +1,4 @@
-"""Write-through's stores on a stream of their own (``KVELASTIC_CPU_STORE_STREAM=own``).
+"""Write-through's stores on a stream of their own, wherever the copier has one (the cache in process).
 
 With one copy stream every copy is ordered after the stores before it; with the stores beside it,
 nothing is, so each race must be a wait of its own: a copy-stream batch waits for a store that still
@@ -12,17 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
+from kvelastic.hooks.offload_setup import local_host_tier
 from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_tier import HostTier
-from kvelastic.offload.side_stores import side_stores_apply
 from kvelastic.offload.store_ahead import AheadCopies
 from kvelastic.offload.write_through import WriteThrough
-from kvelastic.settings import Settings
 from kvelastic.tp.scheduler_side import RemoteCopier
-from tests.scheduler_harness import scheduler_patcher
+from tests.host_plans import BESIDE_A_CONNECTOR, IN_PROCESS, ON_RANKS
 from tests.test_page_aware_block_pool import build
-from tests.test_write_through import WT, Gate, Recording, _computed_and_issued, _read, _setup, _stamp, \
+from tests.test_write_through import Gate, Recording, _computed_and_issued, _read, _setup, _stamp, \
     reuse_a_stored_block_and_load
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
@@ -44,7 +42,7 @@ class SideRecording(Recording):
 
 
 def _setup_own(stores_done=False):
-    return _setup(stores_done=stores_done, recording_class=SideRecording, cpu_store_stream="own")
+    return _setup(stores_done=stores_done, recording_class=SideRecording)
 
 
 def _names(recording) -> list[str]:
@@ -88,7 +86,7 @@ def test_a_step_that_loads_still_fences_compute_for_a_reused_block_a_side_store_
 
 
 class ThroughSideMover(SideRecording):
-    """The real copier's own :meth:`store_beside` (its staging mover with ``KVELASTIC_CPU_STORE_PATH=staged``)."""
+    """The real copier's own :meth:`store_beside` (its staging mover, as the plan in process has it)."""
 
     def store_beside(self, block_ids, slots):
         self.calls.append(("beside", tuple(block_ids)))
@@ -96,8 +94,7 @@ class ThroughSideMover(SideRecording):
 
 
 def test_blocks_stored_through_the_side_staging_come_back_exact_after_eviction():
-    pool, views, bp, manager, copier = _setup(recording_class=ThroughSideMover, cpu_store_stream="own",
-                                               cpu_store_path="staged")
+    pool, views, bp, manager, copier = _setup(recording_class=ThroughSideMover)
     assert copier.inner._side_mover is not None and manager.write_through.beside
     blocks, hashes = _computed_and_issued(bp, views, manager, 31, "a")
     assert _names(copier) == ["beside"] and manager.counters.stored_ahead_blocks == 31
@@ -118,7 +115,7 @@ def test_copies_that_race_no_store_do_not_wait():
 
 def test_stores_touching_names_the_stores_a_copy_would_race_until_they_pass():
     tier = HostTier(64 * 1024, 1024, pin=False, ahead_slots=16)
-    wt = WriteThrough(AheadCopies(tier), 1 << 20, 1024, beside=True)
+    wt = WriteThrough(AheadCopies(tier), 1024, beside=True)
     first, second = Gate(False), Gate(False)
     wt.issued([1, 2], [10, 11], first)
     wt.issued([3], [12], second)
@@ -130,28 +127,27 @@ def test_stores_touching_names_the_stores_a_copy_would_race_until_they_pass():
     assert wt.stores_touching([1], [10]) == [] and wt.stores_touching([3], []) == [second]
 
 
-def test_own_stream_applies_only_where_the_copier_has_one():
-    host = torch.zeros((8, 64), dtype=torch.int8)
-    views = [torch.zeros((8, 64), dtype=torch.int8)]
-    direct = BlockCopier(views, host, path="direct")
-    staged = BlockCopier(views, host, path="staged")
-    assert side_stores_apply(direct, "own") and not side_stores_apply(direct, "shared")
-    assert not side_stores_apply(staged, "own")  # its staging buffer would be shared by two streams
-    assert side_stores_apply(BlockCopier(views, host, path="staged", side_path="staged"), "own")  # one each
-    assert RemoteCopier.side_stores is False  # a TP rank's stores stay on its one stream
+def test_the_stores_go_beside_wherever_the_plan_has_them_and_the_copier_has_a_second_stream():
+    assert BlockCopier.side_stores and not RemoteCopier.side_stores  # a TP rank's copies share its one stream
+    assert IN_PROCESS.stores_beside and not ON_RANKS.write_through
+    pool, _, _, manager, _ = _setup_own()
+    assert manager.write_through.beside and manager.copier.side_stores
+    pool.close()
+    pool, _, _, manager, _ = _setup()  # a copier of one stream: the stores share it
+    assert not manager.write_through.beside and manager.copier.side_stores is False
+    pool.close()
 
 
-@pytest.mark.parametrize("path", ["direct", "staged"])
+@pytest.mark.parametrize("path", ["direct", "runs"])
 def test_stores_beside_through_a_staging_buffer_of_their_own_land_in_their_slots(path):
-    """``KVELASTIC_CPU_STORE_PATH=staged``: scattered blocks into scattered and consecutive slots, more
+    """The side stores' staging: scattered blocks into scattered and consecutive slots, more
     of them than the side staging holds at once (so in several chunks), byte for byte; the copier's own
     mover (``path``) is not the one that moved them."""
     rows, width = 100, 64 * 1024  # 32 MiB of side staging holds 170 rows of 192 KiB: 300 stores, two chunks
     views = [torch.randint(-128, 127, (rows, width), dtype=torch.int8),
              torch.randint(-128, 127, (rows, 2 * width), dtype=torch.int8)]
     host = torch.zeros((300, 3 * width), dtype=torch.int8)
-    copier = BlockCopier(views, host, path=path, side_path="staged")
-    assert copier.side_stores and copier.side_path == "staged"
+    copier = BlockCopier(views, host, path=path, staged_side_stores=True)
     assert copier._side_mover.rows_per_chunk == 170
     blocks = [(7 * i) % rows for i in range(300)]
     slots = list(range(0, 300, 2)) + list(range(299, 0, -2))
@@ -162,12 +158,12 @@ def test_stores_beside_through_a_staging_buffer_of_their_own_land_in_their_slots
 
 
 def test_asynchronous_loads_go_through_a_staging_buffer_of_their_own_and_the_others_do_not():
-    """``KVELASTIC_CPU_LOAD_PATH=staged``: ``load(block_compute=False)`` through the loads' own staging
+    """The loads' staging: ``load(block_compute=False)`` through the loads' own staging
     mover, byte for byte over several chunks; a load compute waits for through the copier's own mover."""
     rows, width = 300, 64 * 1024
     views = [torch.zeros((rows, width), dtype=torch.int8), torch.zeros((rows, 2 * width), dtype=torch.int8)]
     host = torch.randint(-128, 127, (rows, 3 * width), dtype=torch.int8)
-    copier = BlockCopier(views, host, path="direct", async_load_path="staged")
+    copier = BlockCopier(views, host, path="direct", staged_loads=True)
     main, copier.mover = copier.mover, None  # any use of the copier's own mover would fail
     targets, slots = [(7 * i) % rows for i in range(rows)], [(11 * i + 3) % rows for i in range(rows)]
     assert copier.load(targets, slots, block_compute=False).is_done()
@@ -179,17 +175,17 @@ def test_asynchronous_loads_go_through_a_staging_buffer_of_their_own_and_the_oth
     assert bool((views[0][0] == 9).all())
 
 
-@pytest.mark.parametrize("load, asked, path", [("async", "staged", "staged"), ("auto", "staged", "staged"),
-                                               ("sync", "staged", "same"), ("sync", "same", "same")])
-def test_the_loads_staging_is_allocated_only_with_asynchronous_loads(kv_log, load, asked, path):
-    """Said where a value other than the default moves nothing (the default, ``staged``, goes unsaid)."""
+@pytest.mark.parametrize("plan, staged", [(IN_PROCESS, True), (BESIDE_A_CONNECTOR, True), (ON_RANKS, False)],
+                         ids=["in-process", "beside-a-connector", "on-ranks"])
+def test_the_staging_buffers_are_allocated_as_the_plan_has_them(kv_log, plan, staged):
+    """In process: the side stores' and the loads' (beside a connector too: a long run's pieces go out
+    before the step's end, nothing waiting for them); the plan on ranks stores at eviction and stages
+    nothing. No line says a setting has no effect: there is none."""
     pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_load": load, "cpu_load_path": asked})
-    tier, copier = local_host_tier(cache, settings)
-    assert copier.async_load_path == path and (copier._async_load_mover is not None) == (path == "staged")
-    said = sorted({r.message for r in kv_log.records if "KVELASTIC_CPU_LOAD_PATH=" in r.message})
-    assert said == ([f"kvelastic: KVELASTIC_CPU_LOAD_PATH={asked} has no effect here: it moves the asynchronous "
-                     "loads, and KVELASTIC_CPU_LOAD is sync"] if (load, asked) == ("sync", "same") else [])
+    tier, copier = local_host_tier(cache, 1 << 20, "arc", plan)
+    assert (copier._side_mover is not None) == staged and (copier._async_load_mover is not None) == staged
+    assert (tier.ahead_slots > 0) == plan.write_through
+    assert not [r for r in kv_log.records if "no effect" in r.message]
     pool.close()
 
 
@@ -202,29 +198,12 @@ def test_a_staging_buffer_the_device_refuses_leaves_those_copies_on_the_copiers_
     monkeypatch.setattr("kvelastic.offload.copier.StagedCopy", refuse)
     views = [torch.arange(8 * 64, dtype=torch.int64).view(8, 64).to(torch.int8)]
     host = torch.zeros((8, 64), dtype=torch.int8)
-    copier = BlockCopier(views, host, path="direct", side_path="staged", async_load_path="staged")
+    copier = BlockCopier(views, host, path="direct", staged_side_stores=True, staged_loads=True)
     assert copier._side_mover is None and copier._async_load_mover is None
     copier.store_beside([2, 5], [0, 1])
     assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
     said = {r.message for r in kv_log.records if "for the staged" in r.message}
     assert len(said) == 2 and all("copier's own path" in m and "Tried to allocate 32.00 MiB" in m for m in said)
-
-
-def test_an_unknown_side_path_is_refused():
-    views = [torch.zeros((8, 64), dtype=torch.int8)]
-    with pytest.raises(ValueError, match="side path 'engines'"):
-        BlockCopier(views, torch.zeros((8, 64), dtype=torch.int8), side_path="engines")
-
-
-@pytest.mark.parametrize("store, stream, side_path", [("write-through", "own", "staged"),
-                                                      ("write-through", "shared", "same"),
-                                                      ("eviction", "own", "same")])
-def test_the_side_staging_is_allocated_only_where_stores_run_on_their_own_stream(store, stream, side_path):
-    pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": stream, "cpu_store_path": "staged"})
-    tier, copier = local_host_tier(cache, settings)
-    assert copier.side_path == side_path and (copier._side_mover is not None) == (side_path == "staged")
-    pool.close()
 
 
 def test_a_store_beside_on_a_cpu_copies_at_once():
@@ -233,34 +212,3 @@ def test_a_store_beside_on_a_cpu_copies_at_once():
     copier = BlockCopier(views, host, path="direct")
     assert copier.store_beside([2, 5], [0, 1]).is_done()
     assert torch.equal(host[0], views[0][2]) and torch.equal(host[1], views[0][5])
-
-
-@pytest.mark.parametrize("store, stream, path, said", [
-    ("eviction", "shared", "direct", "KVELASTIC_CPU_STORE_STREAM=shared has no effect here: it moves write-through's "
-                                     "stores, and KVELASTIC_CPU_STORE is not write-through"),
-    ("eviction", "own", "direct", None),  # the defaults, where they move nothing: unsaid
-    ("write-through", "own", "staged", "write-through's stores share the copy stream: the copier has no second "
-                                       "stream to give")])
-def test_own_stream_where_it_cannot_apply_says_so_and_keeps_one_stream(kv_log, store, stream, path, said):
-    """``KVELASTIC_COPY_PATH=staged`` with the stores' path ``same``: no staging buffer for a second stream."""
-    pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_store": store, "cpu_store_stream": stream, "copy_path": path,
-                           "cpu_store_path": "same" if path == "staged" else "staged"})
-    tier, copier = local_host_tier(cache, settings)
-    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
-    assert manager.copier is copier and (manager.write_through is None or not manager.write_through.beside)
-    messages = sorted({r.message for r in kv_log.records if "STORE_STREAM=" in r.message or "copy stream" in r.message})
-    assert len(messages) == (said is not None) and all(said in m for m in messages)
-    pool.close()
-
-
-def test_a_store_path_without_its_own_stream_says_so(kv_log):
-    pool, views, cache, bp, queue = build(limit_groups=1)
-    settings = Settings(**{**WT, "cpu_store_stream": "shared", "cpu_store_path": "same"})
-    tier, copier = local_host_tier(cache, settings)
-    manager = wire_offload(bp, queue, tier, copier, scheduler_patcher(), settings)
-    assert not manager.write_through.beside
-    assert [r.message for r in kv_log.records if "KVELASTIC_CPU_STORE_PATH=same has no effect" in r.message
-            and "KVELASTIC_CPU_STORE_STREAM is not own" in r.message]
-    assert not any("KVELASTIC_CPU_STORE_STREAM=" in r.message for r in kv_log.records)  # it applies: unsaid
-    pool.close()

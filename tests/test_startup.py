@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="needs vllm installed")
 TIMEOUT_S = 300
 TYPO = {"KVELASTIC_LIMT": "8GiB"}  # misspelt: kvelastic must say so, not silently run without a limit
 CASES = {
-    "default": dict(TYPO),
+    "default": {**TYPO, "KVELASTIC_CPU_PIN": "at-start"},  # and a retired variable: a warning, no more
     "warning_level": {**TYPO, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_LOGGING_STREAM": "ext://sys.stderr"},
     "unconfigured": {**TYPO, "VLLM_CONFIGURE_LOGGING": "0"},
     "bad_limit": {"KVELASTIC_LIMIT": "lots"},
@@ -73,6 +73,10 @@ def test_by_default_kvelastic_logs_through_vllms_handler_and_format(runs):
     prefix = warning.split("kvelastic:")[0]  # vLLM's own: "WARNING <time> [file:line]", from 0.33 after the process
     assert " WARNING " in f" {prefix}" and "did you mean KVELASTIC_LIMIT?" in warning
     assert "[reporting.py:" in warning  # vLLM's format, with its [file:line] field
+    (retired,) = [line for line in lines if "KVELASTIC_CPU_PIN" in line]
+    assert " WARNING " in f" {retired.split('kvelastic:')[0]}"
+    assert retired.endswith("kvelastic: KVELASTIC_CPU_PIN is retired and ignored: the host tier is pinned in the "
+                            "background while the engine serves")
     assert not _kvelastic_lines(err)
 
 

@@ -13,12 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvelastic.hooks.offload_setup import store_mode_for
-from kvelastic.errors import ConfigError
 from kvelastic.offload.arc import ARC
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.store_ahead import AheadCopies
-from kvelastic.settings import Settings
 from kvelastic.offload.write_through import ahead_slots
 
 SLOT = 64
@@ -103,35 +100,9 @@ def test_a_rehashed_block_drops_its_stale_copy_and_a_reset_frees_everything():
     assert tier.stats().slots_used == 0 and len(ahead) == 0 and tier.policy.capacity == 2
 
 
-def test_the_share_kept_ahead_follows_the_settings():
-    wt = Settings(cpu_store="write-through", cpu_bytes=100 * SLOT)
-    assert ahead_slots(wt, 100, SLOT) == 25  # a quarter of the tier by default
-    assert ahead_slots(Settings(cpu_store="write-through", cpu_ahead_bytes=10 * SLOT), 100, SLOT) == 10
-    assert ahead_slots(Settings(cpu_store="write-through", cpu_ahead_bytes=1000 * SLOT), 100, SLOT) == 99
-    assert ahead_slots(Settings(cpu_store="eviction"), 100, SLOT) == 0
-    # the default, auto: write-through where the cache is in the engine's process, eviction under TP
-    assert ahead_slots(store_mode_for(Settings(), in_process=True), 100, SLOT) == 25
-    assert ahead_slots(store_mode_for(Settings(), in_process=False), 100, SLOT) == 0
-    with pytest.raises(ConfigError, match="KVELASTIC_CPU_AHEAD"):
+def test_a_quarter_of_the_tier_is_kept_for_copies_made_ahead_leaving_the_policy_one_at_least():
+    assert ahead_slots(100) == 25
+    assert ahead_slots(3) == 0 and ahead_slots(1) == 0
+    assert all(0 <= ahead_slots(n) < n for n in range(1, 50))
+    with pytest.raises(ValueError, match="must leave the host tier's policy at least one"):
         HostTier(2 * SLOT, SLOT, pin=False, ahead_slots=2)
-
-
-def test_settings_name_the_store_mode():
-    assert Settings().cpu_store == "auto"
-    assert Settings.from_env({"KVELASTIC_CPU_STORE": "eviction"}).cpu_store == "eviction"
-    assert store_mode_for(Settings(cpu_store="eviction"), in_process=True).cpu_store == "eviction"
-    assert store_mode_for(Settings(cpu_store="write-through"), in_process=False).cpu_store == "write-through"
-    s = Settings.from_env({"KVELASTIC_CPU_STORE": "Write-Through", "KVELASTIC_CPU_AHEAD": "1GiB",
-                           "KVELASTIC_CPU_STORE_STEP": "64MiB"})
-    assert (s.cpu_store, s.cpu_ahead_bytes, s.cpu_store_step_bytes) == ("write-through", 1 << 30, 64 << 20)
-    with pytest.raises(ConfigError, match="KVELASTIC_CPU_STORE='always' is not one of: auto, write-through, eviction"):
-        Settings.from_env({"KVELASTIC_CPU_STORE": "always"})
-
-
-def test_auto_stores_as_blocks_leave_the_gpu_under_tensor_parallelism_and_says_so(kv_log):
-    assert store_mode_for(Settings(), in_process=True).cpu_store == "write-through"
-    assert not [r for r in kv_log.records if "KVELASTIC_CPU_STORE=auto" in r.message]
-    assert store_mode_for(Settings(), in_process=False).cpu_store == "eviction"
-    assert {r.message for r in kv_log.records if "KVELASTIC_CPU_STORE=auto" in r.message} == {
-        "kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): where worker "
-        "ranks hold the KV cache, write-through's stores would share their copy stream"}

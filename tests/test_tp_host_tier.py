@@ -1,4 +1,4 @@
-"""The host tier under the TP protocol: spills, reloads and write-through stores on every rank's shard.
+"""The host tier under the TP protocol: spills and reloads on every rank's shard.
 
 Two spawned ranks with host-backed pools and the real scheduler side, as in
 ``test_tp_protocol.py`` (the harness: ``tests/kv_fixtures.py``). A slot of the
@@ -36,10 +36,11 @@ def test_pipeline_stages_count_each_group_at_the_larger_stage_and_a_slot_holds_b
 def test_spilled_blocks_come_back_on_every_rank(cluster):
     from kvelastic.hooks.offload_setup import wire_offload
     from kvelastic.settings import Settings
+    from tests.host_plans import ON_RANKS
 
     c = cluster(cpu_bytes=CPU_BYTES)
-    tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES))
-    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher())
+    tier, copier = c.connection.host_tier(Settings(cpu_bytes=CPU_BYTES), ON_RANKS)
+    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher(), ON_RANKS)
     assert manager.tier.stats().slots == c.connection.host_slots > 0
     allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
     blocks = allocate_within(c, BLOCKS_PER_GROUP)
@@ -65,59 +66,3 @@ def test_spilled_blocks_come_back_on_every_rank(cluster):
         steps += 1
     c.step(checks=[(b, 40 + i % 50) for i, b in enumerate(new_ids)])
     assert manager.counters.reloaded_blocks == len(blocks)
-
-
-def test_write_through_stores_on_every_rank_and_a_reuse_sends_one_wait(cluster):
-    from kvelastic.hooks.offload_setup import wire_offload
-    from kvelastic.settings import Settings
-    from kvelastic.tp.protocol import STORE, WAIT
-
-    c = cluster(cpu_bytes=CPU_BYTES)
-    settings = Settings(cpu_bytes=CPU_BYTES, cpu_store="write-through")
-    tier, copier = c.connection.host_tier(settings)
-    manager = wire_offload(c.bp, c.queue, tier, copier, scheduler_patcher(), settings)
-    allocate_within(c, BLOCKS_PER_GROUP - 1)  # fills the null block's group, which is never released
-    blocks = allocate_within(c, BLOCKS_PER_GROUP)
-    hashes = [hashlib.sha256(b"wt%d" % i).digest() for i in range(len(blocks))]
-    c.bp.cache_full_blocks(StandInRequest(hashes), blocks, 0, len(blocks), BS, 0)  # named in this step
-    manager.end_step()
-    c.step(writes=[(b.block_id, 60 + i % 30) for i, b in enumerate(blocks)])  # whose forward computes them
-    plans = []
-    for _ in range(2):
-        manager.end_step()
-        plans.append(c.mapper.take_plan())
-        c.send(plans[-1])
-    kinds = [[cmd[1] for cmd in p.commands] for p in plans]
-    assert kinds[0] == [] and kinds[1] == [STORE] and plans[1].commands[0][4] is False  # beside compute
-    c.bp.free_blocks(blocks)
-    assert c.queue.reclaim_cached(groups_wanted=8) >= 1  # released: the copies made ahead are promoted
-    assert manager.counters.evicted_free == len(blocks) and manager.counters.spilled_blocks == 0
-    manager.end_step()
-    plan = c.mapper.take_plan()
-    assert STORE not in [cmd[1] for cmd in plan.commands]  # the unmap needs no copy: the rank orders the store
-    c.send(plan)
-    c.queue.want_blocks(len(blocks))
-    c.step()
-    found = [c.bp.get_cached_block(h, [0]) for h in hashes]
-    assert all(f is not None for f in found)
-    manager.end_step()
-    new_ids = [f[0].block_id for f in found]
-    for _ in range(5):
-        if all(c.cache.group_of_block(b) in c.mapper.mapped_groups for b in new_ids):
-            break
-        c.step()
-    c.step(checks=[(b, 60 + i % 30) for i, b in enumerate(new_ids)])  # every rank's shard came back
-    # A block reused while the scheduler cannot know its store passed: one WAIT, no second copy.
-    more = allocate_within(c, 4)
-    more_hashes = [hashlib.sha256(b"more%d" % i).digest() for i in range(4)]
-    c.bp.cache_full_blocks(StandInRequest(more_hashes), more, 0, 4, BS, 0)
-    for _ in range(3):
-        manager.end_step()
-        c.step()
-    c.bp.free_blocks(more)
-    manager.spill(more, before_reuse=True)  # as popleft_n does when it evicts them for reuse
-    manager.end_step()
-    plan = c.mapper.take_plan()
-    kinds = [cmd[1] for cmd in plan.commands]
-    assert kinds.count(WAIT) == 1 and STORE not in kinds
-    c.send(plan)  # every rank applies it before its forward pass

@@ -63,8 +63,7 @@ def tp_engine(tmp_path, monkeypatch):
     made: list = []
 
     def make(limit_groups: int | None = None, cpu_bytes: int | None = None, confirm: str = "board",
-             cpu_load: str = "sync", split: str = "tensor", map_after_launch: bool = True,
-             cache_ttl_s: float = Settings.cache_ttl_s):
+             split: str = "tensor", map_after_launch: bool = True, cache_ttl_s: float = Settings.cache_ttl_s):
         """``split``: the ranks are tensor-parallel shards, or (``pipeline``) two stages of their own
         layers, with ``KVELASTIC_PIPELINE=allow``; ``map_after_launch``: the ranks' setting. With
         ``confirm="step"`` (or ``"auto"``, which is ``step`` on this multiprocess executor) the ranks' board
@@ -83,7 +82,7 @@ def tp_engine(tmp_path, monkeypatch):
         limit = limit_groups * group_bytes(max(layers)) if limit_groups else None  # per rank, as KVELASTIC_LIMIT
         stages = WORLD if split == "pipeline" else 1
         runtime = Runtime(Settings(enabled=True, cpu_bytes=cpu_bytes, limit_bytes=limit,  # no cache: ranks hold it
-                                   tp_confirm=confirm, cpu_load=cpu_load, cache_ttl_s=cache_ttl_s,
+                                   tp_confirm=confirm, cache_ttl_s=cache_ttl_s,
                                    pipeline="allow" if stages > 1 else "refuse"))
         scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, stages=stages))
         made.append((scheduler, patcher))
@@ -258,10 +257,10 @@ def test_auto_confirms_on_the_replies_wherever_the_executor_gathers_them_and_on_
 
 
 def test_host_hits_load_beside_compute_on_both_ranks_and_come_back_right(tp_engine):
-    """KVELASTIC_CPU_LOAD=async under TP: a pushed-out prefix loads while its request waits; the request runs
-    only once both ranks reported the load done, and every block it reads holds its tokens' data."""
-    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm="step",
-                                 cpu_load="async")
+    """Under TP with the ranks' reports on the steps' replies: a pushed-out prefix loads while its request
+    waits; the request runs only once both ranks reported the load done, and every block it reads holds its
+    tokens' data."""
+    scheduler, ranks = tp_engine(limit_groups=3, cpu_bytes=16 * GROUP_BYTES * WORLD, confirm="step")
     filler = [make_requests(f"f{k}", 4, 400, 0, seed=10 + k) for k in range(3)]
     waves = [make_requests("a", 4, 320, 0, seed=0), *filler, make_requests("b", 4, 320, 0, seed=0)]
     reports: list = []

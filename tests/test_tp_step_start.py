@@ -113,7 +113,9 @@ def test_host_slots_are_handed_out_only_as_far_as_every_rank_reported_pinned(ste
     when a report step brings it: not to what a rank has pinned since (what a board would show), and not
     to the whole share. While a rank still pins, the scheduler asks for report steps itself."""
     c = step_cluster(host_slots=16)  # each rank: a 1-slot head pinned at start, then chunks of 4
-    tier, _ = c.connection.host_tier(Settings())
+    from tests.host_plans import ON_RANKS
+
+    tier, _ = c.connection.host_tier(Settings(), ON_RANKS)
     assert tier.admit("k0") is None and tier.stats().slots == 0, "a slot was handed out before any report"
     first = c.step()  # the ranks begin pinning at their first step
     assert first is not None, "the scheduler did not ask for a report while the ranks pin"

@@ -37,7 +37,7 @@ BATCH = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384}  # vLLM's defaul
 
 
 def gpu_shaped_burst(tag: str, count: int = 128, max_tokens: int = 64) -> list:
-    """``scripts/vllm_run.py``'s prompts: random lengths, every fourth behind one shared prefix.
+    """``benchmarks/vllm_run.py``'s prompts: random lengths, every fourth behind one shared prefix.
 
     Bodies stop at 1250 tokens (the GPU run's at 1500) to stay within the 2048-token model length.
     """

@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 
 from kvelastic.hooks.offload_setup import local_host_tier, wire_offload
-from kvelastic.offload.write_through import DELAY_STEPS
+from kvelastic.offload.write_through import DELAY_STEPS, STEP_BYTES
 from kvelastic.pool.backend import Fence
-from kvelastic.settings import Settings
+from tests.host_plans import IN_PROCESS, ON_RANKS
 from tests.scheduler_harness import scheduler_patcher
 from tests.test_page_aware_block_pool import BS, StandInRequest, build
 
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
-WT = dict(cpu_store="write-through", cpu_store_stream="shared", cpu_bytes=1 << 20)  # the one copy stream; own: test_side_stores
+CPU_BYTES = 1 << 20
 
 
 class Gate(Fence):
@@ -36,7 +36,10 @@ class Gate(Fence):
 
 
 class Recording:
-    """The real copier (CPU: synchronous), recording each call; stores beside compute return a Gate."""
+    """The real copier (CPU: synchronous), recording each call; stores beside compute return a Gate. It has
+    one stream, so write-through's stores share it (beside it: ``test_side_stores.SideRecording``)."""
+
+    side_stores = False
 
     def __init__(self, copier, stores_done: bool = True):
         self.inner = copier
@@ -76,13 +79,13 @@ def _read(views, block_id: int) -> list[int]:
     return sorted({int(v) for view in views for v in view[:, block_id].unique()})
 
 
-def _setup(limit_groups=1, stores_done=True, recording_class=None, **settings):
-    """``recording_class``: the recording copier (default :class:`Recording`)."""
+def _setup(limit_groups=1, stores_done=True, recording_class=None, plan=IN_PROCESS):
+    """The host tier wired as ``plan`` has it; ``recording_class``: the recording copier (default
+    :class:`Recording`)."""
     pool, views, cache, bp, queue = build(limit_groups=limit_groups)
-    values = {**WT, **settings}
-    tier, copier = local_host_tier(cache, Settings(**values))
+    tier, copier = local_host_tier(cache, CPU_BYTES, "arc", plan)
     recording = (recording_class or Recording)(copier, stores_done)
-    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), Settings(**values))
+    manager = wire_offload(bp, queue, tier, recording, scheduler_patcher(), plan)
     return pool, views, bp, manager, recording
 
 
@@ -201,7 +204,9 @@ def test_a_block_rehashed_or_dropped_before_its_store_is_not_stored():
 
 
 def test_the_step_cap_spreads_stores_over_steps():
-    pool, views, bp, manager, copier = _setup(cpu_store_step_bytes=1)  # one block a step
+    pool, views, bp, manager, copier = _setup()
+    assert manager.write_through.max_blocks_per_step == STEP_BYTES // copier.bytes_per_block
+    manager.write_through.max_blocks_per_step = 1  # the cap at one block a step
     _computed(bp, views, 3, "a")
     for _ in range(DELAY_STEPS + 3):
         manager.end_step()
@@ -222,8 +227,8 @@ def test_group_release_waits_for_a_store_still_reading_it():
     pool.close()
 
 
-def test_eviction_mode_stores_nothing_ahead():
-    pool, views, bp, manager, copier = _setup(cpu_store="eviction")
+def test_the_plan_on_worker_ranks_stores_nothing_ahead():
+    pool, views, bp, manager, copier = _setup(plan=ON_RANKS)
     _computed(bp, views, 10, "a")
     for _ in range(DELAY_STEPS + 2):
         manager.end_step()

@@ -2,9 +2,8 @@
 
 On CUDA a zero-fill is queued behind whatever the device is running and not
 waited for. Unmapping the page before the fill ran makes the fill write to an
-unmapped address, which kills the context (CUDA_ERROR_ILLEGAL_ADDRESS: an H200
-run of ``scripts/bench_reserve_growth.py`` trimmed a freshly grown reserve beside
-busy kernels). The host backend fills synchronously, so these tests use a host
+unmapped address, which kills the context (CUDA_ERROR_ILLEGAL_ADDRESS, seen on an H200
+when a freshly grown reserve was trimmed beside busy kernels). The host backend fills synchronously, so these tests use a host
 backend whose fills run late, as a busy device's do: only when a fence recorded
 after them is waited for. Unmapping a range with a fill still queued is the
 device's fault, raised here as the driver would.

@@ -1,4 +1,4 @@
-"""The many-models-on-one-GPU benchmark of issue #20, in parts (``benchmarks/multi_model.py`` runs it).
+"""The many-models-on-one-GPU benchmark, in parts (``benchmarks/multi_model.py`` runs it).
 
 ``workload``  which model gets which prompt when: seeded, bursty, staggered, open loop
 ``client``    streams completions from OpenAI-compatible servers and times every token

@@ -1,6 +1,6 @@
 """Where the host's CPU goes while the load runs: each server's API server, its engine, the client.
 
-On the H100 (2026-11-27) a busy model's engine sometimes had no request running
+On an H100 a busy model's engine sometimes had no request running
 or waiting while the client had a dozen without a first token: they were held
 before vLLM's scheduler, in its API server, which also streams every token of
 every running request. Whether that server (one Python process per model) or
@@ -159,7 +159,7 @@ def front_end_bound(samples: list[dict[str, Any]], requests: list[dict[str, Any]
     A request counts when, in some sampling interval overlapping its wait for
     the first token, its model's API server processes used at least ``share`` of
     one core each: the front end, not the engine or its KV memory, was then the
-    likely holder (2026-11-27: 50 of 57 slow requests of a kvelastic run). None
+    likely holder (50 of 57 slow requests of one kvelastic run with two API servers). None
     for runs whose samples predate the process count (``api_n``).
     """
     if not samples or "api_n" not in next(iter(samples[-1]["servers"].values()), {}):

@@ -13,7 +13,7 @@ cross-check on the client's clock):
   duration. The engines rate-limit these lines; the ones left out are counted, and the metrics
   count every episode.
 
-Issue #20 asks for reclaim latency of memory an *idle* model holds. A wait can also be for memory
+What matters most is the reclaim latency of memory an *idle* model holds. A wait can also be for memory
 busy engines hold (the fair-share cap makes them give it back as their requests finish), which is
 bounded by request lifetimes, not by reclaim. :func:`wait_sources` tells the two apart with the
 account sample taken just before each wait began: whether the budget's free room and the cached
@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from kvelastic.cluster.policy import reclaimable, uses_a_real_part
 from kvelastic.cluster.records import MemberRecord
-from scripts.percentiles import percentile
+from benchmarks.percentiles import percentile
 
 WAIT, RELEASE = "kvelastic_reclaim_wait_seconds", "kvelastic_reclaim_release_seconds"
 COUNTERS = {"lapsed_waits": "kvelastic_reclaim_lapsed_waits_total",

@@ -8,7 +8,7 @@ A request meets the SLO when it finished (status ``ok``) with TTFT and TPOT
 under the thresholds; failed and unfinished requests count as misses, so
 attainment is over every timed request sent. Goodput is SLO-meeting requests
 per second of the schedule. Percentiles are over finished requests
-(nearest rank below, ``scripts/percentiles.py``).
+(nearest rank below, ``benchmarks/percentiles.py``).
 Probes are left out of every latency number: they only check tokens.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scripts.percentiles import percentile
+from benchmarks.percentiles import percentile
 
 from benchmarks.mmbench import reclaim
 from benchmarks.mmbench.client import FAILED, UNFINISHED

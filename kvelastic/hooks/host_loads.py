@@ -16,28 +16,24 @@ release adds keeps its default; this module imports it, and so vLLM, only on
 first use. Only the scheduler role exists; the
 worker methods refuse, since no worker ever gets this connector.
 
-:func:`attach_host_loads` installs it (``KVELASTIC_CPU_LOAD=async``) through
-the Patcher, on contacts ``patches/host_loads.py`` declares; one KV cache
-group. Under tensor parallelism only where the ranks report their loads on the
-steps' replies (``KVELASTIC_TP_CONFIRM=step``): a load is done once every rank said so.
+:func:`attach_host_loads` installs it where the host tier's plan loads hits
+beside compute (:mod:`kvelastic.offload.plan`), through the Patcher, on
+contacts ``patches/host_loads.py`` declares; one KV cache group. Under tensor
+parallelism that is where the ranks report their loads on the steps' replies: a
+load is done once every rank said so.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import TYPE_CHECKING, Any
 
-from kvelastic.errors import ConfigError
 from kvelastic.offload.async_loads import AsyncLoads
 from kvelastic.patches._common import argument
 
 if TYPE_CHECKING:
     from kvelastic.offload.manager import OffloadManager
     from kvelastic.patching.apply import Patcher
-    from kvelastic.settings import Settings
-
-log = logging.getLogger("vllm.kvelastic")
 
 
 def connector_class() -> type:
@@ -52,49 +48,32 @@ def make_host_loads(loads: AsyncLoads, scheduler: Any) -> Any:
     return connector_class()(loads, scheduler.block_size, scheduler.vllm_config, scheduler.kv_cache_config)
 
 
-def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patcher", settings: "Settings",
-                      *, beside_compute: bool) -> Any | None:
-    """With ``KVELASTIC_CPU_LOAD`` ``async`` (or ``auto``, where the caller found ``beside_compute``):
-    kvelastic's connector on ``scheduler`` over ``offload``'s tier and copier, joined to ``offload``'s step;
-    None where host hits stay synchronous (``sync``). ``beside_compute``: the connection's loads can finish
-    beside compute (the cache is in this process, or its worker ranks report their loads on the steps'
-    replies)."""
-    if settings.cpu_load == "sync":
-        return None
-    if not beside_compute:
-        raise ConfigError("KVELASTIC_CPU_LOAD=async needs, where the KV cache lives in worker processes "
-                          "(tensor parallelism, or the multiprocess executor), the ranks' reports on the steps' "
-                          "replies: set KVELASTIC_TP_CONFIRM=auto or step on vLLM's multiprocess or Ray V2 "
-                          "executor, or set KVELASTIC_CPU_LOAD=auto or sync (host hits then load in front of the "
-                          "step)")
+def attach_host_loads(scheduler: Any, offload: "OffloadManager", patcher: "Patcher") -> Any:
+    """kvelastic's connector on ``scheduler`` over ``offload``'s tier and copier, joined to ``offload``'s
+    step (the caller checked that the plan loads hits beside compute)."""
     from kvelastic.patches.host_loads import hold_blocks
     from kvelastic.patches.scheduler_block_pool import SCHEDULER
 
     block_pool = scheduler.kv_cache_manager.block_pool
     loads = AsyncLoads(offload.tier, offload.copier, hold_blocks(patcher, block_pool), block_pool.free_blocks,
-                       async_min_bytes=settings.cpu_load_async_min_bytes, runs=offload.runs)
+                       runs=offload.runs)
     connector = make_host_loads(loads, scheduler)
     patcher.replace_attribute(scheduler, SCHEDULER, "connector", connector)
     offload.join(connector)
-    if settings.cpu_load == "auto":
-        log.info("kvelastic: host-tier hits load while their request waits, or in front of the step where "
-                 "the request is alone (KVELASTIC_CPU_LOAD=auto)")
-    else:
-        log.info("kvelastic: host-tier hits load while their request waits (KVELASTIC_CPU_LOAD=async, runs "
-                 "under %d bytes in front of the step)", settings.cpu_load_async_min_bytes)
     return connector
 
 
 class InFrontWhenAlone:
-    """``KVELASTIC_CPU_LOAD=auto``'s choice at each GPU prefix miss: the host tier serves it in front of the
-    step (``OffloadManager.load_on_miss``) when the request looked up is alone, with nothing running,
-    nothing else waiting and no load in flight; otherwise the connector loads it while the request waits.
+    """The choice at each GPU prefix miss where hits load beside compute: the host tier serves it in front
+    of the step (``OffloadManager.load_on_miss``) when the request looked up is alone, with nothing
+    running, nothing else waiting and no load in flight; otherwise the connector loads it while the
+    request waits.
 
     A load beside compute pays for hiding the copy: the request waits at least one more step, and its
     blocks are allocated (each page group mapped) before any of the copy starts. With nothing else to run,
     there is nothing to hide it behind; in front of the step the copy of one page group runs while the
-    next is mapped (H200, 2026-11-29: a 16k-token 8B prefix reloaded into an idle engine in 72 ms in front
-    of the step, 105 ms beside compute).
+    next is mapped (H200: a 16k-token 8B prefix reloaded into an idle engine in 72 ms in front of the
+    step, 105 ms beside compute).
     """
 
     def __init__(self, scheduler: Any, loads: AsyncLoads):

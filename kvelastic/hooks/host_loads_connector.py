@@ -3,7 +3,7 @@
 Kept apart from :mod:`kvelastic.hooks.host_loads` because it imports vLLM at
 module level (it must subclass the installed release's base, so every
 scheduler-side method a release adds keeps its default): ``host_loads`` loads
-this module only when ``KVELASTIC_CPU_LOAD=async`` asks for the connector.
+this module only where the host tier's plan loads hits beside compute.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class HostLoads(KVConnectorBase_V1):
         self._role = KVConnectorRole.SCHEDULER
         self.loads = loads
         self.block_size = block_size
-        # request -> (first block, keys of the run, async, whether the run stopped at a key the host lacks)
-        self._pending: dict[str, tuple[int, tuple, bool, bool]] = {}
+        # request -> (first block, keys of the run, whether the run stopped at a key the host lacks)
+        self._pending: dict[str, tuple[int, tuple, bool]] = {}
         self._settled = Retired()  # retired by a reset's wait, reported with the next output
 
     @property
@@ -52,9 +52,8 @@ class HostLoads(KVConnectorBase_V1):
             self._pending.pop(request.request_id, None)
             return None, False
         missed = run < len(keys)
-        asynchronous = run > 0 and self.loads.is_async(run)
-        self._pending[request.request_id] = (first, keys[:run], asynchronous, missed)
-        return run * self.block_size, asynchronous
+        self._pending[request.request_id] = (first, keys[:run], missed)
+        return run * self.block_size, run > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: plan the load of the run into them. A run that stopped
@@ -62,13 +61,13 @@ class HostLoads(KVConnectorBase_V1):
         pending = self._pending.pop(request.request_id, None)
         if pending is None:
             return
-        first, keys, asynchronous, missed = pending
+        first, keys, missed = pending
         self.loads.tier.misses += missed
         if num_external_tokens == 0:
             return
         assert num_external_tokens == len(keys) * self.block_size, "internal: vLLM took another run"
         (group,) = blocks.blocks
-        self.loads.plan(request.request_id, keys, group[first:first + len(keys)], asynchronous=asynchronous)
+        self.loads.plan(request.request_id, keys, group[first:first + len(keys)])
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         return KVConnectorMetadata()  # nothing for workers: the loads ride kvelastic's copier
@@ -94,8 +93,8 @@ class HostLoads(KVConnectorBase_V1):
 
     def stats(self) -> dict[str, Any]:
         c = self.loads.counters
-        return {"reloaded_blocks": c.async_blocks + c.sync_blocks, "host_loads_async": c.async_loads,
-                "host_loads_sync": c.sync_loads, "host_loads_failed": c.failed_loads,
+        return {"reloaded_blocks": c.async_blocks, "host_loads_async": c.async_loads,
+                "host_loads_failed": c.failed_loads,
                 "host_loads_deferred": c.deferred_lookups, "host_async_loaded_blocks": c.async_blocks}
 
     def feed(self, scheduler: Any, model_runner_output: Any) -> Any:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.copier import BlockCopier
     from kvelastic.offload.host_tier import HostTier
+    from kvelastic.offload.plan import HostPlan
     from kvelastic.settings import Settings
 
 
@@ -43,10 +44,10 @@ class LocalConnection(CacheConnection):
         """The runtime's cache under the runtime's limit."""
         return cls(cache, runtime.limit_bytes)
 
-    def host_tier(self, settings: "Settings") -> tuple["HostTier", "BlockCopier"]:
+    def host_tier(self, settings: "Settings", plan: "HostPlan") -> tuple["HostTier", "BlockCopier"]:
         from kvelastic.hooks.offload_setup import local_host_tier
 
-        return local_host_tier(self.cache, settings)
+        return local_host_tier(self.cache, settings.cpu_bytes or 0, settings.cpu_policy, plan)
 
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None] | None:
         """None: the pool is in this process; a step's output carries nothing for it."""

@@ -10,14 +10,14 @@ The wiring (:func:`wire_offload`) is the same wherever the KV tensors live;
 only the tier and its copier differ, and the engine's
 :class:`~kvelastic.roles.CacheConnection` makes them: here
 :func:`local_host_tier`, under tensor parallelism an index on the scheduler
-and a :class:`BlockRows` copier on each rank.
+and a :class:`BlockRows` copier on each rank. What runs (write-through or
+stores at eviction, the side stream, the staging buffers, loads in pieces)
+is the engine's :class:`~kvelastic.offload.plan.HostPlan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 from typing import Any, Callable, Hashable
 
 import torch
@@ -28,15 +28,13 @@ from kvelastic.offload.copier import BlockCopier
 from kvelastic.offload.host_memory import HostMemory
 from kvelastic.offload.host_tier import HostTier
 from kvelastic.offload.manager import OffloadManager
+from kvelastic.offload.plan import HostPlan
 from kvelastic.offload.store_ahead import AheadCopies
-from kvelastic.offload.side_stores import SideStoreCopier, side_path_for, side_stores_apply, why_not_beside
+from kvelastic.offload.side_stores import SideStoreCopier
 from kvelastic.offload.write_through import WriteThrough, ahead_slots
 from kvelastic.patches.host_tier_lookup import CACHE_FULL_BLOCKS, GET_ONE_BLOCK, hash_assigner, named_full
 from kvelastic.patching.apply import Change, Patcher
 from kvelastic.roles import Copier
-from kvelastic.settings import Settings
-
-log = logging.getLogger("vllm.kvelastic")
 
 
 def block_views(cache: ElasticKVCache) -> list[torch.Tensor]:
@@ -60,68 +58,44 @@ class BlockRows:
         self.slot_bytes = sum(v.shape[1] for v in self.views)
         self.pin = self.views[0].device.type == "cuda"  # pinned host memory serves a GPU's copies only
 
-    def copier(self, memory: HostMemory, path: str, side_path: str = "same",
-               async_load_path: str = "same") -> BlockCopier:
-        """``path``: ``KVELASTIC_COPY_PATH``'s value (the copier refuses any but its own); ``side_path``: how
-        write-through's stores on their own stream move (:func:`side_path_for`); ``async_load_path``: how
-        the asynchronous loads move (:func:`async_load_path_for`)."""
-        return BlockCopier(self.views, memory.buffer, path=path, breaks=memory.breaks,  # type: ignore[arg-type]
-                           side_path=side_path, async_load_path=async_load_path)  # type: ignore[arg-type]
+    def copier(self, memory: HostMemory, *, staged_side_stores: bool = False,
+               staged_loads: bool = False) -> BlockCopier:
+        """A copier between these rows and ``memory``; ``staged_side_stores`` / ``staged_loads``: the side
+        stores / the loads nothing waits for go through staging buffers of their own (:class:`HostPlan`)."""
+        return BlockCopier(self.views, memory.buffer, breaks=memory.breaks, staged_side_stores=staged_side_stores,
+                           staged_loads=staged_loads)
 
 
-def local_host_tier(cache: ElasticKVCache, settings: Settings) -> tuple[HostTier, BlockCopier]:
-    """A tier of ``settings.cpu_bytes`` pinned now, and the copier between it and ``cache``'s blocks."""
+def local_host_tier(cache: ElasticKVCache, capacity_bytes: int, policy: str,
+                    plan: HostPlan) -> tuple[HostTier, BlockCopier]:
+    """A tier of ``capacity_bytes`` under ``policy``, pinned in the background, and the copier between it
+    and ``cache``'s blocks, as ``plan`` has them."""
     rows = BlockRows(cache)
-    capacity = settings.cpu_bytes or 0
-    tier = HostTier(capacity, rows.slot_bytes, pin=rows.pin, policy=settings.cpu_policy,
-                    ahead_slots=ahead_slots(settings, capacity // rows.slot_bytes, rows.slot_bytes),
-                    pin_at_start=settings.cpu_pin == "at-start")
+    slots = capacity_bytes // rows.slot_bytes
+    tier = HostTier(capacity_bytes, rows.slot_bytes, pin=rows.pin, policy=policy,
+                    ahead_slots=ahead_slots(slots) if plan.write_through else 0)
     assert tier.memory is not None  # a tier that allocates (the default) always has its memory
-    return tier, rows.copier(tier.memory, settings.copy_path, side_path_for(settings), async_load_path_for(settings))
-
-
-def store_mode_for(settings: Settings, *, in_process: bool) -> Settings:
-    """``settings`` with ``KVELASTIC_CPU_STORE=auto`` made ``write-through`` where the KV cache is in this
-    process (``in_process``), ``eviction`` where worker ranks hold it (said in the log)."""
-    if settings.cpu_store != "auto":
-        return settings
-    if not in_process:
-        log.info("kvelastic: host-tier blocks are stored as they leave the GPU (KVELASTIC_CPU_STORE=auto): "
-                 "where worker ranks hold the KV cache, write-through's stores would share their copy stream")
-    return dataclasses.replace(settings, cpu_store="write-through" if in_process else "eviction")
-
-
-def async_load_path_for(settings: Settings) -> str:
-    """``KVELASTIC_CPU_LOAD_PATH`` where there may be asynchronous loads (``async``, ``auto``: the copier
-    allocates a staging buffer for them only then); said in the log where set without them."""
-    if settings.cpu_load != "sync":
-        return settings.cpu_load_path
-    if settings.cpu_load_path != Settings.cpu_load_path:
-        log.info("kvelastic: KVELASTIC_CPU_LOAD_PATH=%s has no effect here: it moves the asynchronous loads, "
-                 "and KVELASTIC_CPU_LOAD is sync", settings.cpu_load_path)
-    return "same"
+    return tier, rows.copier(tier.memory, staged_side_stores=plan.stores_beside, staged_loads=plan.staged_loads)
 
 
 def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, copier: Copier,
-                 patcher: Patcher, settings: Settings | None = None, *, serve_misses: bool = True) -> OffloadManager:
-    """The host tier's manager for ``block_pool``: the queue spills through it, prefix misses reload
-    (``serve_misses``; else asynchronous loads, ``kvelastic/hooks/host_loads.py``, serve them).
+                 patcher: Patcher, plan: HostPlan | None = None, *, serve_misses: bool = True) -> OffloadManager:
+    """The host tier's manager for ``block_pool``, running ``plan`` (None: stores at eviction only, loads
+    in one batch): the queue spills through it, prefix misses reload (``serve_misses``; else asynchronous
+    loads, ``kvelastic/hooks/host_loads.py``, serve them).
 
-    With ``KVELASTIC_CPU_STORE=write-through`` the blocks ``cache_full_blocks``
-    names are stored as they are computed, and the blocks whose hash vLLM
-    drops outside an eviction lose their copies made ahead.
+    With write-through the blocks ``cache_full_blocks`` names are stored as
+    they are computed (beside the copy stream where the plan and the copier
+    allow), and the blocks whose hash vLLM drops outside an eviction lose
+    their copies made ahead.
     """
     write_through = None
-    beside = False
-    if settings is not None and settings.cpu_store == "write-through":
-        beside = side_stores_apply(copier, settings.cpu_store_stream)
-        write_through = WriteThrough(AheadCopies(tier), settings.cpu_store_step_bytes, copier.bytes_per_block,
-                                     beside=beside)
+    if plan is not None and plan.write_through:
+        beside = plan.stores_beside and copier.side_stores
+        write_through = WriteThrough(AheadCopies(tier), copier.bytes_per_block, beside=beside)
         if beside:
             copier = SideStoreCopier(copier, write_through)
-    if settings is not None and not beside:
-        _say_stores_share_the_copy_stream(settings)
-    pieces = settings.cpu_load_pieces if settings is not None else "off"
+    pieces = plan is not None and plan.load_pieces
     manager = OffloadManager(tier, copier, queue, block_entry(block_pool, patcher), write_through, pieces=pieces)
     queue.spill_hook = manager.spill
     if serve_misses:
@@ -130,20 +104,6 @@ def wire_offload(block_pool: Any, queue: PageAwareFreeQueue, tier: HostTier, cop
         queue.drop_hook = manager.dropped
         patcher.wrap_instance(block_pool, CACHE_FULL_BLOCKS, functools.partial(_named_full, manager))
     return manager
-
-
-def _say_stores_share_the_copy_stream(settings: Settings) -> None:
-    """Write-through's stores asked for (or left at) a stream of their own and sharing the copy stream: why;
-    a setting about them changed from its default where it moves nothing: that it has no effect."""
-    if settings.cpu_store == "write-through" and settings.cpu_store_stream == "own":
-        log.info("kvelastic: write-through's stores share the copy stream: %s", why_not_beside(settings))
-        return
-    moot = [("KVELASTIC_CPU_STORE_PATH", settings.cpu_store_path, Settings.cpu_store_path)]
-    if settings.cpu_store != "write-through":
-        moot.insert(0, ("KVELASTIC_CPU_STORE_STREAM", settings.cpu_store_stream, Settings.cpu_store_stream))
-    for variable, value, default in moot:
-        if value != default:
-            log.info("kvelastic: %s=%s has no effect here: %s", variable, value, why_not_beside(settings))
 
 
 def _named_full(manager: OffloadManager, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:

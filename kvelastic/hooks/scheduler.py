@@ -30,6 +30,7 @@ from kvelastic.startup.runtime import Runtime
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, SCHEDULE, UPDATE_FROM_OUTPUT
 from kvelastic.patches._common import argument
+from kvelastic.offload.plan import HostPlan, host_plan
 from kvelastic.patching.apply import Patcher
 from kvelastic.roles import CacheConnection
 from kvelastic.settings import Settings
@@ -75,11 +76,10 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
     vllm_connector = scheduler.connector is not None  # read before kvelastic may put its own there
-    async_loads = _loads_beside_compute(scheduler, settings, connection)
-    offload = _attach_offload(scheduler, block_pool, queue, connection, settings, patcher,
-                              serve_misses=not async_loads)
-    if offload is not None and async_loads:
-        _attach_host_loads(scheduler, offload, block_pool, runtime, patcher, connection)
+    plan = _host_plan(scheduler, connection) if settings.cpu_bytes else None
+    offload = _attach_offload(scheduler, block_pool, queue, connection, settings, plan, patcher)
+    if offload is not None and plan is not None and plan.loads_beside_compute:
+        _attach_host_loads(scheduler, offload, block_pool, patcher)
     if settings.release == "preempt":
         _attach_targeted_release(scheduler, queue, cache, connection, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
@@ -89,12 +89,11 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
     _wake_for_idle_work(scheduler, patcher, connection.idle_work())
     link = connection.join_account(scheduler, runtime)
     reclaimer = engine_upkeep(queue, cache, lock, cache_ttl_s=settings.cache_ttl_s,
-                              reserve_bytes=settings.reserve_bytes,
-                              reserve_busy_step_bytes=settings.reserve_busy_step_bytes, offload=offload, link=link,
+                              reserve_bytes=settings.reserve_bytes, offload=offload, link=link,
                               publisher=_publisher(link, scheduler),
                               rank_held_bytes=connection.rank_held_bytes,
                               after_tick=runtime.retire_unused_pools,
-                              reloads=_reload_reserve(offload, cache, settings))
+                              reloads=_reload_reserve(offload, cache))
     patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
     reclaimer.start()
     started.append(reclaimer)
@@ -158,49 +157,38 @@ def _reset_host_copies(offload: OffloadManager, reset: Any) -> None:
         offload.reset()
 
 
-def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, connection: CacheConnection,
-                    settings: Settings, patcher: Patcher, *, serve_misses: bool = True) -> OffloadManager | None:
-    """The host tier, where ``KVELASTIC_CPU_BYTES`` asks for one; None otherwise. ``serve_misses``: GPU
-    prefix misses the host holds become hits loaded in front of the step (False: asynchronous loads serve
-    them instead)."""
-    if not settings.cpu_bytes:
-        return None
-    from kvelastic.hooks.offload_setup import store_mode_for, wire_offload
+def _host_plan(scheduler: Any, connection: CacheConnection) -> HostPlan:
+    """The host tier's plan for this engine, from where its KV cache lives; logged once."""
+    connector = scheduler.connector
+    plan = host_plan(cache_in_process=connection.unmaps_between_steps, loads_reported=connection.async_loads,
+                     vllm_connector=None if connector is None else type(connector).__name__)
+    log.info("kvelastic: host tier: %s", plan.describe())
+    return plan
 
-    settings = store_mode_for(settings, in_process=connection.unmaps_between_steps)
-    offload = wire_offload(block_pool, queue, *connection.host_tier(settings), patcher, settings,
-                           serve_misses=serve_misses)
+
+def _attach_offload(scheduler: Any, block_pool: Any, queue: PageAwareFreeQueue, connection: CacheConnection,
+                    settings: Settings, plan: HostPlan | None, patcher: Patcher) -> OffloadManager | None:
+    """The host tier running ``plan``, where ``KVELASTIC_CPU_BYTES`` asks for one (None otherwise). GPU
+    prefix misses the host holds become hits loaded in front of the step, unless the plan loads them
+    beside compute (the connector serves them then)."""
+    if plan is None:
+        return None
+    from kvelastic.hooks.offload_setup import wire_offload
+
+    offload = wire_offload(block_pool, queue, *connection.host_tier(settings, plan), patcher, plan,
+                           serve_misses=not plan.loads_beside_compute)
     patcher.add_attribute(scheduler, "kvelastic_offload", offload)
     return offload
 
 
-def _reload_reserve(offload: OffloadManager | None, cache: Any, settings: Settings) -> "ReloadReserve | None":
-    """What sizes the warm reserve for host-tier reloads: ``KVELASTIC_RESERVE_HOST_RUNS`` with a host tier."""
-    if offload is None or not settings.reserve_host_runs_bytes:
+def _reload_reserve(offload: OffloadManager | None, cache: Any) -> "ReloadReserve | None":
+    """What sizes the warm reserve for host-tier reloads, with a host tier."""
+    if offload is None:
         return None
     from kvelastic.scheduler.reload_reserve import ReloadReserve
 
     tier = offload.tier
-    return ReloadReserve(offload.runs, cache, lambda: tier.stats().slots_used, settings.reserve_host_runs_bytes)
-
-
-def _loads_beside_compute(scheduler: Any, settings: Settings, connection: CacheConnection) -> bool:
-    """Whether host-tier hits load while their request waits: ``KVELASTIC_CPU_LOAD`` ``async`` or ``auto``
-    with a host tier, where vLLM made no KV connector (the seam it uses is the connector's). ``auto`` loads
-    in front of the step where the connection cannot finish loads beside compute; ``async`` is refused there
-    (:func:`~kvelastic.hooks.host_loads.attach_host_loads`)."""
-    if not settings.cpu_bytes or settings.cpu_load == "sync":
-        return False
-    if scheduler.connector is not None:
-        log.info("kvelastic: vLLM has a KV connector (%s): host-tier hits load in front of the step "
-                 "(KVELASTIC_CPU_LOAD=%s applies only without one)", type(scheduler.connector).__name__,
-                 settings.cpu_load)
-        return False
-    if settings.cpu_load == "auto" and not connection.async_loads:
-        log.info("kvelastic: host-tier hits load in front of the step (KVELASTIC_CPU_LOAD=auto): the worker "
-                 "ranks do not report loads on the steps' replies here (KVELASTIC_TP_CONFIRM=step does)")
-        return False
-    return True
+    return ReloadReserve(offload.runs, cache, lambda: tier.stats().slots_used)
 
 
 def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, connection: CacheConnection,
@@ -214,18 +202,16 @@ def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: A
     patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
-def _attach_host_loads(scheduler: Any, offload: OffloadManager, block_pool: Any, runtime: Runtime,
-                       patcher: Patcher, connection: CacheConnection) -> None:
-    """Host hits load while their request waits (with ``auto``, in front of the step where the request is
-    alone). The finished loads reach vLLM in ``update_from_output``'s input, fed inside the lock taken
-    around it (wrapped here, before the lock's wrapper goes around it)."""
+def _attach_host_loads(scheduler: Any, offload: OffloadManager, block_pool: Any, patcher: Patcher) -> None:
+    """Host hits load while their request waits, or in front of the step where the request is alone. The
+    finished loads reach vLLM in ``update_from_output``'s input, fed inside the lock taken around it
+    (wrapped here, before the lock's wrapper goes around it)."""
     from kvelastic.hooks.host_loads import InFrontWhenAlone, attach_host_loads, feeding_wrapper
     from kvelastic.hooks.offload_setup import hook_lookup
 
-    connector = attach_host_loads(scheduler, offload, patcher, runtime.settings, beside_compute=connection.async_loads)
+    connector = attach_host_loads(scheduler, offload, patcher)
     patcher.wrap_instance(scheduler, UPDATE_FROM_OUTPUT, feeding_wrapper(connector, scheduler))
-    if runtime.settings.cpu_load == "auto":
-        hook_lookup(block_pool, offload, patcher, serve_when=InFrontWhenAlone(scheduler, connector.loads))
+    hook_lookup(block_pool, offload, patcher, serve_when=InFrontWhenAlone(scheduler, connector.loads))
 
 
 def _publisher(link: Any, scheduler: Any) -> Any:

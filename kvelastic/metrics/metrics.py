@@ -58,8 +58,7 @@ COUNTERS = {
                      "GPU time of the copies back from the host tier (CUDA events around each batch on the copy "
                      "stream)"),
     "host_async_loaded_blocks": ("kvelastic_host_async_loaded_blocks",
-                                 "Host-tier blocks loaded while their request waited (KVELASTIC_CPU_LOAD=async), as a "
-                                 "count of KV blocks"),
+                                 "Host-tier blocks loaded while their request waited, as a count of KV blocks"),
     "host_hits": ("kvelastic_host_hits", "Prefix lookups served by the host tier"),
     "host_misses": ("kvelastic_host_misses", "Prefix lookups the host tier could not serve"),
     "reclaim_released_bytes": ("kvelastic_reclaim_released_bytes",

@@ -49,7 +49,6 @@ class PlannedLoad:
     keys: tuple[Hashable, ...]
     blocks: tuple[Any, ...]  # vLLM's block objects (each has ``block_id``)
     slots: tuple[int, ...]
-    asynchronous: bool
     fence: Fence | None = None  # None until issued
     failed: bool = False
 
@@ -69,9 +68,7 @@ class Retired:
 @dataclass
 class LoadCounters:
     async_loads: int = 0
-    sync_loads: int = 0
     async_blocks: int = 0
-    sync_blocks: int = 0
     failed_loads: int = 0
     deferred_lookups: int = 0  # "ask again": the run reached a key another request was loading
 
@@ -80,19 +77,15 @@ class AsyncLoads:
     """Plans, issues and retires host-tier loads for one GPU block pool."""
 
     def __init__(self, tier: HostTier, copier: Copier, hold: Callable[[Sequence[Any]], None],
-                 release: Callable[[Sequence[Any]], None], *, async_min_bytes: int = 0,
-                 runs: HostRuns | None = None):
+                 release: Callable[[Sequence[Any]], None], *, runs: HostRuns | None = None):
         """``hold(blocks)`` / ``release(blocks)``: one more / one less reference on vLLM's blocks
-        (``BlockPool.touch`` / ``free_blocks``). ``async_min_bytes``: a run smaller than this loads
-        synchronously, in front of the step's forward pass (no step lost). ``runs``: where each planned
-        run's length goes (the warm reserve for reloads sizes itself from them, as from the synchronous
-        path's)."""
+        (``BlockPool.touch`` / ``free_blocks``). ``runs``: where each planned run's length goes (the warm
+        reserve for reloads sizes itself from them, as from the synchronous path's)."""
         self.tier = tier
         self.runs = runs
         self.copier = copier
         self._hold = hold
         self._release = release
-        self.async_min_bytes = async_min_bytes
         self.counters = LoadCounters()
         self._queued: list[PlannedLoad] = []  # planned this step, issued at its end
         self._issued: deque[PlannedLoad] = deque()  # in issue order: one stream completes them in order
@@ -117,10 +110,6 @@ class AsyncLoads:
             run += 1
         return run
 
-    def is_async(self, blocks: int) -> bool:
-        """Whether a run of ``blocks`` loads beside compute (else in front of the step's forward pass)."""
-        return blocks * self.copier.bytes_per_block >= self.async_min_bytes
-
     # ---------------------------------------------------------------- promise
     def promise(self, request_id: str, keys: Sequence[Hashable]) -> None:
         """``keys`` (a run :meth:`host_run` just counted) are offered to ``request_id``: pinned until
@@ -141,7 +130,7 @@ class AsyncLoads:
             self._withdraw(request_id)
 
     # ------------------------------------------------------------------- plan
-    def plan(self, request_id: str, keys: Sequence[Hashable], blocks: Sequence[Any], *, asynchronous: bool) -> None:
+    def plan(self, request_id: str, keys: Sequence[Hashable], blocks: Sequence[Any]) -> None:
         """Load ``keys`` into ``blocks`` (vLLM just allocated them to ``request_id``): each key is
         requested from the policy (a hit) and pinned, each block held, and the load queued for
         :meth:`issue`. The keys were promised to the request in this step; one that left the tier all
@@ -151,7 +140,7 @@ class AsyncLoads:
         if not all(key in self.tier for key in keys):
             self._withdraw(request_id)
             self.counters.failed_loads += 1
-            self._queued.append(PlannedLoad(request_id, (), tuple(blocks), (), asynchronous, failed=True))
+            self._queued.append(PlannedLoad(request_id, (), tuple(blocks), (), failed=True))
             return
         slots = []
         for key in keys:
@@ -161,38 +150,34 @@ class AsyncLoads:
             self._loading[key] = self._loading.get(key, 0) + 1
             slots.append(slot)
         self._withdraw(request_id)
-        self._queued.append(PlannedLoad(request_id, tuple(keys), tuple(blocks), tuple(slots), asynchronous))
+        self._queued.append(PlannedLoad(request_id, tuple(keys), tuple(blocks), tuple(slots)))
         if self.runs is not None:
             self.runs.record(len(keys))
 
     # ------------------------------------------------------------------ issue
     def issue(self) -> None:
-        """End of ``schedule()``: issue the loads planned in it, synchronous ones first (compute waits
-        for them), then the asynchronous ones beside compute. Each kind goes to the copier as one batch,
-        whose fence every load of it shares: one request's run alone is often a few blocks, which the
-        copy paths move well below the link's rate, and the requests of a step are retired together at
-        the next step anyway. A batch that cannot be queued fails its loads. Runs offered in this
-        ``schedule()`` and not taken are no longer held."""
+        """End of ``schedule()``: issue the loads planned in it, beside compute, as one batch whose fence
+        every load of it shares: one request's run alone is often a few blocks, which the copy paths move
+        well below the link's rate, and the requests of a step are retired together at the next step
+        anyway. A batch that cannot be queued fails its loads. Runs offered in this ``schedule()`` and
+        not taken are no longer held."""
         self._withdraw_all()
         queued, self._queued = self._queued, []
-        queued.sort(key=lambda load: load.asynchronous)  # stable: sync first, each kind in plan order
-        for asynchronous in (False, True):
-            batch = [load for load in queued if load.asynchronous == asynchronous and not load.failed]
-            if batch:
-                self._issue_batch(batch, asynchronous)
+        batch = [load for load in queued if not load.failed]
+        if batch:
+            self._issue_batch(batch)
         self._issued.extend(queued)  # a failed one (its keys left the tier before it was planned) retires at once
 
-    def _issue_batch(self, batch: list[PlannedLoad], asynchronous: bool) -> None:
+    def _issue_batch(self, batch: list[PlannedLoad]) -> None:
         block_ids = [block_id for load in batch for block_id in load.block_ids]
         slots = [slot for load in batch for slot in load.slots]
         try:
-            fence = self.copier.load(block_ids, slots, block_compute=not asynchronous)
+            fence = self.copier.load(block_ids, slots, block_compute=False)
         except Exception:
             fence = None
             self.counters.failed_loads += len(batch)
-        counted = "async" if asynchronous else "sync"
-        setattr(self.counters, f"{counted}_loads", getattr(self.counters, f"{counted}_loads") + len(batch))
-        setattr(self.counters, f"{counted}_blocks", getattr(self.counters, f"{counted}_blocks") + len(block_ids))
+        self.counters.async_loads += len(batch)
+        self.counters.async_blocks += len(block_ids)
         for load in batch:
             load.fence = fence
             load.failed = fence is None
@@ -200,8 +185,8 @@ class AsyncLoads:
     # ----------------------------------------------------------------- retire
     def retire(self) -> Retired:
         """The loads whose fences passed (or that failed), in issue order, stopping at the first still
-        running: pins and held blocks given back. Async ones are reported by request id (vLLM then
-        schedules the request); a failed load also names its blocks (vLLM recomputes them)."""
+        running: pins and held blocks given back, each reported by request id (vLLM then schedules the
+        request); a failed load also names its blocks (vLLM recomputes them)."""
         out = Retired()
         while self._issued:
             load = self._issued[0]
@@ -209,8 +194,7 @@ class AsyncLoads:
                 break
             self._issued.popleft()
             self._finish(load)
-            if load.asynchronous:
-                out.finished.append(load.request_id)
+            out.finished.append(load.request_id)
             if load.failed:
                 out.invalid_block_ids.update(load.block_ids)
                 self._refused.add(load.request_id)
@@ -235,9 +219,8 @@ class AsyncLoads:
         self._withdraw(request_id)
 
     def waiting_for(self, request_id: str) -> bool:
-        """``request_id`` has an asynchronous load not yet retired."""
-        return any(load.request_id == request_id and load.asynchronous
-                   for load in (*self._queued, *self._issued))
+        """``request_id`` has a load not yet retired."""
+        return any(load.request_id == request_id for load in (*self._queued, *self._issued))
 
     def _finish(self, load: PlannedLoad) -> None:
         for key in load.keys:

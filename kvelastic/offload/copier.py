@@ -2,27 +2,26 @@
 
 A block is scattered over every layer's tensor (and, for some attention
 backends, over a K run and a V run of each), tens of kilobytes per piece, far
-too small for one DMA call each. These paths move whole batches instead:
+too small for one DMA call each. A batch moves one of two ways, chosen from the
+pieces' width (:func:`auto_path`):
 
-- ``staged``: gather on the device into a small staging buffer laid out like
-  host rows, then DMA each run of consecutive host slots (``staged_copy``);
+- ``runs``: runs of blocks whose ids and slots both go up by one move on the
+  copy engines (one strided transfer per piece), the rest as ``direct``
+  (``run_copy``): the driver's map calls are not held up beside SM copy
+  kernels, as they are beside the kernels;
 - ``direct``: gather/scatter kernels that read and write the pinned host rows
-  themselves, no staging memory (``direct_copy``);
-- ``fused``: one Triton kernel per batch that moves every piece of every block
-  between the views and the pinned host rows, 16 bytes per access (``fused_copy``);
-- ``runs``: runs of blocks whose ids and slots both go up by one move on the copy
-  engines (one strided transfer per piece), the rest as ``direct`` (``run_copy``):
-  the driver's map calls are held up beside SM copy kernels, not beside the engines;
-- ``auto`` (the default): ``runs`` where every piece of a block is at least
-  :data:`RUNS_MIN_PIECE_BYTES` wide, ``direct`` otherwise (:func:`resolve_path`).
+  themselves, no staging memory (``direct_copy``).
+
+``runs`` is taken where every piece of a block is at least
+:data:`RUNS_MIN_PIECE_BYTES` wide on a CUDA device, ``direct`` otherwise.
 
 Write-through's stores on a stream of their own (:meth:`BlockCopier.store_beside`)
-take the same path, or (``side_path="staged"``, ``KVELASTIC_CPU_STORE_PATH``) a
-staging buffer of their own: their SM work is then a gather at device-memory
-speed, and the PCIe writes run on the copy engines, while with ``direct`` the
-kernels hold their SMs for as long as the writes take, beside the forward pass.
-Asynchronous loads, which also run beside compute, may do the same
-(``async_load_path="staged"``, ``KVELASTIC_CPU_LOAD_PATH``).
+may go through a staging buffer of their own (``staged_side_stores``): their SM
+work is then a gather at device-memory speed, and the PCIe writes run on the
+copy engines, while the kernels of ``direct`` hold their SMs for as long as the
+writes take, beside the forward pass. Loads nothing waits for (asynchronous
+loads, and the pieces of a long run issued before the step's end), which also
+run beside compute, may do the same (``staged_loads``).
 
 On CUDA the copies run on their own stream. They start only after the work
 already queued on the legacy default stream (vLLM's compute), and a load makes
@@ -47,38 +46,31 @@ from kvelastic.offload.block_columns import BlockColumns
 from kvelastic.offload.copy_clock import CopyClock, Direction
 from kvelastic.offload.direct_copy import DirectCopy
 from kvelastic.offload.fences import EventFence
-from kvelastic.offload.fused_copy import FusedCopy
 from kvelastic.offload.run_copy import RunCopy
 from kvelastic.offload.staged_copy import StagedCopy
 from kvelastic.pool.backend import DoneFence, Fence
 from kvelastic.roles import Copier
-from kvelastic.settings import Settings
 from kvelastic.units import format_size
 
 log = logging.getLogger("vllm.kvelastic")
 
-__all__ = ["BlockCopier", "CopyPath", "DEFAULT_PATH", "RUNS_MIN_PIECE_BYTES", "BesidePath", "auto_path",
-           "resolve_path"]
+__all__ = ["BlockCopier", "CopyPath", "RUNS_MIN_PIECE_BYTES", "auto_path", "resolve_path"]
 
-CopyPath = Literal["auto", "staged", "direct", "fused", "runs"]
-BesidePath = Literal["same", "staged"]
-#: ``KVELASTIC_COPY_PATH``'s default, chosen from bench_copy.py on the GPU (docs/gpu-results.md).
-DEFAULT_PATH: CopyPath = Settings.copy_path  # type: ignore[assignment]
-STAGING_BYTES = 64 * 1024 * 1024
-#: The side stores' own staging buffer (``side_path="staged"``): a step's write-through batch is usually
-#: a few blocks (decode) and at most ``KVELASTIC_CPU_STORE_STEP``, which goes through it chunk by chunk.
-#: The asynchronous loads' (``async_load_path="staged"``) is as large.
-SIDE_STAGING_BYTES = 32 * 1024 * 1024
-#: ``auto`` sends runs to the copy engines only where every piece is at least this wide. On an H100
-#: (bench_copy.py, 2026-11-28) strided transfers of 32 KiB pieces (8B shape) beat the direct kernels
-#: at every batch size (1024 blocks: 51.3 / 50.3 against 49.3 / 47.3 GB/s each way) and let the
-#: driver map beside them (a 16k-token reload of an idle engine: 77.7 against 98.6 ms); transfers of
-#: 16 KiB pieces (1B shape, or an 8B shard under TP=2) were slower than the kernels at most sizes.
+#: ``auto``: :func:`auto_path`'s choice; ``runs`` and ``direct`` name a mover (tests and benchmarks compare them).
+CopyPath = Literal["auto", "direct", "runs"]
+#: Each staging buffer (the side stores' and the loads' nothing waits for): a step's write-through batch is
+#: usually a few blocks (decode) and at most ``write_through.STEP_BYTES``, which goes through it chunk by chunk.
+STAGING_BYTES = 32 * 1024 * 1024
+#: Runs go to the copy engines only where every piece is at least this wide. On an H100 (bench_copy.py)
+#: strided transfers of 32 KiB pieces (8B shape) beat the direct kernels at every batch size (1024 blocks:
+#: 51.3 / 50.3 against 49.3 / 47.3 GB/s each way) and let the driver map beside them (a 16k-token reload
+#: of an idle engine: 77.7 against 98.6 ms); transfers of 16 KiB pieces (1B shape, or an 8B shard under
+#: TP=2) were slower than the kernels at most sizes.
 RUNS_MIN_PIECE_BYTES = 32 * 1024
 
 
 def resolve_path(path: CopyPath, block_views: Sequence[torch.Tensor]) -> CopyPath:
-    """The path ``auto`` stands for with these views (one row of bytes per block); any other path as given."""
+    """The mover ``auto`` stands for with these views (one row of bytes per block); any other as given."""
     if path != "auto":
         return path
     return auto_path(piece_bytes(block_views), block_views[0].device.type == "cuda")
@@ -98,14 +90,17 @@ def auto_path(piece_bytes: Sequence[int], on_cuda: bool) -> CopyPath:
 class BlockCopier(Copier):
     """Moves whole blocks between ``block_views`` (each (num_blocks, bytes)) and host rows in this process."""
 
-    def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *,
-                 path: CopyPath = DEFAULT_PATH, staging_bytes: int = STAGING_BYTES,
-                 breaks: AbstractSet[int] = frozenset(), side_path: BesidePath = "same",
-                 async_load_path: BesidePath = "same"):
+    #: :meth:`store_beside` runs beside the copy stream, on a stream of its own (on a CPU every copy is
+    #: synchronous anyway).
+    side_stores = True
+
+    def __init__(self, block_views: Sequence[torch.Tensor], host: torch.Tensor, *, path: CopyPath = "auto",
+                 breaks: AbstractSet[int] = frozenset(), staged_side_stores: bool = False,
+                 staged_loads: bool = False, staging_bytes: int = STAGING_BYTES):
         """``breaks``: the first slot of each separately pinned chunk of ``host`` (no DMA crosses one).
-        ``side_path``: how :meth:`store_beside` moves its blocks: as the other copies (``same``), or
-        through a staging buffer of its own onto the copy engines (``staged``); ``async_load_path``: the
-        same for the loads nothing waits for (``load(block_compute=False)``: asynchronous loads)."""
+        ``staged_side_stores``: :meth:`store_beside` moves its blocks through a staging buffer of its own
+        onto the copy engines (else as the other copies); ``staged_loads``: the same for the loads nothing
+        waits for (``load(block_compute=False)``); ``staging_bytes``: each such buffer's size."""
         columns = BlockColumns.of(block_views, host)
         self.device = block_views[0].device
         self.cuda = self.device.type == "cuda"
@@ -117,33 +112,28 @@ class BlockCopier(Copier):
         self.clock = CopyClock() if self.cuda else None
         self.path = resolve_path(path, block_views)
         try:
-            self.mover = self._mover(self.path, columns, staging_bytes, breaks)
+            self.mover = self._mover(self.path, columns, breaks)
         except ConfigError:
             if path != "auto":
                 raise
-            self.path = "direct"  # a layout the copy engines cannot take: ``auto`` keeps the kernels
-            self.mover = self._mover(self.path, columns, staging_bytes, breaks)
-        if path == "auto":  # which path ``auto`` took cannot be read from the settings line
-            log.info("kvelastic: copy path auto -> %s (narrowest piece of a block %s)", self.path,
+            self.path = "direct"  # a layout the copy engines cannot take: the kernels move it
+            self.mover = self._mover(self.path, columns, breaks)
+        if path == "auto":
+            log.info("kvelastic: host-tier copies run on %s (narrowest piece of a block %s)",
+                     "the copy engines" if self.path == "runs" else "GPU kernels",
                      format_size(min(piece_bytes(block_views))))
-        self.side_path, self.async_load_path = side_path, async_load_path
         # Staging buffers of their own, allocated now: a shortage of GPU memory shows at start-up, not mid-step.
-        # The side stores' is used on the side stream only, the asynchronous loads' on the copy stream only.
-        self._side_mover = _beside_mover(side_path, "side", columns, host, self.device, breaks)
-        self._async_load_mover = _beside_mover(async_load_path, "async load", columns, host, self.device, breaks)
+        # The side stores' is used on the side stream only, the other loads' on the copy stream only.
+        staged = (columns, host, self.device, breaks, staging_bytes)
+        self._side_mover = _staged_mover(staged_side_stores, "side store", *staged)
+        self._async_load_mover = _staged_mover(staged_loads, "load", *staged)
 
-    def _mover(self, path: CopyPath, columns: BlockColumns, staging_bytes: int,
-               breaks: AbstractSet[int]) -> StagedCopy | DirectCopy | FusedCopy | RunCopy:
-        host = self.host
-        if path == "staged":
-            return StagedCopy(columns, host, self.device, staging_bytes, breaks)
+    def _mover(self, path: CopyPath, columns: BlockColumns, breaks: AbstractSet[int]) -> DirectCopy | RunCopy:
         if path == "direct":
-            return DirectCopy(columns, host, self.device)
-        if path == "fused":
-            return FusedCopy(columns, host, self.device)
+            return DirectCopy(columns, self.host, self.device)
         if path == "runs":
-            return RunCopy(columns, host, self.device, breaks)
-        raise ValueError(f"unknown copy path {path!r}: use 'auto', 'staged', 'direct', 'fused' or 'runs'")
+            return RunCopy(columns, self.host, self.device, breaks)
+        raise ValueError(f"unknown copy path {path!r}: use 'auto', 'direct' or 'runs'")
 
     def _indices(self, values: Sequence[int]) -> torch.Tensor:
         tensor = torch.tensor(list(values), dtype=torch.int64)
@@ -159,19 +149,12 @@ class BlockCopier(Copier):
         """
         return self._queue("store", block_ids, slots, self.stream, block_compute=block_compute)
 
-    @property
-    def side_stores(self) -> bool:
-        """Whether :meth:`store_beside` may run beside the copy stream: with a mover of its own, or on any
-        path but ``staged``, whose staging buffer two streams would share (on a CPU every copy is
-        synchronous anyway)."""
-        return self._side_mover is not None or self.path != "staged"
-
     def store_beside(self, block_ids: Sequence[int], slots: Sequence[int]) -> Fence:
         """A store on a second stream (write-through's): it follows the work queued so far on the legacy
         default stream and on the copy stream, and nothing waits for it unless told to
-        (:meth:`wait_for`, :meth:`fence_compute`). Without :attr:`side_stores`, an ordinary :meth:`store`."""
-        if not (self.side_stores and block_ids):
-            return self.store(block_ids, slots)
+        (:meth:`wait_for`, :meth:`fence_compute`)."""
+        if not block_ids:
+            return DoneFence()
         mover = self._side_mover or self.mover
         if not self.cuda:  # synchronous: no stream to put it on
             return self._queue("store", block_ids, slots, None, block_compute=False, mover=mover)
@@ -194,8 +177,9 @@ class BlockCopier(Copier):
 
         ``block_compute``: later compute on the legacy stream waits for it (a
         request scheduled in this step reads the blocks). False: an
-        asynchronous load, polled through its fence (through the staging
-        buffer of its own, with ``async_load_path="staged"``).
+        asynchronous load (or a piece of a long run issued before the step's
+        end), polled through its fence (through the staging buffer of its own,
+        with ``staged_loads``).
         """
         mover = None if block_compute else self._async_load_mover
         return self._queue("load", block_ids, slots, self.stream, block_compute=block_compute, mover=mover)
@@ -259,26 +243,24 @@ class BlockCopier(Copier):
         return EventFence(event)
 
 
-def _beside_mover(path: BesidePath, what: str, columns: BlockColumns, host: torch.Tensor, device: torch.device,
-                  breaks: AbstractSet[int]) -> StagedCopy | None:
-    """None for ``same`` (the copier's own mover); for ``staged`` a staging mover of its own, gathering (or
+def _staged_mover(wanted: bool, what: str, columns: BlockColumns, host: torch.Tensor, device: torch.device,
+                  breaks: AbstractSet[int], staging_bytes: int) -> StagedCopy | None:
+    """A staging mover of its own where ``wanted`` (else None: the copier's own mover), gathering (or
     scattering) with one fused kernel a chunk where Triton can run it (a batch of many chunks would
     otherwise cost the issuing thread a launch per piece per chunk), else piece by piece. A device that
-    refuses the staging buffer leaves these copies on the copier's own path, said in the log: an
+    refuses the staging buffer leaves these copies on the copier's own mover, said in the log: an
     engine that starts with a slower copy beats one that does not start."""
-    if path == "same":
+    if not wanted:
         return None
-    if path != "staged":
-        raise ValueError(f"unknown {what} path {path!r}: use 'same' or 'staged'")
     try:
         try:
-            return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks, fused=True)
+            return StagedCopy(columns, host, device, staging_bytes, breaks, fused=True)
         except ConfigError as e:
             log.info("kvelastic: the staged %s copies move piece by piece: %s", what, e)
-            return StagedCopy(columns, host, device, SIDE_STAGING_BYTES, breaks)
+            return StagedCopy(columns, host, device, staging_bytes, breaks)
     except torch.OutOfMemoryError as e:
         log.warning("kvelastic: no %s of GPU memory for the staged %s copies' buffer (%s); they take the "
-                    "copier's own path", format_size(SIDE_STAGING_BYTES), what, str(e).splitlines()[0])
+                    "copier's own path", format_size(staging_bytes), what, str(e).splitlines()[0])
         return None
 
 

@@ -1,8 +1,8 @@
 """GPU time of the host tier's copies, read from CUDA events without ever waiting for one.
 
-Raw copy benchmarks and the engine can disagree (the multi-turn A/B of
-2026-11-27 followed the host buffer's kind while ``bench_copy.py`` found both
-kinds equally fast), so the engine measures its own copies: each batch is
+Raw copy benchmarks and the engine can disagree (a multi-turn A/B followed the
+host buffer's kind while ``bench_copy.py`` found both kinds equally fast), so
+the engine measures its own copies: each batch is
 bracketed by two timing events on the copier's stream. The first fires when the
 stream reaches the batch (after the compute it waits for), the second when the
 batch is done, so their distance is the copy's own time on the GPU, whatever
@@ -12,7 +12,7 @@ The engine thread only records and appends; whoever reads the totals (the
 upkeep thread's log line and metrics) takes the finished batches off the front,
 asking each end event whether it has fired (``query``, never ``synchronize``).
 The copy stream's batches finish in the order appended; write-through's stores on a stream of their
-own (``KVELASTIC_CPU_STORE_STREAM=own``) may finish out of it, and a batch is then read once every
+own may finish out of it, and a batch is then read once every
 batch before it is done too. Their seconds may overlap the copy stream's.
 """
 

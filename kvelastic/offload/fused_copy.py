@@ -1,17 +1,19 @@
-"""Block copies by one Triton kernel per batch that moves every piece of every block.
+"""One Triton kernel per batch that moves every piece of every block between block views and rows.
 
-The direct path launches a gather and a scatter kernel per block piece (128
-launches per 8B batch) and passes the bytes twice, through a temporary. Here
-one launch per batch and direction reads each piece straight from its source
-(a device block view, or a pinned host row seen from the device through
-unified addressing) and writes it straight to its target, 16 bytes per access
-where the layout allows. The kernel finds the pieces in a small device table
-of addresses, strides and host columns built once, at setup
-(``fused_kernel``).
+The staged copies (``staged_copy``) gather a chunk of blocks into their
+staging rows, and scatter it back, with it: a pair of kernels per block piece
+would cost the thread that issues the copies 128 launches per chunk of an 8B
+batch. One launch per chunk and direction reads each piece straight from its
+source and writes it straight to its target, 16 bytes per access where the
+layout allows. The kernel finds the pieces in a small device table of
+addresses, strides and row columns built once, at setup (``fused_kernel``).
+Its rows may be any rows the device can address (the staging buffer; pinned
+host rows through unified addressing).
 
-Triton is imported only when this path is chosen. A machine that cannot run
-the kernel (no triton, no CUDA device, or the interpreter asked for GPU memory)
-is refused at setup with a :class:`ConfigError`: never a wrong copy later.
+Triton is imported only when a staged mover is built. A machine that cannot
+run the kernel (no triton, no CUDA device, or the interpreter asked for GPU
+memory) is refused at setup with a :class:`ConfigError`, and the staged mover
+then gathers piece by piece: never a wrong copy later.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from kvelastic.offload.block_columns import BlockColumns, check_range
 
 Indices = Callable[[Sequence[int]], torch.Tensor]
 #: Bytes one program copies of one piece: 8 KiB is 4 accesses of 16 bytes for each of 128 threads,
-#: enough in flight to keep PCIe busy. Not yet tuned on a GPU (``bench_copy.py --fused-tiles``).
+#: enough in flight to keep the link busy.
 CHUNK_BYTES = 8192
 NUM_WARPS = 4
 WIDEST_ACCESS = 16  # bytes: the widest load or store a GPU thread issues
-_REFUSED = "KVELASTIC_COPY_PATH=fused"
+_REFUSED = "the fused gather"
 
 
 @functools.lru_cache(maxsize=2)
@@ -50,15 +52,14 @@ def kernel_for(device: torch.device) -> Any:
     try:
         import triton
     except ImportError as e:
-        raise ConfigError(f"{_REFUSED} needs triton, which cannot be imported here ({e}); "
-                          f"use KVELASTIC_COPY_PATH=direct") from None
+        raise ConfigError(f"{_REFUSED} needs triton, which cannot be imported here ({e})") from None
     interpret = _interpreting(triton)
     if device.type == "cuda" and interpret:
         raise ConfigError(f"{_REFUSED}: TRITON_INTERPRET=1 runs kernels on the host, which cannot reach "
-                          f"the blocks on {device}; unset TRITON_INTERPRET or use KVELASTIC_COPY_PATH=direct")
+                          f"the blocks on {device}; unset TRITON_INTERPRET")
     if device.type != "cuda" and not interpret:
-        raise ConfigError(f"{_REFUSED} needs a CUDA device, and the blocks are on {device}; "
-                          f"use KVELASTIC_COPY_PATH=direct (or TRITON_INTERPRET=1 in tests)")
+        raise ConfigError(f"{_REFUSED} needs a CUDA device, and the blocks are on {device} "
+                          f"(TRITON_INTERPRET=1 runs it there in tests)")
     return _jitted(interpret)
 
 
@@ -92,7 +93,7 @@ class Launch:
 
 
 class FusedCopy:
-    """One kernel launch per batch and direction between the block views and host rows."""
+    """One kernel launch per batch and direction between the block views and rows the device can address."""
 
     def __init__(self, columns: BlockColumns, host: torch.Tensor, device: torch.device, *,
                  chunk_bytes: int = CHUNK_BYTES, num_warps: int = NUM_WARPS):
@@ -155,4 +156,4 @@ def _piece_table(columns: BlockColumns, size: int) -> tuple[list[list[int]], lis
 def _check_rows(tensor: torch.Tensor, what: str) -> None:
     if tensor.dim() != 2 or (tensor.shape[1] > 1 and tensor.stride(1) != 1):
         raise ConfigError(f"{_REFUSED} copies rows of contiguous bytes, and {what} has shape "
-                          f"{tuple(tensor.shape)}, strides {tensor.stride()}; use KVELASTIC_COPY_PATH=direct")
+                          f"{tuple(tensor.shape)}, strides {tensor.stride()}")

@@ -1,4 +1,4 @@
-"""The fused copy path's one Triton kernel (imported only when ``KVELASTIC_COPY_PATH=fused`` is chosen).
+"""The fused gather's one Triton kernel (imported only when a staged mover is built: ``fused_copy``).
 
 It lives apart from ``fused_copy`` because it imports triton at module level
 (a jitted function resolves ``tl`` from its module's globals), and kvelastic

@@ -37,13 +37,10 @@ import mmap
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from kvelastic.errors import KvelasticError
 from kvelastic.units import format_size
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("vllm.kvelastic")
 
@@ -160,8 +157,7 @@ def chunk_plan(slots: int, slot_bytes: int, chunk_bytes: int = CHUNK_BYTES,
 class HostMemory:
     """A (slots, slot_bytes) int8 host buffer whose slots ``[0, ready_slots)`` are pinned.
 
-    ``pinner=None``: nothing to pin (a host-backend engine, tests), or
-    ``buffer`` is already pinned (``KVELASTIC_CPU_PIN=at-start``): every slot
+    ``pinner=None``: nothing to pin (a host-backend engine, tests): every slot
     is ready at once and no thread starts.
 
     ``deferred``: the threads start only at :meth:`begin`. A tensor-parallel
@@ -173,20 +169,14 @@ class HostMemory:
 
     def __init__(self, slots: int, slot_bytes: int, *, pinner: Pinner | None, chunk_bytes: int = CHUNK_BYTES,
                  head_bytes: int = HEAD_BYTES, threads: int = THREADS, hugepages: bool = True,
-                 buffer: torch.Tensor | None = None, deferred: bool = False):
+                 deferred: bool = False):
         import torch
 
-        if buffer is not None and (pinner is not None or tuple(buffer.shape) != (slots, slot_bytes)):
-            raise ValueError("a given buffer is used as it is: no pinner, and shaped (slots, slot_bytes)")
         self.slots = slots
         self.slot_bytes = slot_bytes
-        if buffer is None:
-            self._mapping: mmap.mmap | None = mmap.mmap(-1, -(-slots * slot_bytes // PAGE) * PAGE)  # untouched
-            buffer = torch.frombuffer(self._mapping, dtype=torch.int8, count=slots * slot_bytes).view(slots,
-                                                                                                    slot_bytes)
-        else:
-            self._mapping = None
-        self.buffer = buffer
+        self._mapping: mmap.mmap | None = mmap.mmap(-1, -(-slots * slot_bytes // PAGE) * PAGE)  # untouched
+        self.buffer = torch.frombuffer(self._mapping, dtype=torch.int8, count=slots * slot_bytes).view(slots,
+                                                                                                     slot_bytes)
         self.address = self.buffer.data_ptr()
         self._pinner = pinner
         self._plan = chunk_plan(slots, slot_bytes, chunk_bytes, head_bytes) if pinner is not None else []
@@ -283,7 +273,7 @@ class HostMemory:
         return self.address + first * self.slot_bytes, stop - first * self.slot_bytes
 
     def _mapped_bytes(self) -> int:
-        assert self._mapping is not None  # only a buffer of our own is pinned in chunks
+        assert self._mapping is not None  # the buffer is not freed while it is pinned
         return len(self._mapping)
 
     def _pin_head(self) -> None:

@@ -51,18 +51,11 @@ class HostTierStats:
         return self.slots_used * self.slot_bytes
 
 
-def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, at_start: bool = False,
-                   deferred: bool = False) -> HostMemory:
-    """A (slots, slot_bytes) int8 host buffer, pinned in the background if asked (or all of it now,
-    ``at_start``, with torch's pinned allocation); a clear error if it cannot be had or this host
-    cannot pin at all (its first chunk is pinned before this returns). ``deferred``: the background
-    pinning waits for :meth:`HostMemory.begin`."""
+def allocate_slots(slots: int, slot_bytes: int, *, pin: bool, deferred: bool = False) -> HostMemory:
+    """A (slots, slot_bytes) int8 host buffer, pinned in the background if asked; a clear error if it
+    cannot be had or this host cannot pin at all (its first chunk is pinned before this returns).
+    ``deferred``: the background pinning waits for :meth:`HostMemory.begin`."""
     try:
-        if pin and at_start:
-            import torch
-
-            buffer = torch.empty((slots, slot_bytes), dtype=torch.int8, pin_memory=True)
-            return HostMemory(slots, slot_bytes, pinner=None, buffer=buffer)
         return HostMemory(slots, slot_bytes, pinner=CudaPinner() if pin else None, deferred=deferred)
     except (PinError, OSError, RuntimeError) as exc:
         raise HostTierError(f"cannot {'pin' if pin else 'allocate'} {format_size(slots * slot_bytes)} "
@@ -73,24 +66,22 @@ class HostTier:
     """Slots of pinned host memory indexed by block hash."""
 
     def __init__(self, capacity_bytes: int, slot_bytes: int, *, pin: bool, policy: str = "arc",
-                 allocate: bool = True, supply: SlotSupply | None = None, ahead_slots: int = 0,
-                 pin_at_start: bool = False):
+                 allocate: bool = True, supply: SlotSupply | None = None, ahead_slots: int = 0):
         """``allocate=False``: an index only; the slots' memory lives elsewhere (one buffer per TP rank),
         and ``supply`` says how many of them every rank has pinned (None: all of them).
 
         ``ahead_slots``: slots kept outside the policy for copies stored ahead
         of eviction (write-through, :mod:`kvelastic.offload.store_ahead`); the
-        policy manages the rest of the slots pinned so far. ``pin_at_start``: all of the memory is
-        pinned before this returns (``KVELASTIC_CPU_PIN=at-start``).
+        policy manages the rest of the slots pinned so far.
         """
         slots = capacity_bytes // slot_bytes
         if slots < 1:
             raise ConfigError(f"KVELASTIC_CPU_BYTES={capacity_bytes} holds no block of {slot_bytes} bytes")
         if not 0 <= ahead_slots < slots:
-            raise ConfigError(f"the write-through share ({ahead_slots} blocks) must leave the host tier's policy "
-                              f"at least one of its {slots} blocks; lower KVELASTIC_CPU_AHEAD")
+            raise ValueError(f"the write-through share ({ahead_slots} blocks) must leave the host tier's policy "
+                             f"at least one of its {slots} blocks")
         start = time.perf_counter()
-        self.memory = allocate_slots(slots, slot_bytes, pin=pin, at_start=pin_at_start) if allocate else None
+        self.memory = allocate_slots(slots, slot_bytes, pin=pin) if allocate else None
         self.buffer = self.memory.buffer if self.memory is not None else None
         self.pin_seconds = time.perf_counter() - start  # the constructor's share; the rest is in the background
         self.slot_bytes = slot_bytes

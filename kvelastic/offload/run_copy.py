@@ -2,10 +2,10 @@
 
 Why. The direct path's gather and scatter kernels run on the SMs, and the driver's
 map calls (cuMemMap + cuMemSetAccess, issued by the mapper thread while a reload
-copies) are held up while such kernels run: on an H100 (``scripts/bench_vmm_map.py``,
-2026-11-28) mapping 2 GiB took 48.6 ms beside the direct kernels instead of 8.7 ms
-(8 MiB pages), and 9.5 ms beside copy-engine transfers of the same bytes, which
-moved them as fast (42.5 ms against 44.3). So a reload whose maps should hide
+copies) are held up while such kernels run: on an H100 (``scripts/bench_vmm_map.py``)
+mapping 2 GiB took 48.6 ms beside the direct kernels instead of 8.7 ms (8 MiB pages),
+and 9.5 ms beside copy-engine transfers of the same bytes, which moved them as fast
+(42.5 ms against 44.3). So a reload whose maps should hide
 behind its copies wants the copies on the copy engines.
 
 How. A host row holds one block with its pieces side by side; on the device each
@@ -126,8 +126,8 @@ def pieces_of(columns: BlockColumns) -> list[Piece]:
         width = (c1 - c0) * size
         pitch = view.stride(0) * size
         if view.dim() != 2 or (view.shape[1] > 1 and view.stride(1) != 1) or pitch < width:
-            raise ConfigError(f"KVELASTIC_COPY_PATH=runs copies rows of contiguous bytes, and a block view has "
-                              f"shape {tuple(view.shape)}, strides {view.stride()}; use KVELASTIC_COPY_PATH=direct")
+            raise ConfigError(f"the copy engines copy rows of contiguous bytes, and a block view has "
+                              f"shape {tuple(view.shape)}, strides {view.stride()}")
         pieces.append(Piece(view.data_ptr(), pitch, c0 * size, width))
     return pieces
 
@@ -167,8 +167,8 @@ class DriverTransfers:
                  stream: Callable[[], int], max_pitch: int, bind: Callable[[], None] = lambda: None):
         for pitch in (host_pitch, *(p.device_pitch for p in pieces)):
             if pitch > max_pitch:
-                raise ConfigError(f"KVELASTIC_COPY_PATH=runs: a row pitch of {pitch} bytes exceeds the device's "
-                                  f"largest 2D copy pitch ({max_pitch}); use KVELASTIC_COPY_PATH=direct")
+                raise ConfigError(f"the copy engines: a row pitch of {pitch} bytes exceeds the device's "
+                                  f"largest 2D copy pitch ({max_pitch})")
         self.pieces = list(pieces)
         self.host_ptr, self.host_pitch = host_ptr, host_pitch
         self.driver, self.stream, self.bind = driver, stream, bind
@@ -226,8 +226,7 @@ def driver_transfers(columns: BlockColumns, host: torch.Tensor) -> DriverTransfe
     """
     device = columns.views[0].device
     if device.type != "cuda" or any(v.device != device for v in columns.views) or host.device.type != "cpu":
-        raise ConfigError(f"KVELASTIC_COPY_PATH=runs moves runs on a CUDA device's copy engines, and the blocks are "
-                          f"on {device}; use KVELASTIC_COPY_PATH=direct")
+        raise ConfigError(f"runs move on a CUDA device's copy engines, and the blocks are on {device}")
     from kvelastic.pool import cuda_driver
 
     index = cuda_driver.torch_device_index(device.index)

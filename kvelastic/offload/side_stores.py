@@ -1,9 +1,9 @@
 """Write-through's stores on a stream of their own, and the waits every other copy owes them.
 
 On one copy stream a step's loads, which its forward pass waits for, queue
-behind the write-through stores issued before them: on an H200 (nineteenth
-session) loads behind stores moved 32.0 GB/s, 48.0 without. With
-``KVELASTIC_CPU_STORE_STREAM=own`` the stores go to a second stream
+behind the write-through stores issued before them: on an H200 loads behind
+stores moved 32.0 GB/s, 48.0 without. So wherever the copier has a second
+stream (:attr:`Copier.side_stores`) the stores go there
 (:meth:`BlockCopier.store_beside`), which starts after the compute and the
 copies queued before it; the copy stream then owes them a wait only where it
 would race one, and this adaptor puts that wait in front of each of its
@@ -27,11 +27,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvelastic.offload.copier import BesidePath
 from kvelastic.offload.write_through import WriteThrough
 from kvelastic.pool.backend import Fence
 from kvelastic.roles import Copier
-from kvelastic.settings import Settings
 
 
 class SideStoreCopier(Copier):
@@ -71,29 +69,3 @@ class SideStoreCopier(Copier):
         if fences:
             self.write_through.copy_waits += 1
             self.inner.wait_for(fences)
-
-
-def side_stores_apply(copier: Copier, store_stream: str) -> bool:
-    """Whether write-through's stores get a stream of their own: asked for (``own``) and a copier in
-    this process that can give one (not ``staged`` without a staging buffer for them; a TP rank's
-    copiers are remote: their stores stay on the one stream)."""
-    return store_stream == "own" and copier.side_stores
-
-
-def side_path_for(settings: Settings) -> BesidePath:
-    """How the stores on their own stream move (``KVELASTIC_CPU_STORE_PATH``), where there are such stores:
-    the copier allocates a staging buffer for them only then."""
-    if settings.cpu_store == "write-through" and settings.cpu_store_stream == "own":
-        return settings.cpu_store_path  # type: ignore[return-value]
-    return "same"
-
-
-def why_not_beside(settings: Settings) -> str:
-    """Why write-through's stores stayed on the copy stream, for the log line that says a setting about
-    them (``KVELASTIC_CPU_STORE_STREAM``, ``KVELASTIC_CPU_STORE_PATH``) had no effect."""
-    if settings.cpu_store != "write-through":
-        return "it moves write-through's stores, and KVELASTIC_CPU_STORE is not write-through"
-    if settings.cpu_store_stream != "own":
-        return "it moves the stores on their own stream, and KVELASTIC_CPU_STORE_STREAM is not own"
-    return ("the copier has no second stream to give (KVELASTIC_COPY_PATH=staged without "
-            "KVELASTIC_CPU_STORE_PATH=staged, or copies on tensor-parallel ranks)")

@@ -1,13 +1,14 @@
 """Block copies through a device staging buffer and the GPU's DMA engines.
 
-The copy engines reach PCIe's full speed only on large contiguous transfers,
-and a block's pieces are small and scattered over every layer. So a batch is
-gathered on the device (at device-memory speed) into a staging buffer laid out
+The copies that run beside compute (write-through's stores on their own
+stream, and the loads nothing waits for) move this way: their SM work is only
+a gather (or scatter) at device-memory speed, and the PCIe traffic runs on the
+copy engines. A batch is gathered on the device into a staging buffer laid out
 exactly like host rows, and each run of consecutive host slots then moves in
 one DMA copy; loads do the same in reverse. Blocks are taken in slot order so
 that runs are as long as the slots allow. The staging buffer is small and
-reused chunk after chunk; all of it happens on the copier's one stream, so
-reuse needs no synchronisation.
+reused chunk after chunk; all of it happens on one stream, so reuse needs no
+synchronisation.
 
 A DMA copy may not cross from one pinned registration into the next (the
 driver refuses it with "invalid argument"), and the host tier's buffer is

@@ -25,8 +25,8 @@ stream (one event; a step that spills or loads synchronously already waits for
 it). Every fence covers all copies issued before it, so the stores in flight
 are tracked only since the last one.
 
-With ``KVELASTIC_CPU_STORE_STREAM=own`` the stores run on a stream of their
-own (:mod:`~kvelastic.offload.side_stores`), so the copy stream's loads never
+Where the copier has a second stream (``beside``) the stores run there
+(:mod:`~kvelastic.offload.side_stores`), so the copy stream's loads never
 queue behind them. Then a step's loads cover no store, and the copy stream
 itself must wait for a store it would race: a load into a block a store still
 reads, a load or spill of a slot a store still writes (:meth:`stores_touching`).
@@ -39,19 +39,21 @@ from typing import Any, Hashable, Iterable, NamedTuple, Sequence
 
 from kvelastic.offload.store_ahead import AheadCopies
 from kvelastic.pool.backend import Fence
-from kvelastic.settings import Settings
 
 #: Scheduling steps between the one that names a block full and the one whose end issues its copy.
 DELAY_STEPS = 2
+#: The most bytes of stores issued per scheduling step, oldest first: a burst of computed blocks (a long
+#: prefill) goes out over several steps, each about 11 ms of the link at 48 GB/s.
+STEP_BYTES = 512 * 1024 * 1024
+#: One slot of the host tier in ``AHEAD_SHARE`` is kept for copies of blocks still on the GPU (made ahead);
+#: the policy keeps what left the GPU in the rest, and an eviction promotes its block's copy made ahead.
+AHEAD_SHARE = 4
 
 
-def ahead_slots(settings: Settings, slots: int, slot_bytes: int) -> int:
-    """Slots of a tier of ``slots`` kept for copies made ahead: ``KVELASTIC_CPU_AHEAD`` (default a quarter
-    of the tier) with write-through, none without; always leaving the policy at least one."""
-    if settings.cpu_store != "write-through":
-        return 0
-    share = settings.cpu_ahead_bytes if settings.cpu_ahead_bytes is not None else slots * slot_bytes // 4
-    return max(0, min(slots - 1, share // slot_bytes))
+def ahead_slots(slots: int) -> int:
+    """Slots of a tier of ``slots`` kept for copies made ahead: :data:`AHEAD_SHARE` of it, always leaving
+    the policy at least one."""
+    return max(0, min(slots - 1, slots // AHEAD_SHARE))
 
 
 class Due(NamedTuple):
@@ -63,8 +65,10 @@ class Due(NamedTuple):
 class WriteThrough:
     """Blocks waiting for their store, and the stores still reading GPU blocks since the last fence."""
 
-    def __init__(self, ahead: AheadCopies, step_bytes: int, bytes_per_block: int, *, beside: bool = False):
-        """``beside``: the stores run on a stream of their own, which a step's loads do not cover."""
+    def __init__(self, ahead: AheadCopies, bytes_per_block: int, *, beside: bool = False,
+                 step_bytes: int = STEP_BYTES):
+        """``beside``: the stores run on a stream of their own, which a step's loads do not cover;
+        ``step_bytes``: the most bytes of stores issued per step."""
         self.ahead = ahead
         self.beside = beside
         self.step = 0  # scheduling steps completed

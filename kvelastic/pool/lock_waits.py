@@ -1,16 +1,14 @@
 """The page pool's lock, with the waits to take it counted, and the long holds and waits named.
 
 The upkeep thread grows the warm reserve a page group at a time with the pool's lock held, and a map
-the scheduler waits for, or a step's call into the pool, needs the same lock. On an H200 (session 24)
-the request right after an idle engine's 16k-token reload took 15-40 ms longer in a third of the reps
-while the reserve regrew. Off vLLM (``scripts/bench_grow_beside.py``) the growth cost the GPU's compute
-1-2 ms and a step's calls into the pool 4-6 ms, neither enough to explain it. In session 25 the counts
-showed the engine's threads waiting 16-52 ms a rep for the lock with the reserve (3-13 without), the
-longest waits the upkeep thread's; so the lock also names its recent long holds (which thread, in
-which of the pool's methods) and, for each long wait, who held the lock when it began.
+the scheduler waits for, or a step's call into the pool, needs the same lock. The counts tell who
+waits and how long (on an H200, beside an idle engine's 16k-token reload, the engine's threads waited
+16-52 ms a rep for the lock while the reserve regrew, 3-13 without it); the lock also names its recent
+long holds (which thread, in which of the pool's methods) and, for each long wait, who held the lock
+when it began.
 
-Those holds were the upkeep thread's, growing and trimming the reserve (6-20 ms a page group, 20-31 ms a
-trim) while the mapper waited. So a long holder can also step aside: :meth:`CountedLock.others_waiting`
+The long holds are the upkeep thread's, growing and trimming the reserve (there 6-20 ms a page group,
+20-31 ms a trim) while the mapper waits. So a long holder can also step aside: :meth:`CountedLock.others_waiting`
 tells it, between two batches of pages, that another thread waits, and :meth:`CountedLock.let_waiters_in` lets
 that thread go first before it takes the lock again.
 

@@ -4,7 +4,7 @@ Part of :class:`~kvelastic.pool.page_pool.PagePool` (a base class of it, kept ap
 reads and writes the pool's books under the pool's lock. Growing and trimming are the upkeep
 thread's work, never urgent, and run in turns: between two batches of pages
 (:data:`~kvelastic.pool.sources.BATCH_BYTES`, or two parked groups) they step aside for a thread
-that waits for the lock, a map the scheduler may be waiting for. On an H200 (session 25) a 256 MiB
+that waits for the lock, a map the scheduler may be waiting for. On an H200 a 256 MiB
 chunk of growth held the lock 6-20 ms and a trim 20-31 ms beside a busy engine, and the mapper
 waited behind them; in turns it waits for one batch's driver calls.
 """

@@ -71,11 +71,10 @@ class StatsLog:
             line += (f"; host tier {format_size(o['host_bytes_used'])}, hits {o['host_hits']}, misses "
                      f"{o['host_misses']}, spilled {format_size(o['spilled_bytes'])}, reloaded "
                      f"{format_size(o['reloaded_bytes'])}, ARC p {o['arc_p']}")
-            if "host_loads_async" in o:  # KVELASTIC_CPU_LOAD=async or auto
-                # in front of the step: the connector's small runs, and the runs the lookups served (auto: lone requests)
-                in_front = o["host_loads_sync"] + o["load_runs"]
+            if "host_loads_async" in o:  # hits load beside compute (kvelastic.offload.plan)
+                # in front of the step: the runs the lookups served (lone requests)
                 line += (f"; loads beside compute {o['host_loads_async']}, in front of the step "
-                         f"{in_front}, failed {o['host_loads_failed']}, lookups deferred "
+                         f"{o['load_runs']}, failed {o['host_loads_failed']}, lookups deferred "
                          f"{o['host_loads_deferred']}")
             if "load_seconds" in o:  # the copies' own GPU time: what the copies cost the engine
                 line += (f"; copies on the GPU: spill {o['store_seconds']:.2f} s ({_rate(o, 'store')}), "
@@ -83,7 +82,7 @@ class StatsLog:
             if "stored_ahead_bytes" in o:  # write-through: what of the spilled bytes went beside compute
                 line += (f"; write-through {format_size(o['stored_ahead_bytes'])} of it, evictions free "
                          f"{o['evicted_free']}, fences {o['store_fences']}")
-                if "copy_waits" in o:  # KVELASTIC_CPU_STORE_STREAM=own
+                if "copy_waits" in o:  # the stores run on a stream of their own
                     line += f", copies after a store {o['copy_waits']}"
         return line
 

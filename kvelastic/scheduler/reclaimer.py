@@ -15,8 +15,8 @@ upkeep thread's memory jobs (:mod:`kvelastic.scheduler.upkeep` runs them):
 - :class:`WarmReserve` finishes fenced unmaps and keeps a warm reserve of pages
   while the engine is busy, none while it idles; the pool parks those pages at
   the groups the scheduler maps next, so that mapping costs no driver call.
-  With ``KVELASTIC_RESERVE_HOST_RUNS`` the reserve also grows, while nobody
-  else waits, to cover the longest host-tier run reloaded lately
+  With a host tier the reserve also grows, while nobody else waits, to cover
+  the longest host-tier run reloaded lately
   (:mod:`~kvelastic.scheduler.reload_reserve`).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvelastic.pool.reserve_growth import GROW_CHUNK_BYTES, grow_in_chunks
+from kvelastic.pool.reserve_growth import grow_in_chunks
 from kvelastic.roles import SchedulerCache
 
 if TYPE_CHECKING:
@@ -102,6 +102,9 @@ class CacheReclaim:
 
 #: A block allocated this recently means requests are running: the reserve grows ``busy_step_bytes`` a tick.
 PACED_WITHIN_S = 0.25
+#: The most the warm reserve grows per tick while requests run. On an H200 2 GiB grown at once beside the
+#: request after a 16k-token reload cost that request 15-40 ms in a third of the reps; 256 MiB a tick, none.
+BUSY_STEP_BYTES = 256 * 1024 * 1024
 
 
 class WarmReserve:
@@ -113,7 +116,7 @@ class WarmReserve:
     engine whose requests are done would keep its cache from the engines that
     really wait (seen on the GPU: 8 MiB wants renewed for 15 s after a burst).
 
-    ``reloads`` (``KVELASTIC_RESERVE_HOST_RUNS``) raises the target to cover
+    ``reloads`` raises the target to cover
     the longest host-tier run reloaded lately, but only while no other engine
     waits (``account``'s pressure): that part is memory held for a reload that
     may come, so it is the first to go. When the target falls (the runs aged
@@ -124,17 +127,16 @@ class WarmReserve:
     what the scheduler waits for (a reload's own groups on an idle engine, the next request's first
     group after a reload used the reserve). What it did not grow, the next tick does. While requests
     run (a block allocated within :data:`PACED_WITHIN_S`) it grows ``busy_step_bytes`` a tick
-    (``KVELASTIC_RESERVE_BUSY_STEP``, 256 MiB by default; None: a growth chunk): on an H200
-    (session 25) 2 GiB grown at once beside the request after a 16k reload cost that request 15-40 ms
-    in a third of the reps although no engine thread waited for the pool's lock (its driver calls
-    beside the engine's launches, not established which part); between requests it grows at once.
+    (:data:`BUSY_STEP_BYTES`): growth at once beside a request cost it time although no engine thread
+    waited for the pool's lock (its driver calls beside the engine's launches, not established which
+    part); between requests it grows at once.
     """
 
     under_scheduler_lock = False
 
     def __init__(self, queue: "PageAwareFreeQueue", cache: SchedulerCache, *, reserve_pages: int,
                  cache_ttl_s: float, reloads: "ReloadReserve | None" = None, account: AccountSync | None = None,
-                 busy_step_bytes: int | None = None):
+                 busy_step_bytes: int = BUSY_STEP_BYTES):
         self.queue = queue
         self.cache = cache
         self.reserve_pages = reserve_pages
@@ -168,7 +170,6 @@ class WarmReserve:
         if room is not None:
             missing = min(missing, (room - warm) // pool.page_bytes)
         if now - self.queue.last_allocation < PACED_WITHIN_S:  # requests are running: a step a tick
-            step = GROW_CHUNK_BYTES if self.busy_step_bytes is None else self.busy_step_bytes
-            missing = min(missing, max(1, step // pool.page_bytes))
+            missing = min(missing, max(1, self.busy_step_bytes // pool.page_bytes))
         # which also parks warm pages at the groups mapped next; no chunk while maps are queued
         grow_in_chunks(pool, max(0, missing), wait_for=self.queue.mapper.busy)

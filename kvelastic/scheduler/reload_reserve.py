@@ -1,4 +1,4 @@
-"""How much warm memory the next long reload from the host tier would want (``KVELASTIC_RESERVE_HOST_RUNS``).
+"""How much warm memory the next long reload from the host tier would want.
 
 A reload of a long prefix from the host tier maps every page group its
 blocks land in before the step's forward pass can start: a 16k-token 8B
@@ -11,7 +11,7 @@ burst of new blocks, not such a run.
 :class:`ReloadReserve` says how far the reserve should grow to cover one:
 the longest run of host hits loaded within the last minute
 (:class:`~kvelastic.offload.host_runs.HostRuns`), in whole page groups, at
-most what the host tier still holds and at most the setting. Memory is thus
+most what the host tier still holds and at most :data:`MAX_BYTES`. Memory is thus
 held only for reloads that happened lately and could happen again; the
 warm reserve holds it only while the engine is busy and nobody else on the
 GPU waits, and within the limit and the account's room (which count warm
@@ -25,11 +25,16 @@ from typing import Callable
 from kvelastic.offload.host_runs import HostRuns
 from kvelastic.roles import SchedulerCache
 
+#: The most the warm reserve grows to for reloads: a 16k-token 8B prefix (eight page groups). On an H100 it
+#: took a busy engine's reload of one from 84 to 64 ms (docs/offload.md).
+MAX_BYTES = 2048 * 1024 * 1024
+
 
 class ReloadReserve:
     """Bytes of page groups the longest recent host run would map, capped by ``cap_bytes`` and the tier."""
 
-    def __init__(self, runs: HostRuns, cache: SchedulerCache, host_blocks: Callable[[], int], cap_bytes: int):
+    def __init__(self, runs: HostRuns, cache: SchedulerCache, host_blocks: Callable[[], int],
+                 cap_bytes: int = MAX_BYTES):
         """``host_blocks``: blocks the host tier holds now (a run cannot come back longer than that)."""
         self.runs = runs
         self.cache = cache

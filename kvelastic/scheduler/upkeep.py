@@ -93,21 +93,19 @@ def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: Cont
                   link: "AccountLink | None" = None, publisher: "StatsPublisher | None" = None,
                   rank_held_bytes: Callable[[], list[int]] | None = None,
                   after_tick: Callable[[], None] | None = None, interval_s: float = 0.25,
-                  reloads: "ReloadReserve | None" = None, reserve_busy_step_bytes: int | None = None,
+                  reloads: "ReloadReserve | None" = None,
                   clock: Callable[[], float] = time.monotonic) -> UpkeepThread:
     """The upkeep of one engine, its jobs in the order one tick runs them.
 
     ``link``: the engine's membership in the GPU's shared account, if it joined one;
     ``publisher``: the metrics snapshot's writer; ``after_tick``: run last on every tick;
-    ``reloads``: how far the warm reserve grows for host-tier reloads (``KVELASTIC_RESERVE_HOST_RUNS``);
-    ``reserve_busy_step_bytes``: how much it grows a tick while requests run (``KVELASTIC_RESERVE_BUSY_STEP``).
+    ``reloads``: how far the warm reserve grows for host-tier reloads.
     """
     account = AccountSync(link, queue, offload) if link is not None else None
     jobs: list[PeriodicJob] = [] if account is None else [account]
     jobs += [CacheReclaim(queue, cache, cache_ttl_s=cache_ttl_s, account=account),
              WarmReserve(queue, cache, reserve_pages=reserve_bytes // cache.pool.page_bytes,
-                         cache_ttl_s=cache_ttl_s, reloads=reloads, account=account,
-                         busy_step_bytes=reserve_busy_step_bytes),
+                         cache_ttl_s=cache_ttl_s, reloads=reloads, account=account),
              StatsLog(cache, offload, rank_held_bytes=rank_held_bytes)]
     if publisher is not None:
         jobs.append(MetricsPublish(publisher, queue, cache, offload, link.timing if link is not None else None))

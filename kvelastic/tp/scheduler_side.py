@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvelastic.startup.runtime import Runtime
     from kvelastic.offload.host_memory import SlotSupply
     from kvelastic.offload.host_tier import HostTier
+    from kvelastic.offload.plan import HostPlan
     from kvelastic.settings import Settings
 
 log = logging.getLogger("vllm.kvelastic")
@@ -146,7 +147,7 @@ class RankConnection(CacheConnection):
         self.host_slots = min(i.host_slots for i in infos)  # a slot must exist on every rank
         self.slot_bytes = sum(i.slot_bytes for i in infos)  # one slot of the index: every rank's share of a block
 
-    def host_tier(self, settings: "Settings") -> tuple["HostTier", Copier]:
+    def host_tier(self, settings: "Settings", plan: "HostPlan") -> tuple["HostTier", Copier]:
         """The host-tier index on the scheduler; the slots' memory is one pinned buffer per rank, and a
         slot is handed out once every rank has pinned it."""
         from kvelastic.offload.host_tier import HostTier
@@ -163,7 +164,7 @@ class RankConnection(CacheConnection):
             supply = RankHostSupply(self.mapper.boards)
         tier = HostTier(self.host_slots * self.slot_bytes, self.slot_bytes, pin=False, allocate=False,
                         policy=settings.cpu_policy, supply=supply,
-                        ahead_slots=ahead_slots(settings, self.host_slots, self.slot_bytes))
+                        ahead_slots=ahead_slots(self.host_slots) if plan.write_through else 0)
         return tier, RemoteCopier(self.mapper, self.slot_bytes)
 
     def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None]:

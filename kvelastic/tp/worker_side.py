@@ -52,7 +52,6 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
     settings = runtime.settings
     engine = rank_folder(runner.vllm_config.parallel_config.distributed_executor_backend)
     worker = start_rank(cache, engine.folder, rank, world, runtime.limit_bytes, settings.cpu_bytes,
-                        copy_path=settings.copy_path, pin_at_start=settings.cpu_pin == "at-start",
                         map_after_launch=settings.tp_map_after_launch)
     runtime.rank_worker = worker
     where = worker.folder or "no folder (another host: its description, reports and commands ride vLLM's calls)"
@@ -62,13 +61,12 @@ def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> Ran
 
 
 def start_rank(cache: ElasticKVCache, folder: Path | None, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None, copy_path: str = Settings.copy_path, pin_at_start: bool = False,
-               map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
+               cpu_bytes: int | None, map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
     """Describe this rank's cache in ``folder`` (None: on another host, nowhere but in memory), set up its
     host-tier share, start its worker (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
-        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world, copy_path, pin_at_start)
+        copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world)
     gpu_id, gpu_total = device_identity(cache.pool.backend)
     info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
                         group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
@@ -83,9 +81,10 @@ def start_rank(cache: ElasticKVCache, folder: Path | None, rank: int, world: int
     return worker
 
 
-def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: str,
-                pin_at_start: bool = False) -> tuple["BlockCopier | None", "HostMemory | None", int]:
-    """This rank's slots, pinned in the background (or now): ``KVELASTIC_CPU_BYTES`` covers all ranks together."""
+def _host_share(cache: ElasticKVCache, cpu_bytes: int,
+                world: int) -> tuple["BlockCopier | None", "HostMemory | None", int]:
+    """This rank's slots, pinned in the background: ``KVELASTIC_CPU_BYTES`` covers all ranks together. Its
+    copier has no staging buffers: a rank stores as blocks leave the GPU, and its loads take its own path."""
     from kvelastic.hooks.offload_setup import BlockRows
     from kvelastic.offload.host_tier import allocate_slots
 
@@ -93,5 +92,5 @@ def _host_share(cache: ElasticKVCache, cpu_bytes: int, world: int, copy_path: st
     slots = cpu_bytes // (rows.slot_bytes * world)
     if slots < 1:
         return None, None, rows.slot_bytes
-    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, at_start=pin_at_start, deferred=True)
-    return rows.copier(memory, copy_path), memory, rows.slot_bytes
+    memory = allocate_slots(slots, rows.slot_bytes, pin=rows.pin, deferred=True)
+    return rows.copier(memory), memory, rows.slot_bytes

@@ -1,4 +1,4 @@
-"""The block copier on a real GPU: both paths exact over VMM-backed views, and truly asynchronous."""
+"""The block copier on a real GPU: its movers exact over VMM-backed views, and truly asynchronous."""
 
 from __future__ import annotations
 
@@ -16,11 +16,18 @@ pytestmark = [
 MIB = 1024 * 1024
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("widths", [[4096, 4096], [1000, 24], [5, 3]], ids=["int64", "int64-odd", "int8"])
+def test_round_trip_is_exact_on_the_device(widths):
+    round_trip("cuda", "direct", widths)
+
+
 @pytest.mark.parametrize("widths", [[4096, 4096], [1000, 24], [5, 3]], ids=["int64", "int64-odd", "int8"])
 @pytest.mark.parametrize("staging_rows", [1, 7, 1000])
-def test_round_trip_is_exact_on_the_device(path, widths, staging_rows):
-    round_trip("cuda", path, widths, staging_bytes=staging_rows * sum(widths))
+def test_the_staged_movers_round_trip_exactly_on_the_device(widths, staging_rows):
+    """Write-through's stores on their own stream and the loads nothing waits for, through staging buffers
+    of their own, gathered and scattered by the fused kernel."""
+    copier = round_trip("cuda", "direct", widths, staging_bytes=staging_rows * sum(widths))
+    assert copier._side_mover.fused is not None and copier._async_load_mover.fused is not None
 
 
 @pytest.mark.parametrize("piece_kib, path", [(32, "runs"), (16, "direct")])
@@ -38,8 +45,8 @@ def test_auto_sends_wide_pieces_to_the_copy_engines_and_keeps_runs_exact(piece_k
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
-def test_round_trip_over_vmm_pages(path):
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_round_trip_over_vmm_pages(staged):
     from kvelastic.pool.cuda import CudaBackend
 
     pool = PagePool.standard(CudaBackend(), page_bytes=2 * MIB, zero_on_map="fresh")
@@ -50,12 +57,13 @@ def test_round_trip_over_vmm_pages(path):
         for v in views:
             v.view(torch.float16).normal_()
         host = torch.zeros((64, 8 * 32 * 1024), dtype=torch.int8, pin_memory=True)
-        copier = BlockCopier(views, host, path=path, staging_bytes=5 * host.shape[1])
+        copier = BlockCopier(views, host, path="direct", staged_side_stores=staged, staged_loads=staged,
+                             staging_bytes=5 * host.shape[1])
         ids = list(range(3, 67))
         want = torch.stack([torch.cat([v[i] for v in views]) for i in ids]).cpu()
-        copier.store(ids, list(range(63, -1, -1))).wait()
+        (copier.store_beside if staged else copier.store)(ids, list(range(63, -1, -1))).wait()
         assert torch.equal(host.flip(0), want)
-        copier.load(list(range(100, 164)), list(range(63, -1, -1))).wait()
+        copier.load(list(range(100, 164)), list(range(63, -1, -1)), block_compute=not staged).wait()
         got = torch.stack([torch.cat([v[i] for v in views]) for i in range(100, 164)]).cpu()
         assert torch.equal(got, want)
         del views, raws
@@ -64,7 +72,7 @@ def test_round_trip_over_vmm_pages(path):
         pool.close()
 
 
-@pytest.mark.parametrize("path", ["direct", "fused"])
+@pytest.mark.parametrize("path", ["direct"])
 def test_load_orders_later_compute_and_store_returns_before_the_copy_ends(path):
     """The host thread never waits: store returns an unfinished fence; compute after a load sees the data.
     (``runs`` has its own, in test_run_copy_cuda.py: a warm-up first, and runs of blocks to load.)"""
@@ -84,7 +92,7 @@ def test_load_orders_later_compute_and_store_returns_before_the_copy_ends(path):
     assert times is not None and times["store_timed_bytes"] == 2048 * 512 * 1024
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("path", ["direct"])
 def test_a_store_beside_compute_never_holds_the_default_stream_until_fenced(path):
     """Write-through's contract: ``block_compute=False`` leaves compute free; ``fence_compute`` makes it wait."""
     blocks = torch.randint(-128, 127, (64, 64 * 1024), dtype=torch.int8, device="cuda")
@@ -112,7 +120,7 @@ def test_a_store_beside_compute_never_holds_the_default_stream_until_fenced(path
     assert torch.equal(host, blocks.cpu())
 
 
-@pytest.mark.parametrize("path", ["staged", "direct"])
+@pytest.mark.parametrize("path", ["direct"])
 def test_the_copiers_own_clock_times_finished_batches_only_and_never_waits(path):
     """GPU seconds per direction from events around each batch: a 1 GiB store unfinished is not counted yet
     (reading the totals does not wait for it); once done, its bytes and a time that fits PCIe are."""
@@ -131,17 +139,16 @@ def test_the_copiers_own_clock_times_finished_batches_only_and_never_waits(path)
     assert times["load_seconds"] > 0
 
 
-@pytest.mark.parametrize("path, side_path", [("direct", "same"), ("runs", "same"), ("direct", "staged"),
-                                             ("staged", "staged")])
-def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(path, side_path):
-    """``KVELASTIC_CPU_STORE_STREAM=own``: a load on the copy stream does not queue behind a store on the
-    side stream; one told to wait for it (``wait_for``) reads what it wrote; ``fence_compute`` covers it.
-    ``side_path="staged"`` (``KVELASTIC_CPU_STORE_PATH``): the same through a staging buffer of its own."""
+@pytest.mark.parametrize("path, staged", [("direct", False), ("runs", False), ("direct", True), ("runs", True)])
+def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(path, staged):
+    """Write-through's stores on a stream of their own: a load on the copy stream does not queue behind a
+    store on the side stream; one told to wait for it (``wait_for``) reads what it wrote; ``fence_compute``
+    covers it. ``staged``: the same through a staging buffer of its own."""
     width = 64 * 1024
     blocks = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8, device="cuda")
     views = [blocks[:, :width], blocks[:, width:]]
     host = torch.zeros((4096, 2 * width), dtype=torch.int8, pin_memory=True)
-    copier = BlockCopier(views, host, path=path, side_path=side_path)
+    copier = BlockCopier(views, host, path=path, staged_side_stores=staged)
     assert copier.side_stores
     copier.store_beside(list(range(64)), list(range(64))).wait()  # warm-up: the side stream's first use
     copier.load(list(range(64)), list(range(64))).wait()
@@ -168,14 +175,14 @@ def test_a_store_beside_leaves_the_copy_stream_free_until_a_copy_waits_for_it(pa
 
 @pytest.mark.parametrize("path", ["direct", "runs"])
 def test_an_asynchronous_load_through_its_own_staging_leaves_compute_free_and_lands_exactly(path):
-    """``KVELASTIC_CPU_LOAD_PATH=staged``: a load nothing waits for (``block_compute=False``) goes through
+    """``staged_loads``: a load nothing waits for (``block_compute=False``) goes through
     the staging buffer of its own, compute queued after it runs at once, and the blocks get the slots'
     bytes, scattered blocks from scattered slots, over several chunks (256 MiB through 32 MiB)."""
     width = 64 * 1024
     blocks = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8, device="cuda")
     views = [blocks[:, :width], blocks[:, width:]]
     host = torch.randint(-128, 127, (4096, 2 * width), dtype=torch.int8).pin_memory()
-    copier = BlockCopier(views, host, path=path, async_load_path="staged")
+    copier = BlockCopier(views, host, path=path, staged_loads=True)
     copier.load([1], [1], block_compute=False).wait()  # warm-up: first-use allocations
     torch.cuda.synchronize()
     with torch.cuda.stream(copier.stream):

@@ -1,6 +1,6 @@
-"""The fused copy path on a real GPU: byte for byte what the direct path moves, over VMM pages.
+"""The fused gather of the staged movers on a real GPU: byte for byte what the direct path moves, over VMM pages.
 
-Over the tier's own memory and for the host thread never waiting, it runs in the paths' shared tests
+Over the tier's own memory and for the host thread never waiting, the staged movers run in the shared tests
 (test_host_memory_cuda.py, test_copier_cuda.py).
 
     python -m pytest -q tests/gpu/test_fused_copy_cuda.py
@@ -32,7 +32,8 @@ def compiled_not_interpreted(monkeypatch):
 
 @pytest.mark.parametrize("widths", [[4096, 4096], [1000, 24], [5, 3]], ids=["int64", "int64-odd", "int8"])
 def test_round_trip_is_exact_on_the_device(widths):
-    round_trip("cuda", "fused", widths, staging_bytes=0)
+    copier = round_trip("cuda", "direct", widths, staging_bytes=7 * sum(widths))
+    assert copier._side_mover.fused is not None and copier._async_load_mover.fused is not None
 
 
 def vmm_kv(pool: PagePool, layers: int, run: int, num_blocks: int) -> list[torch.Tensor]:
@@ -47,7 +48,7 @@ def vmm_kv(pool: PagePool, layers: int, run: int, num_blocks: int) -> list[torch
 
 @pytest.mark.parametrize("layers, run_kib", [(32, 32), (16, 16)], ids=["8b", "1b"])
 @pytest.mark.parametrize("slots", ["runs", "scattered"])
-def test_fused_moves_the_same_bytes_as_direct_over_vmm_pages(layers, run_kib, slots):
+def test_the_staged_movers_move_the_same_bytes_as_direct_over_vmm_pages(layers, run_kib, slots):
     from kvelastic.pool.cuda import CudaBackend
 
     rng = random.Random(layers)
@@ -56,23 +57,25 @@ def test_fused_moves_the_same_bytes_as_direct_over_vmm_pages(layers, run_kib, sl
     try:
         views = vmm_kv(pool, layers, run_kib * KIB, num_blocks)
         row = 2 * layers * run_kib * KIB
-        hosts = {p: torch.zeros((capacity, row), dtype=torch.int8, pin_memory=True) for p in ("direct", "fused")}
-        copiers = {p: BlockCopier(views, hosts[p], path=p) for p in hosts}  # type: ignore[arg-type]
-        launch = copiers["fused"].mover.launch
-        assert (launch.align, launch.even) == (16, True), f"the engine's layout must take 16-byte accesses: {launch}"
+        hosts = {p: torch.zeros((capacity, row), dtype=torch.int8, pin_memory=True) for p in ("direct", "staged")}
+        direct = BlockCopier(views, hosts["direct"], path="direct")
+        staged = BlockCopier(views, hosts["staged"], path="direct", staged_side_stores=True, staged_loads=True)
+        for mover in (staged._side_mover, staged._async_load_mover):
+            launch = mover.fused.launch
+            assert (launch.align, launch.even) == (16, True), f"the engine's layout takes 16-byte accesses: {launch}"
         ids = rng.sample(range(num_blocks), batch)
         targets = list(range(batch)) if slots == "runs" else rng.sample(range(capacity), batch)
         want = torch.stack([torch.cat([v[i] for v in views]) for i in ids]).cpu()
-        for copier in copiers.values():
-            copier.store(ids, targets).wait()
-        assert torch.equal(hosts["fused"], hosts["direct"])
-        assert torch.equal(hosts["fused"][targets], want)
+        direct.store(ids, targets).wait()
+        staged.store_beside(ids, targets).wait()
+        assert torch.equal(hosts["staged"], hosts["direct"])
+        assert torch.equal(hosts["staged"][targets], want)
         destinations = rng.sample(range(num_blocks), batch)
-        copiers["fused"].load(destinations, targets).wait()
+        staged.load(destinations, targets, block_compute=False).wait()
         torch.cuda.synchronize()
         got = torch.stack([torch.cat([v[i] for v in views]) for i in destinations]).cpu()
         assert torch.equal(got, want)
-        del views, copiers
+        del views, direct, staged
     finally:
         torch.cuda.synchronize()
         pool.close()

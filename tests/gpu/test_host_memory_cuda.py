@@ -47,17 +47,19 @@ def test_constructor_returns_long_before_a_synchronous_pin(pinned_2gib):
     assert memory.ready_slots == memory.slots and memory.buffer.is_pinned()
 
 
-@pytest.mark.parametrize("path", ["direct", "staged", "fused"])
+@pytest.mark.parametrize("path, staged", [("direct", False), ("runs", False), ("direct", True)])
 @pytest.mark.parametrize("where", ["last", "across"])
-def test_copies_into_background_pinned_slots_round_trip(pinned_2gib, path, where):
+def test_copies_into_background_pinned_slots_round_trip(pinned_2gib, path, staged, where):
+    """Every mover, the staged ones (DMA per run of slots, which must end at each pinned chunk) too."""
     memory = pinned_2gib[0]
     boundary = chunk_plan(memory.slots, SLOT)[1][1]
     slots = list(range(memory.slots - 8, memory.slots)) if where == "last" else list(range(boundary - 4, boundary + 4))
     kv = torch.randint(-128, 127, (32, SLOT), dtype=torch.int8, device="cuda")
-    copier = BlockCopier([kv], memory.buffer, path=path, breaks=memory.breaks)
-    copier.store(list(range(8)), slots).wait()
+    copier = BlockCopier([kv], memory.buffer, path=path, breaks=memory.breaks, staged_side_stores=staged,
+                         staged_loads=staged)
+    (copier.store_beside if staged else copier.store)(list(range(8)), slots).wait()
     assert torch.equal(memory.buffer[slots], kv[:8].cpu())
-    copier.load(list(range(24, 32)), slots).wait()
+    copier.load(list(range(24, 32)), slots, block_compute=not staged).wait()
     torch.cuda.synchronize()
     assert torch.equal(kv[24:], kv[:8])
 
@@ -70,23 +72,3 @@ def test_tier_grows_to_every_slot_on_the_device():
         assert tier.stats().slots == 256 and tier.buffer is not None and tier.buffer.is_pinned()
     finally:
         tier.memory.free()
-
-
-@pytest.mark.parametrize("path", ["direct", "staged"])
-def test_a_tier_pinned_at_start_is_all_pinned_and_copies_round_trip(path):
-    """KVELASTIC_CPU_PIN=at-start: torch's pinned allocation, every slot ready before the constructor returns."""
-    tier = HostTier(64 * SLOT, SLOT, pin=True, pin_at_start=True)
-    try:
-        memory = tier.memory
-        assert memory is not None and memory.settled and memory.ready_slots == 64 and memory.buffer.is_pinned()
-        kv = torch.randint(-128, 127, (16, SLOT), dtype=torch.int8, device="cuda")
-        copier = BlockCopier([kv], memory.buffer, path=path, breaks=memory.breaks)
-        slots = list(range(56, 64))
-        copier.store(list(range(8)), slots).wait()
-        assert torch.equal(memory.buffer[slots], kv[:8].cpu())
-        copier.load(list(range(8, 16)), slots).wait()
-        torch.cuda.synchronize()
-        assert torch.equal(kv[8:], kv[:8])
-    finally:
-        tier.memory.free()
-
