@@ -38,12 +38,14 @@ from __future__ import annotations
 VERSION_FREE = frozenset({
     "test_ab_table.py",
     "test_arc.py",
+    "test_benchmark_drivers.py",
     "test_bench_variants.py",
     "test_cli.py",
     "test_cluster_account.py",
     "test_cluster_source.py",
     "test_fair_share.py",
     "test_free_ledger_single.py",
+    "test_host_plan.py",
     "test_host_runs.py",
     "test_launch.py",
     "test_layers.py",
@@ -71,6 +73,7 @@ VERSION_FREE = frozenset({
 })
 
 BAND_TESTS = frozenset({
+    "test_host_plan.py::test_an_engine_attached_in_process_runs_its_plan",
     "test_launch.py::test_shipped_tokenizer_matches_the_model_config_and_rebuilds_identically",
     "test_metrics.py::test_vllm_metrics_route_serves_the_engines_numbers",
     "test_packaging.py::test_the_autopatch_of_the_installed_wheel_patches_vllm",
