@@ -90,7 +90,7 @@ def _block_band_packages() -> str:
         os.mkdir(os.path.join(folder, name))
         with open(os.path.join(folder, name, "__init__.py"), "w") as init:
             init.write(f"raise RuntimeError('import {name} in a file that tests/suite_parts.py lists as "
-                       f"VERSION_FREE: take the file off that list, it depends on the band')\n")
+                       f"VERSION_FREE: the test depends on the band; list it in BAND_TESTS there')\n")
     sys.path.insert(0, folder)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
     return folder
