@@ -19,8 +19,8 @@ differs per band (2.11, 2.13, 2.14), and its tensor views, copies and pinned
 memory are what they test.
 
 ``BAND_TESTS`` are the tests of version-free files that do reach a band's
-packages (vLLM, or transformers for a tokenizer): they run in every band, and
-the rest of their file once.
+packages (vLLM; torch, through a kvelastic module that imports it; transformers,
+for a tokenizer): they run in every band, and the rest of their file once.
 
 ``WALL_CLOCK`` files measure time or race threads and processes against
 deadlines (lock waits, reclaim timing, heartbeats, servers that must answer in
