@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_session.sh startup            # 1B start-up with a 48 GiB host tier against vanilla and the connector
 #   bash benchmarks/gpu_session.sh serve              # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh demo               # two 1B servers on one GPU through the launcher
+#   bash benchmarks/gpu_session.sh colocate           # vLLM 0.34+: two plain `vllm serve`, no utilization set, loaded in turns
+#   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic
+#   bash benchmarks/gpu_session.sh colocate-split     # the same without kvelastic, a hand split of 0.45 each
 #   bash benchmarks/gpu_session.sh tp                 # 8B TP=2: identical outputs, both GPUs' KV memory rising and falling
 #   bash benchmarks/gpu_session.sh tp-spill           # `tp`, then TP=2 with a 1 GiB limit and an 8 GiB host tier
 #   bash benchmarks/gpu_session.sh pp                 # 8B PP=2: identical outputs, memory on both GPUs
@@ -52,7 +55,9 @@ tp2() {  # 8B TP=2: identical outputs, and both GPUs' KV memory rising and falli
 case $stage in
 matrix)
     ver=$(vllm_version)
-    e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix v2 v1 --label="-vllm$ver" \
+    runners=$(python3 -c 'from kvelastic.patching.versions import band_of, installed_vllm_version as v
+print(" ".join(r.lower() for r in band_of(v()).runners))')  # band D (0.34+) has the V2 runner alone
+    e2e --model scripts/models/llama-1b --outdir "$W/matrix-$ver" --matrix $runners --label="-vllm$ver" \
         --kve-env KVELASTIC_CACHE_TTL=2 --summary "$W/matrix-$ver/summary.json" --extra --idle-after 6 \
         2>&1 | tee "$W/matrix-$ver.log"
     r=$?
@@ -103,6 +108,9 @@ startup)  # about 5 min: engine starts with vanilla between the others
         2>&1 | tee "$W/startup.log" ;;
 serve)
     python3 benchmarks/check_serve_metrics.py --outdir "$W/serve" 2>&1 | tee "$W/serve.log" ;;
+colocate|colocate-vanilla|colocate-split)  # two plain `vllm serve` (0.34+) on one GPU, no utilization set
+    bash benchmarks/colocate_serve.sh "$(case $stage in colocate) echo kvelastic;; *) echo "${stage#colocate-}";; esac)" \
+        2>&1 | tee "$W/$stage.log" ;;
 demo)
     python3 benchmarks/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 tp)

@@ -65,9 +65,9 @@ class PatchError(KvelasticError):
     """vLLM cannot be patched: unsupported version or a target that moved."""
 
 
-class EngineFolderError(PatchError):
-    """A worker rank cannot tell which engine's folder is its own (an executor that hands it none,
-    or an engine core on another host): the rank stops rather than serve a scheduler it cannot reach."""
+class EngineCoreUnknown(PatchError):
+    """A worker rank cannot tell which engine core drives it (an executor whose engine core said nothing):
+    the rank stops rather than serve a KV cache that no scheduler maps."""
 
 
 class UnsupportedOperation(KvelasticError, RuntimeError):

@@ -150,8 +150,7 @@ class Mapper(Protocol):
     #: the queue must not request it twice over (``PageAwareFreeQueue._room_to_request``).
     requests_hold_room: bool = True
     #: Groups mapped since the queue last looked, for it to adopt (it pops them). The queue reads this
-    #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute
-    #: where it can be (a property that first polls the ranks where it cannot).
+    #: and ``refused`` on every free count and rebalance, dozens of times a step: a plain attribute.
     mapped: deque[int]
     #: Groups that could not be mapped, for the queue to put back among the unmapped ones.
     refused: deque[int]
@@ -226,7 +225,7 @@ class CacheConnection(Protocol):
     #: process waiting on another (the host tier's plan loads hits beside compute only then).
     async_loads: bool
     #: Whether an unmap takes effect between two steps (the pool is in this process); False where the
-    #: ranks apply it with their next step (``KVELASTIC_RELEASE=preempt`` needs True).
+    #: ranks apply it with their next step.
     unmaps_between_steps: bool
 
     @abstractmethod

@@ -135,31 +135,6 @@ class Settings:
     switch_interval_s: float | None = 0.0002
     cpu_bytes: int | None = None
     cpu_policy: str = "arc"
-    #: How memory running requests hold leaves an engine over its limit: ``drain`` (as they finish, or as vLLM
-    #: preempts its newest) or ``preempt`` (the requests holding the groups to give back are preempted at
-    #: once: docs/targeted-release.md). ``drain`` until a GPU run shows ``preempt`` wins.
-    release: str = "drain"
-    #: Under tensor parallelism, where the scheduler learns which page groups every rank mapped: ``board``
-    #: (each rank's board in shared memory: one host), ``step`` (each rank's report on its reply to the
-    #: step, gathered by vLLM's multiprocess executor or Ray's V2: docs/tp-step-protocol.md), or ``auto``:
-    #: ``step`` wherever the executor gathers replies (``mp``, Ray V2), else ``board``. ``auto`` since
-    #: ``step`` was ahead of ``board`` on a cold cache in the same call at TP=2 (0.972x vanilla against
-    #: 0.956x, 2 x H200) and TP=4 (0.985x against 0.968x, 4 x H200), and it alone serves ranks on other hosts.
-    tp_confirm: str = "auto"
-    #: Under tensor (or pipeline) parallelism, whether a rank applies a step's page maps after launching
-    #: its forward pass (the GPU computes, the driver calls run beside it) instead of before: exact, since
-    #: a step's maps back none of its own blocks (docs/tp-step-protocol.md, point 7). On 2 x H100 (8B, TP=2)
-    #: cold 0.982x vanilla with it, 0.977x without: within noise.
-    tp_map_after_launch: bool = True
-    #: Under pipeline parallelism (each stage holds its own layers' KV tensors): ``allow`` it (every stage
-    #: maps and confirms as a tensor-parallel rank does; 8B PP=2 on 2 x H200 token-identical to vanilla,
-    #: 2026-11-27: docs/tensor-parallel.md), or ``refuse`` start-up.
-    pipeline: str = "allow"
-    #: vLLM's Ray executor (``--distributed-executor-backend ray``): ``allow`` its V2 executor on one host (the
-    #: engine core hands each rank its folder over ``collective_rpc``: docs/tp-step-protocol.md, "Ray"), or
-    #: ``refuse`` start-up. ``allow`` since its GPU run (8B, TP=2 on 2 x H200, 2026-11-28: 512/512 identical to
-    #: vanilla Ray TP=2, 0.96x its throughput).
-    ray: str = "allow"
     name: str | None = None
     min_bytes: int = 0
     port: int = 0
@@ -262,11 +237,6 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "switch_interval_s": ("KVELASTIC_SWITCH_INTERVAL", _switch_interval),
     "cpu_bytes": ("KVELASTIC_CPU_BYTES", _size),
     "cpu_policy": ("KVELASTIC_CPU_POLICY", _choice("arc", "lru")),
-    "release": ("KVELASTIC_RELEASE", _choice("drain", "preempt")),
-    "tp_confirm": ("KVELASTIC_TP_CONFIRM", _choice("auto", "board", "step")),
-    "tp_map_after_launch": ("KVELASTIC_TP_MAP_AFTER_LAUNCH", switch.parse),
-    "pipeline": ("KVELASTIC_PIPELINE", _choice("refuse", "allow")),
-    "ray": ("KVELASTIC_RAY", _choice("allow", "refuse")),
     "name": ("KVELASTIC_NAME", _name),
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),
@@ -306,4 +276,9 @@ RETIRED: dict[str, str] = {
     "KVELASTIC_CPU_STORE_STEP": "write-through issues at most 512 MiB of stores per scheduling step",
     "KVELASTIC_RESERVE_HOST_RUNS": "the warm reserve covers the longest host run reloaded in the last minute, to 2 GiB",
     "KVELASTIC_RESERVE_BUSY_STEP": "the warm reserve grows by at most 256 MiB per upkeep tick while requests run",
+    "KVELASTIC_RELEASE": "memory running requests hold drains as they finish, or as vLLM preempts its newest",
+    "KVELASTIC_TP_CONFIRM": "ranks confirm on their step replies (mp, Ray V2); other executors are refused at start-up",
+    "KVELASTIC_TP_MAP_AFTER_LAUNCH": "a rank maps a step's page groups once the step's forward pass is launched",
+    "KVELASTIC_PIPELINE": "pipeline parallelism runs wherever its executor is supported",
+    "KVELASTIC_RAY": "Ray's V2 executor runs as the multiprocess one does; Ray's v1 executor is refused at start-up",
 }

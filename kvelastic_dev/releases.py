@@ -36,6 +36,7 @@ RELEASES: tuple[str, ...] = (
     "0.31.0",
     "0.32.0",
     "0.33.0",
+    "0.34.0",
 )
 
 # Just outside SUPPORTED on each side: the gate must refuse these.

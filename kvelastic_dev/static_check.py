@@ -60,6 +60,19 @@ def refusal(version: Version) -> str | None:
     return None
 
 
+def calls_of_name(root: Path, module: str, function: str, name: str) -> list[ast.Call]:
+    """Every call of the plain name ``name`` (``name(...)``) in the module-level ``function`` of ``module``.
+
+    From 0.34 vLLM's ``allocate_kv_cache`` takes its backing from an ``allocate``
+    parameter; the version matrix checks that it calls it once, with the size alone.
+    """
+    tree = parse(root.joinpath(*module.split(".")).with_suffix(".py"))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == name]
+    return sorted(calls, key=lambda call: (call.lineno, call.col_offset))
+
+
 def torch_calls(root: Path, module: str, function: str) -> list[ast.Call]:
     """Every ``torch.<name>(...)`` call in the module-level ``function`` of ``module``, in source order.
 

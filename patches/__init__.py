@@ -22,8 +22,9 @@ from kvelastic.patching.spec import Patch
 from kvelastic.patches import (
     admission_check,
     engine_core_wake,
-    engine_folder_handover,
+    executor_handover,
     executor_step_report,
+    extensible_kv_cache,
     hisparse_refusal,
     kv_layout_preference,
     release_kv_cache_refusal,
@@ -50,7 +51,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     worker_capacity.PATCH,
     worker_execute_model.PATCH,
     executor_step_report.PATCH,
-    engine_folder_handover.PATCH,
+    executor_handover.PATCH,
     engine_core_wake.PATCH,
     scheduler_block_pool.PATCH,
     admission_check.PATCH,
@@ -61,4 +62,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     whole_page_num_blocks.PATCH,
     release_kv_cache_refusal.PATCH,
     vllm_logging.PATCH,
+    extensible_kv_cache.PATCH,
 )

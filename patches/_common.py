@@ -16,11 +16,15 @@ from kvelastic.patching.versions import BANDS, SUPPORTED, VersionRange, before, 
 BAND_A = BANDS[0].versions
 BAND_B = BANDS[1].versions
 BAND_C = BANDS[2].versions
+BAND_D = BANDS[3].versions
 #: Bands A and B: a KV tensor per entry of the config, allocated by each runner itself.
 BEFORE_BAND_C = VersionRange(SUPPORTED.low, BAND_C.low)
+#: Bands C and D: every layer in one backing, made by ``vllm/v1/worker/utils.py:allocate_kv_cache``.
+FROM_BAND_C = VersionRange(BAND_C.low, SUPPORTED.high)
 ALL = SUPPORTED
 
-__all__ = ["ALL", "BAND_A", "BAND_B", "BAND_C", "BEFORE_BAND_C", "argument", "before", "since"]
+__all__ = ["ALL", "BAND_A", "BAND_B", "BAND_C", "BAND_D", "BEFORE_BAND_C", "FROM_BAND_C", "argument", "before",
+           "since"]
 
 
 def argument(wrapped: Any, args: tuple, kwargs: dict, name: str) -> Any:

@@ -10,7 +10,7 @@ a default would have carried on with a wrong value.
 from __future__ import annotations
 
 from kvelastic.patching.spec import Attributes, Target
-from kvelastic.patches._common import ALL, BAND_C, BEFORE_BAND_C
+from kvelastic.patches._common import ALL, BAND_C, BAND_D, BEFORE_BAND_C, FROM_BAND_C
 
 VLLM_CONFIG = Target(
     module="vllm.config",
@@ -32,7 +32,7 @@ MODEL_CONFIG = Target(  # the model's name (shared account), served name (metric
     qualname="ModelConfig",
     kind="class",
     use="read",
-    shapes=(Attributes(BEFORE_BAND_C, _NAMES), Attributes(BAND_C, (*_NAMES, "enable_sleep_mode"))),
+    shapes=(Attributes(BEFORE_BAND_C, _NAMES), Attributes(FROM_BAND_C, (*_NAMES, "enable_sleep_mode"))),
 )
 CACHE_CONFIG = Target(  # tokens per block; from 0.29 the block count override the whole-page rounding sets
     module="vllm.config",
@@ -40,7 +40,10 @@ CACHE_CONFIG = Target(  # tokens per block; from 0.29 the block count override t
     kind="class",
     use="read",
     shapes=(Attributes(BEFORE_BAND_C, ("block_size",)),
-            Attributes(BAND_C, ("block_size", "num_gpu_blocks_override"))),
+            Attributes(BAND_C, ("block_size", "num_gpu_blocks_override")),
+            # 0.34: which sizing rule request_memory applies (patches/extensible_kv_cache.py)
+            Attributes(BAND_D, ("block_size", "num_gpu_blocks_override", "enable_extensible_kv_cache",
+                                "gpu_memory_utilization", "resolved_gpu_memory_utilization"))),
 )
 SCHEDULER_CONFIG = Target(  # the largest step, which sizes the KV cache's warm-up
     module="vllm.config",

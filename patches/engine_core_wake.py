@@ -1,6 +1,6 @@
 """Engine core: let kvelastic wake an idle engine loop, so commands queued while idle ride an empty step.
 
-Under tensor parallelism with ``KVELASTIC_TP_CONFIRM=step``, commands the
+Under tensor parallelism, commands the
 scheduler queues while no step runs (unmaps of freed groups, spills before
 them, warm-reserve changes) go to the ranks with the next step's plan. vLLM's
 engine loop (``EngineCoreProc.run_busy_loop``) blocks on its input queue while
@@ -16,12 +16,13 @@ work (``Scheduler.has_requests``).
 The wrap of ``run_busy_loop`` only registers how to post into this engine's
 queue with the scheduler's :class:`~kvelastic.tp.idle_steps.EngineWake` (the
 attribute ``kvelastic_engine_wake``, which kvelastic's attachment puts on the
-scheduler in step mode only), then runs vLLM's loop unchanged; an engine whose
+scheduler of worker ranks only), then runs vLLM's loop unchanged; an engine whose
 scheduler has none runs the loop as it is. Data parallelism with MoE runs
 ``DPEngineCoreProc``'s own loop (its steps coordinate waves across engines), which
-is not wrapped: no registration, so idle commands stay files there, as before
-0.18 (no ``WAKEUP``) and in an in-process engine (no loop to wake).
-Facts and releases: docs/tp-step-protocol.md, "Idle delivery by an empty step".
+is not wrapped: no registration, so idle commands go with the next step there, as
+in an in-process engine (no loop to wake). Before 0.18 (no ``WAKEUP``) worker
+ranks are refused at start-up (``kvelastic/tp/executor_handover.py``).
+Facts and releases: docs/tensor-parallel.md, "What vLLM offers".
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def has_requests_target(patcher: Any) -> Target:
     return SCHEDULER_HAS_REQUESTS if patcher.declares(SCHEDULER_HAS_REQUESTS) else INTERFACE_HAS_REQUESTS
 
 
-#: The scheduler attribute kvelastic's attachment sets to the engine's wake-up (step mode under TP only).
+#: The scheduler attribute kvelastic's attachment sets to the engine's wake-up (worker ranks only).
 WAKE_ATTRIBUTE = "kvelastic_engine_wake"
 
 

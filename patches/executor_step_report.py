@@ -1,12 +1,11 @@
-"""Executor: on a step whose plan asks for a report, gather every rank's reply (``KVELASTIC_TP_CONFIRM=step``).
+"""Executor: on a step whose plan asks for a report, gather every rank's reply.
 
 vLLM's multiprocess executor (and Ray's V2 executor, its subclass) asks every rank to
 answer a step only when it has an output aggregator; otherwise only the output rank
 replies. For the ``execute_model`` of a report step and the ``sample_tokens`` after it,
 the executor's aggregator is a :class:`~kvelastic.tp.report_merger.ReportMerger` over
 vLLM's own (None without a KV connector), so the ranks' reports reach the scheduler
-with the step's output. Every other step is left exactly as vLLM makes it. Plans ask
-for reports only in ``step`` mode, so in ``board`` mode the wrappers pass through.
+with the step's output. Every other step is left exactly as vLLM makes it.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ FREE_BLOCKS = Target(
     use="read",
     shapes=(Signature(before("0.23"), ("self", "ordered_blocks")),
             Signature(VersionRange.of("0.23", "0.24"), ("self", "ordered_blocks", "prepend")),
-            Signature(since("0.24"), ("self", "ordered_blocks"))),
+            Signature(VersionRange.of("0.24", "0.34"), ("self", "ordered_blocks")),
+            Signature(since("0.34"), ("self", "ordered_blocks", "evict_first"))),  # evict_first defaults to False
 )
 HASH_WITH_GROUP = Target(  # read: the host tier's keys are block hashes packed with their group id
     module="vllm.v1.core.kv_cache_utils",

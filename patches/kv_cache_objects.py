@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvelastic.patching.spec import Attributes, Target
+from kvelastic.patching.spec import Absent, Attributes, Target
 from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import ALL, before, since
+from kvelastic.patches._common import ALL, BAND_D, before, since
 
 if TYPE_CHECKING:
     from kvelastic.patching.apply import Patcher
@@ -61,7 +61,8 @@ V1_RUNNER = Target(
     qualname="GPUModelRunner",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("vllm_config", "scheduler_config", "kv_caches", "runner_only_attn_layers")),),
+    shapes=(Attributes(before("0.34"), ("vllm_config", "scheduler_config", "kv_caches", "runner_only_attn_layers")),
+            Absent(BAND_D)),  # vLLM 0.34 deleted the V1 runner
 )
 V2_RUNNER = Target(  # binds kv_caches in initialize_kv_cache, which kvelastic wraps and reads it after
     module="vllm.v1.worker.gpu.model_runner",

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Callable
 
 from kvelastic.patching.spec import Absent, Signature, Target
 from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import BAND_C, since
+from kvelastic.patches._common import FROM_BAND_C, since
 
 if TYPE_CHECKING:
     from kvelastic.patching.apply import Patcher
 
 _STATE = "vllm.distributed.kv_transfer.kv_transfer_state"
 HAS_CONNECTOR = Target(module=_STATE, qualname="has_kv_transfer_group", kind="function", use="read",
-                       shapes=(Signature(BAND_C, ()),))
+                       shapes=(Signature(FROM_BAND_C, ()),))
 CONNECTOR = Target(module=_STATE, qualname="get_kv_transfer_group", kind="function", use="read",
-                   shapes=(Signature(BAND_C, ()),))
+                   shapes=(Signature(FROM_BAND_C, ()),))
 MEM_POOL_CONTEXT = Target(
     module="vllm.distributed.kv_transfer.kv_connector.v1.base",
     qualname="KVConnectorBase_V1.get_mem_pool_context",

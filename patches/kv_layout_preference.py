@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvelastic.patching.spec import Attributes, Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import BAND_C, since
+from kvelastic.patches._common import FROM_BAND_C, since
 from kvelastic.patches.kv_cache_objects import KV_CACHE_SPEC
 
 if TYPE_CHECKING:
@@ -32,28 +32,28 @@ TARGET = Target(
     module=_WORKER_BASE,
     qualname="WorkerBase.get_supported_kv_cache_layouts",
     kind="method",
-    shapes=(Signature(BAND_C, ("self",)),),
+    shapes=(Signature(FROM_BAND_C, ("self",)),),
 )
 WORKER = Target(
     module=_WORKER_BASE,
     qualname="WorkerBase",
     kind="class",
     use="read",
-    shapes=(Attributes(BAND_C, ("vllm_config",)),),
+    shapes=(Attributes(FROM_BAND_C, ("vllm_config",)),),
 )
 KV_CACHE_SPECS = Target(  # the GPU worker's own asks its runner; the base raises NotImplementedError
     module=_WORKER_BASE,
     qualname="WorkerBase.get_kv_cache_spec",
     kind="method",
     use="read",
-    shapes=(Signature(BAND_C, ("self",)),),
+    shapes=(Signature(FROM_BAND_C, ("self",)),),
 )
 ATTENTION_BACKENDS = Target(  # imported into worker_base from the KV connector utilities
     module=_WORKER_BASE,
     qualname="get_current_attn_backends",
     kind="function",
     use="read",
-    shapes=(Signature(BAND_C, ("vllm_config", "layer_names")),),
+    shapes=(Signature(FROM_BAND_C, ("vllm_config", "layer_names")),),
 )
 _SELECT = ("kv_manager_block_size", "backends")
 SELECT_COMMON_BLOCK_SIZE = Target(
@@ -65,15 +65,15 @@ SELECT_COMMON_BLOCK_SIZE = Target(
             Signature(since("0.32"), (*_SELECT, "kv_cache_specs"))),
 )
 ATTENTION_SPEC = Target(module=_INTERFACE, qualname="AttentionSpec", kind="class", use="read",
-                        shapes=(Attributes(BAND_C, ()),))
+                        shapes=(Attributes(FROM_BAND_C, ()),))
 MLA_ATTENTION_SPEC = Target(module=_INTERFACE, qualname="MLAAttentionSpec", kind="class", use="read",
-                            shapes=(Attributes(BAND_C, ()),))
+                            shapes=(Attributes(FROM_BAND_C, ()),))
 KV_CACHE_LAYOUT = Target(
     module="vllm.v1.kv_cache_layout",
     qualname="KVCacheLayout",
     kind="class",
     use="read",
-    shapes=(Attributes(BAND_C, ("is_block_outermost",)),),
+    shapes=(Attributes(FROM_BAND_C, ("is_block_outermost",)),),
 )
 
 TARGETS = (TARGET, WORKER, KV_CACHE_SPECS, ATTENTION_BACKENDS, SELECT_COMMON_BLOCK_SIZE, KV_CACHE_SPEC,
@@ -111,4 +111,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("kv_layout_preference", "Worker: block-outermost KV layouts first where kernel blocks are whole",
-              BAND_C, TARGETS, apply)
+              FROM_BAND_C, TARGETS, apply)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import since
 
 WITH_RELEASE = since("0.31")
@@ -22,7 +23,8 @@ TARGET = Target(
     module="vllm.v1.engine.core",
     qualname="EngineCore.release_kv_cache_memory",
     kind="method",
-    shapes=(Signature(WITH_RELEASE, ("self",)),),
+    shapes=(Signature(VersionRange.of("0.31", "0.34"), ("self",)),
+            Signature(since("0.34"), ("self", "reset_connector"))),
 )
 
 

@@ -13,8 +13,7 @@ the modules named below, and checked by the gate before anything changes:
 - ``engine_config``: the configuration read;
 - ``offload_connectors``: vLLM's offload connector the scheduler made, if any;
 - ``host_loads``: kvelastic's own connector for host loads beside compute, its outputs;
-- ``targeted_release``: preempting the requests that hold the groups to give back;
-- ``engine_core_wake``: ``has_requests``, true while commands wait for idle ranks (TP, step mode);
+- ``engine_core_wake``: ``has_requests``, true while commands wait for idle ranks (worker ranks);
 - here: the scheduler itself, its entry points, and the requests it queues.
 
 Version differences handled here: ``Scheduler.__init__`` takes ``hash_block_size``
@@ -30,7 +29,7 @@ from typing import Any
 
 from kvelastic.patching.spec import Attributes, Patch, Signature, Target
 from kvelastic.patches import (admission_check, block_pool_queue, engine_config, engine_core_wake, host_loads,
-                               host_tier_lookup, offload_connectors, targeted_release)
+                               host_tier_lookup, offload_connectors)
 from kvelastic.patches._common import ALL, before, since
 
 _SCHEDULER = "vllm.v1.core.sched.scheduler"
@@ -92,7 +91,7 @@ REQUEST = Target(  # read: under tensor parallelism, what the queued requests st
 LOCKED = (SCHEDULE, UPDATE_FROM_OUTPUT, FINISH_REQUESTS, RESET_PREFIX_CACHE)
 TARGETS = (SCHEDULER_INIT, SCHEDULER, *LOCKED, REQUEST, *block_pool_queue.TARGETS, admission_check.ESTIMATE,
            *host_tier_lookup.TARGETS, *engine_config.TARGETS, *offload_connectors.TARGETS, *host_loads.TARGETS,
-           *targeted_release.TARGETS, *engine_core_wake.SCHEDULER_TARGETS)
+           *engine_core_wake.SCHEDULER_TARGETS)
 
 
 def _init(runtime: Any, patcher: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:

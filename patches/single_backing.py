@@ -9,11 +9,15 @@ page pool (``kvelastic/worker/single_backing.py``) and, once vLLM has bound
 its views, their layout is published in whole-page groups.
 
 Declared here: vLLM's allocator itself, read (the wrapped names must be it).
-Its body calls ``torch`` once, ``torch.zeros(size, dtype=torch.int8,
-device=...)``, in every band-C release: the version matrix checks that in each
+In band C (0.29-0.33) its body calls ``torch`` once, ``torch.zeros(size,
+dtype=torch.int8, device=...)``: the version matrix checks that in each
 release's source (``kvelastic_dev.static_check.torch_calls``) and the stand-in
-``torch`` refuses anything else at run time. No version difference is handled
-here: the allocator's parameters are the same in 0.29-0.33.
+``torch`` refuses anything else at run time. From 0.34 (band D) it takes an
+``allocate(size)`` hook that replaces that backing (vLLM's extensible KV cache
+passes one), so kvelastic passes its own and runs vLLM's function unchanged
+(:func:`takes_allocate_hook`); the matrix checks that the hook is all the body
+calls for the backing. The V1 runner is gone in 0.34: ``v1_single_backing``
+claims band C only.
 """
 
 from __future__ import annotations
@@ -21,33 +25,43 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._common import BAND_C
+from kvelastic.patching.spec import Absent, Patch, Signature, Target
+from kvelastic.patching.versions import VersionRange
+from kvelastic.patches._common import BAND_C, BAND_D, FROM_BAND_C
 from kvelastic.patches import kv_connector_pool
 from kvelastic.patches.engine_config import MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import ALLOCATION, PUBLISHING, host_resident_test
 
 ALLOCATE_PARAMS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+#: 0.34+: ``allocate(size) -> tensor`` replaces the ``torch.zeros`` backing (vLLM's extensible cache uses it).
+ALLOCATE_HOOK = "allocate"
+ALLOCATOR_SHAPES = (Signature(BAND_C, ALLOCATE_PARAMS), Signature(BAND_D, (*ALLOCATE_PARAMS, ALLOCATE_HOOK)))
 ALLOCATOR = Target(
     module="vllm.v1.worker.utils",
     qualname="allocate_kv_cache",
     kind="function",
     use="read",
-    shapes=(Signature(BAND_C, ALLOCATE_PARAMS),),
+    shapes=ALLOCATOR_SHAPES,
 )
 
 
-def allocator_name(module: str) -> Target:
-    """``allocate_kv_cache`` as imported by name into ``module``: the name a runner calls, wrapped there."""
-    return Target(module=module, qualname="allocate_kv_cache", kind="function",
-                  shapes=(Signature(BAND_C, ALLOCATE_PARAMS),))
+def allocator_name(module: str, gone_from_band_d: bool = False) -> Target:
+    """``allocate_kv_cache`` as imported by name into ``module``: the name a runner calls, wrapped there
+    (``gone_from_band_d``: the module is deleted in band D, as the V1 runner's is)."""
+    shapes = (ALLOCATOR_SHAPES[0], Absent(BAND_D)) if gone_from_band_d else ALLOCATOR_SHAPES
+    return Target(module=module, qualname="allocate_kv_cache", kind="function", shapes=shapes)
 
 
-def _allocate(runtime: Any, is_host_resident: Callable[[Any], bool], wrapped: Any, instance: Any, args: tuple,
-              kwargs: dict) -> dict[str, Any]:
+def takes_allocate_hook(patcher: Any) -> bool:
+    """Whether vLLM's allocator takes the backing from an ``allocate`` hook (0.34+) rather than ``torch.zeros``."""
+    return ALLOCATE_HOOK in patcher.params(ALLOCATOR)
+
+
+def _allocate(runtime: Any, is_host_resident: Callable[[Any], bool], hook: bool, wrapped: Any, instance: Any,
+              args: tuple, kwargs: dict) -> dict[str, Any]:
     from kvelastic.worker.single_backing import allocate_in_pool
 
-    return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident)
+    return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident, hook=hook)
 
 
 def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], wrapped: Any, instance: Any, args: tuple,
@@ -58,14 +72,17 @@ def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], wrapped: A
 
 
 def _apply(allocate: Target, initialize: Target, patcher: Any, runtime: Any) -> None:
-    patcher.wrap(allocate, functools.partial(_allocate, runtime, host_resident_test(patcher)))
+    patcher.wrap(allocate, functools.partial(_allocate, runtime, host_resident_test(patcher),
+                                             takes_allocate_hook(patcher)))
     patcher.wrap(initialize, functools.partial(_initialize, runtime, kv_connector_pool.connector_pool_test(patcher)))
 
 
-def single_backing_patch(name: str, runner: str, allocate: Target, initialize: Target, runner_class: Target) -> Patch:
-    """The band-C patch of one runner: its ``allocate_kv_cache`` name and its ``initialize_kv_cache``."""
+def single_backing_patch(name: str, runner: str, allocate: Target, initialize: Target, runner_class: Target,
+                         versions: VersionRange = FROM_BAND_C) -> Patch:
+    """The one-backing patch of one runner (``versions``: the releases that have it, in bands C and D): its
+    ``allocate_kv_cache`` name and its ``initialize_kv_cache``."""
     return Patch(name, f"{runner} runner: the one KV backing over CUDA virtual memory, vLLM's own views, "
-                       "published in whole-page groups", BAND_C,
+                       "published in whole-page groups", versions,
                  (allocate, initialize, ALLOCATOR, runner_class, *dict.fromkeys((*ALLOCATION, *PUBLISHING)),
                   VLLM_CONFIG, MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, *kv_connector_pool.TARGETS),
                  functools.partial(_apply, allocate, initialize))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.spec import Absent, Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import BAND_C, BEFORE_BAND_C, before
+from kvelastic.patches._common import BAND_C, BAND_D, BEFORE_BAND_C, before
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V1_RUNNER
 
@@ -24,7 +24,8 @@ TARGET = Target(
     kind="method",
     shapes=(Signature(BEFORE_PROFILING_FLAG, ("self", "kv_cache_config")),
             Signature(WITH_PROFILING_FLAG, ("self", "kv_cache_config", "is_profiling")),
-            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"))),
+            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context")),
+            Absent(BAND_D)),  # vLLM 0.34 deleted the V1 runner
 )
 
 

@@ -10,7 +10,7 @@ import functools
 from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
-from kvelastic.patches._common import BAND_C, BEFORE_BAND_C
+from kvelastic.patches._common import BAND_C, BAND_D, BEFORE_BAND_C
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V2_RUNNER
 
@@ -19,7 +19,9 @@ TARGET = Target(
     qualname="GPUModelRunner.initialize_kv_cache",
     kind="method",
     shapes=(Signature(BEFORE_BAND_C, ("self", "kv_cache_config")),
-            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"))),
+            Signature(BAND_C, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context")),
+            Signature(BAND_D, ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context",
+                               "extensible"))),  # extensible: vLLM's own VMM cache, which kvelastic turns off
 )
 
 

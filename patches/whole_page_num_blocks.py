@@ -18,7 +18,7 @@ from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
-from kvelastic.patches._common import BAND_C, argument, since
+from kvelastic.patches._common import FROM_BAND_C, argument, since
 from kvelastic.patches.engine_config import CACHE_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import KV_CACHE_CONFIG, KV_CACHE_TENSOR
 
@@ -44,4 +44,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("whole_page_num_blocks", "Engine core: num_blocks rounded so layer-outermost layers start on "
-              "whole pages", BAND_C, (TARGET, VLLM_CONFIG, CACHE_CONFIG, KV_CACHE_CONFIG, KV_CACHE_TENSOR), apply)
+              "whole pages", FROM_BAND_C, (TARGET, VLLM_CONFIG, CACHE_CONFIG, KV_CACHE_CONFIG, KV_CACHE_TENSOR), apply)

@@ -5,7 +5,7 @@ multiprocess executor); elsewhere the wrapper passes straight through. Unmaps,
 copies and fences run before the forward; the step's maps run once
 ``execute_model`` returns, which vLLM's worker does as soon as the forward is
 launched (and, on a pipeline stage that is not the last, sent on): the GPU
-computes while the driver calls run (``KVELASTIC_TP_MAP_AFTER_LAUNCH``). Nothing
+computes while the driver calls run. Nothing
 more is asked of vLLM: were the call to return only once the GPU is done, the
 maps would still be exact, only no longer hidden. On a step whose plan asks for
 a report, the rank's reply carries what it mapped, maps of this step included
@@ -39,7 +39,7 @@ def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dic
     worker.before_step(plan)
     result = wrapped(*args, **kwargs)  # the forward is launched (sync or async scheduling alike)
     worker.after_step(plan)  # the step's maps, then its confirmations
-    if plan.report:  # the executor gathers every rank's reply to this step (KVELASTIC_TP_CONFIRM=step)
+    if plan.report:  # the executor gathers every rank's reply to this step
         from kvelastic.tp.report_merger import reply_with_report
 
         return reply_with_report(result, worker.take_report())

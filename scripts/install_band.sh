@@ -4,6 +4,7 @@
 # band's venv can be installed (and timed) by hand without running the suite.
 #   bash scripts/install_band.sh VENV TORCH VLLM
 #   bash scripts/install_band.sh .venv-band-c 2.14.0 0.33.0     # band C: 0.33.0 pins torch 2.14.0
+#   bash scripts/install_band.sh .venv-band-d 2.14.0 0.34.0     # band D: 0.34.0 pins torch 2.14.0 too
 #
 # torch 2.14.0 has no CPU build on PyPI (CPU wheels live on an index this machine cannot reach), so
 # pip takes PyPI's CUDA build (555 MB, plus the NVIDIA libraries, which lie on this machine's disk).
@@ -19,7 +20,24 @@ cd "$(dirname "$0")/.."
 # --no-compile: byte-compiling every file of torch, vLLM and their dependencies costs about 100 s of
 # CPU a band; Python compiles the modules the tests import, on their first import, instead.
 "$venv/bin/python" -m pip install -q --no-compile "torch==$torch"
-"$venv/bin/python" -m pip install -q --no-compile "vllm==$vllm"
+# A pin the package index here cannot serve and nothing on the CPU imports (vLLM 0.34.0's
+# flashinfer-python==0.7.3, a GPU kernel library): the wheel's other requirements first, then the
+# wheel itself without its dependencies (scripts/wheel_requirements.py says why, and fails when a
+# release no longer has the pin, so the list here stays current).
+case $vllm in
+    0.34.*) unservable=(flashinfer-python) ;;
+    *) unservable=() ;;
+esac
+if [ ${#unservable[@]} -eq 0 ]; then
+    "$venv/bin/python" -m pip install -q --no-compile "vllm==$vllm"
+else
+    wheels=$(mktemp -d) && trap 'rm -rf "$wheels"' EXIT
+    "$venv/bin/python" -m pip download -q --no-deps "vllm==$vllm" -d "$wheels"
+    "$venv/bin/python" scripts/wheel_requirements.py "$wheels"/vllm-*.whl "${unservable[@]/#/--skip=}" \
+        > "$wheels/requirements.txt"
+    "$venv/bin/python" -m pip install -q --no-compile -r "$wheels/requirements.txt"
+    "$venv/bin/python" -m pip install -q --no-compile --no-deps "$wheels"/vllm-*.whl
+fi
 # vLLM pulls a CUDA torchvision that cannot load beside a CPU torch; kvelastic needs none of them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$venv/bin/python" -m pip install -q -e ".[test]"

@@ -42,6 +42,16 @@ def host_pool():
     assert pool.leak_report() == []
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the forkserver the TP tests' ranks fork from (``tests/tp_ranks.py``), if one started: it ends with
+    the session, reaped by it (its ranks' CPU counted as the session's), never left as an orphan."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 # Hypothesis fails an example that takes over 200 ms by default: a wall-clock check that none of the
 # property tests means (each says what it checks), and one that two busy xdist workers on two cores
 # break (an example of page arithmetic took 236 ms there). Tests that set a deadline keep theirs.

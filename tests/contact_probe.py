@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvelastic.patches import (admission_check, engine_core_wake, engine_folder_handover, executor_step_report,
+from kvelastic.patches import (admission_check, engine_core_wake, executor_handover, executor_step_report,
                                scheduler_block_pool)
 from kvelastic.patching.spec import Absent, Attributes, Target
 from kvelastic.patching.versions import Version
@@ -52,7 +52,7 @@ class Case:
 
 def scheduler_side_targets(version: Version) -> list[Target]:
     patches = [p for p in (scheduler_block_pool.PATCH, admission_check.PATCH, executor_step_report.PATCH,
-                           engine_folder_handover.PATCH, engine_core_wake.PATCH)
+                           executor_handover.PATCH, engine_core_wake.PATCH)
                if p.claims(version)]
     return list(dict.fromkeys(target for patch in patches for target in patch.targets))
 
@@ -131,9 +131,13 @@ def break_contact(case: Case) -> Callable[[], None]:
         return _drop(getattr(owner, name), case.attribute)
     raw = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
     if case.target.kind == "setter":
-        setter = {"remove": None, "reshape": _reshaped(raw.fset) if raw and raw.fset else None,
+        # A slot (a dataclass field of a slotted class: KVCacheBlock.block_hash from 0.34) reads through its
+        # descriptor and has no setter to reshape; adding one makes it a property like any other.
+        is_property = isinstance(raw, property)
+        getter = raw.fget if is_property else raw.__get__
+        setter = {"remove": None, "reshape": _reshaped(raw.fset) if is_property and raw.fset else None,
                   "add": lambda self, value: None}[case.how]
-        return _set(owner, name, property(raw.fget, setter))
+        return _set(owner, name, property(getter, setter))
     if case.how == "remove":
         return _set(owner, name, None)
     if case.how == "add":

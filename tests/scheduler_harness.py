@@ -74,6 +74,17 @@ def make_requests(tag: str, count: int, prompt_len: int, shared_prefix: int, see
                     params, None, block_hasher=hasher) for i in range(count)]
 
 
+def _index_of(ids: list[str]) -> dict:
+    """``req_id_to_index`` where vLLM's output carries it (up to 0.33; 0.34 indexes by ``req_ids`` alone)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {field.name for field in dataclasses.fields(ModelRunnerOutput)}:
+        return {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+    return {}
+
+
 def model_output(scheduler, out, samplers: set[str]):
     """The stand-in model output: one deterministic token for each request in ``samplers``."""
     from vllm.v1.outputs import ModelRunnerOutput
@@ -81,8 +92,8 @@ def model_output(scheduler, out, samplers: set[str]):
     ids = sorted(out.num_scheduled_tokens)
     sampled = [[1000 + (7 * scheduler.requests[r].num_output_tokens) % 997]
                if r in samplers and r in scheduler.requests else [] for r in ids]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=[], **_index_of(ids))
 
 
 def step_of(out) -> tuple:
@@ -194,8 +205,12 @@ def cached_blocks_are_all_mapped(scheduler, pool) -> bool:
     table = getattr(index, "_cache", None)
     assert table is not None, "vLLM's prefix-cache map changed shape; update this test"
     with scheduler_lock(scheduler):
-        blocks = [b for entry in table.values() for b in (entry.values() if isinstance(entry, dict) else [entry])]
-        return all(pool.is_mapped(cache.group_of_block(b.block_id)) for b in blocks)
+        entries = [e for entry in table.values() for e in (entry.values() if isinstance(entry, dict) else [entry])]
+        # Up to 0.33 the map holds blocks (a dict of them for a hash cached twice); from 0.34 block ids, the
+        # further ids of a hash cached twice in ``_dup_ids``.
+        ids = [e if isinstance(e, int) else e.block_id for e in entries]
+        ids += [i for dup in getattr(index, "_dup_ids", {}).values() for i in dup]
+        return all(pool.is_mapped(cache.group_of_block(i)) for i in ids)
 
 
 def wait_unmapped(pool, at_most: int) -> int:

@@ -67,7 +67,6 @@ VERSION_FREE = frozenset({
     "test_shared_files.py",
     "test_static_check.py",
     "test_suite_parts.py",
-    "test_tp_folder_watch.py",
     "test_tp_scheduler_side.py",
     "test_version_matrix.py",
 })

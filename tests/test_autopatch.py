@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kvelastic.patches import ALL_PATCHES
 from kvelastic.patching.on_import import trigger_modules
-from kvelastic.patching.versions import installed_vllm_version
+from kvelastic.patching.versions import band_of, installed_vllm_version
 
 import pytest
 
@@ -47,6 +47,10 @@ def pth_line() -> str:
 
 #: The modules whose import applies a patch claimed by the installed release.
 TRIGGERS = sorted({m for p in ALL_PATCHES if p.claims(installed_vllm_version()) for m in trigger_modules(p)})
+#: The runner whose ``initialize_kv_cache`` these tests watch: the V1 runner where the installed release has it
+#: (the V2 runner's module imports more of vLLM), else the V2 runner (band D).
+RUNNER = ("vllm.v1.worker.gpu_model_runner" if "V1" in band_of(installed_vllm_version()).runners
+          else "vllm.v1.worker.gpu.model_runner")
 
 PROBE = f"""
 import importlib, json, sys, types
@@ -54,7 +58,7 @@ import vllm
 loaded_after_vllm = sorted(m for m in sys.modules if m == "kvelastic" or m.startswith("kvelastic."))
 vllm_after_import = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
 import wrapt
-import vllm.v1.worker.gpu_model_runner as v1
+v1 = importlib.import_module({RUNNER!r})
 import vllm.v1.worker.gpu.model_runner as v2
 for module in {TRIGGERS!r}:
     importlib.import_module(module)
@@ -198,8 +202,8 @@ def test_vllm_discovers_the_plugin(monkeypatch):
 @pytest.mark.parametrize("value", [None, "0", "off"])
 def test_register_does_nothing_when_kvelastic_is_off(monkeypatch, no_leaked_patches, value):
     import wrapt
-    from vllm.v1.worker import gpu_model_runner
 
+    gpu_model_runner = importlib.import_module(RUNNER)
     if value is None:
         monkeypatch.delenv("KVELASTIC", raising=False)
     else:
@@ -215,8 +219,8 @@ def test_register_does_nothing_when_kvelastic_is_off(monkeypatch, no_leaked_patc
 
 def test_register_activates_when_kvelastic_is_on(monkeypatch, no_leaked_patches):
     import wrapt
-    from vllm.v1.worker import gpu_model_runner
 
+    gpu_model_runner = importlib.import_module(RUNNER)
     for variable in [v for v in os.environ if v.startswith("KVELASTIC_")]:
         monkeypatch.delenv(variable)
     monkeypatch.setenv("KVELASTIC", "1")
@@ -249,7 +253,7 @@ def test_kvelastic_1_patches_vllm_on_import(interpreters):
     assert result["active"] is True
     assert result["v1_wrapped"] is True, result["v1_type"]
     assert result["v2_wrapped"] is True
-    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in result["patches"]
+    assert f"{RUNNER}:GPUModelRunner.initialize_kv_cache" in result["patches"]
     assert len(result["patches"]) == _wrapped_targets()
     _, out, err = interpreters["on"].finish()
     assert "patches applied" in out + err  # through vLLM's logging, whose default stream is stdout

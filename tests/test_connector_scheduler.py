@@ -20,7 +20,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 
 from kvelastic.errors import KvelasticError  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
-from tests.connector_harness import MODES, Transfers, drive_with_connector, make_connector_scheduler  # noqa: E402
+from tests.connector_harness import BS, MODES, Transfers, drive_with_connector, make_connector_scheduler  # noqa: E402
 from tests.kv_fixtures import GROUP_BYTES, build_cache  # noqa: E402
 from tests.scheduler_harness import build_patched, check_every_step, make_requests, prefill, wait_unmapped  # noqa: E402
 
@@ -136,8 +136,22 @@ def test_an_idle_engine_gives_memory_back_and_the_connectors_copies_survive(elas
     stored = transfers.stored_blocks
     loaded = transfers.loaded_blocks
     trace = drive_with_connector(scheduler, [make_requests("b", 4, 320, 0, seed=0)], transfers, after_step=check)
-    assert stored >= 19 and transfers.loaded_blocks - loaded >= 19  # from groups that were unmapped
-    assert prefill(trace, "b") < 4 * 320 / 4
+    reloaded = transfers.loaded_blocks - loaded
+    assert stored >= 19 and reloaded >= 19  # from groups that were unmapped
+    if lazy and _lazy_walk_starts_at_the_head():
+        # 0.34's lazy mode stores only the blocks within its target of the free queue's head, where it puts
+        # back what it stored: the idle engine's reclaim drops the rest of a's cached blocks unstored (vLLM
+        # keeps them on the GPU). What was stored comes back and is not computed again.
+        assert prefill(trace, "b") <= 4 * 320 - BS * reloaded
+    else:
+        assert prefill(trace, "b") < 4 * 320 / 4
+
+
+def _lazy_walk_starts_at_the_head() -> bool:
+    """SimpleCPUOffload's lazy walk restarts at the free queue's head each step from 0.34 (a cursor before)."""
+    from kvelastic.patching.versions import Version, installed_vllm_version
+
+    return installed_vllm_version() >= Version.parse("0.34")
 
 
 def test_offloading_connector_groups_freed_while_it_is_busy_are_held_until_it_is_done(elastic):

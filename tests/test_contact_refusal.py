@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm installed")
 
-from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
+from kvelastic.patching.versions import band_of, installed_vllm_version  # noqa: E402
 from tests.contact_probe import MARK, Case, cases, kind_of_breakage, one_per_kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +98,11 @@ def test_a_broken_contact_refuses_start_up_naming_it_and_leaves_vllm_as_it_was(p
     assert result["instance_changes"] == []  # a scheduler built afterwards is vLLM's own
 
 
+#: A runner module of the installed release: the V1 runner's where it has one, else the V2 runner's (band D).
+RUNNER = ("vllm.v1.worker.gpu_model_runner" if "V1" in band_of(installed_vllm_version()).runners
+          else "vllm.v1.worker.gpu.model_runner")
+
+
 # A module imported after start-up whose live shape differs from its source (another plugin
 # patched it): kvelastic undoes what it had applied and the import fails, naming the contact.
 LATE = f"""
@@ -105,9 +110,9 @@ import json, sys
 from kvelastic.startup import activate as activation
 from kvelastic.settings import Settings
 assert activation.activate(Settings(enabled=True)) is not None
-before = sorted(m for m in {{"vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler"}} if m in sys.modules)
-import wrapt
-import vllm.v1.worker.gpu_model_runner as runner  # imports no scheduler in any release (gpu_worker does from 0.33)
+before = sorted(m for m in {{{RUNNER!r}, "vllm.v1.core.sched.scheduler"}} if m in sys.modules)
+import importlib, wrapt
+runner = importlib.import_module({RUNNER!r})  # imports no scheduler in any release (gpu_worker does from 0.33)
 patcher = activation.current().patcher
 applied = list(patcher.wrapped)
 import vllm.v1.core.block_pool as block_pool
@@ -136,7 +141,7 @@ def test_a_module_that_differs_from_its_source_when_imported_later_undoes_everyt
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(lines[-1][len(MARK):])
     assert result["imported_before"] == []  # start-up imported neither module: the late path ran
-    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner.initialize_kv_cache" in result["applied"]  # on its import
+    assert f"{RUNNER}:GPUModelRunner.initialize_kv_cache" in result["applied"]  # on its import
     outcome = result["outcome"]
     assert outcome.startswith("PatchError") and "vllm.v1.core.block_pool:BlockPool.get_usage" in outcome
     assert "expected parameters ('self',)" in outcome and "differ from their source" in outcome

@@ -94,7 +94,7 @@ def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     assert result.patches == CLAIMED
     names = {p.name for p in CLAIMED}
     one_backing = version >= Version(0, 29)
-    assert {"worker_capacity", "worker_execute_model", "executor_step_report", "engine_folder_handover",
+    assert {"worker_capacity", "worker_execute_model", "executor_step_report", "executor_handover",
             "scheduler_block_pool"} <= names
     for runner in ("v1", "v2"):  # each runner's KV path exactly once: per-layer tensors, or the one backing
         assert (f"{runner}_allocate_kv_cache" in names, f"{runner}_single_backing" in names) == \

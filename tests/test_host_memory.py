@@ -17,7 +17,8 @@ import pytest
 from kvelastic.offload.host_memory import PAGE, HostMemory, PinError, chunk_plan
 from kvelastic.offload.staged_copy import slot_runs
 from kvelastic.offload.host_tier import HostTier, HostTierError, allocate_slots
-from kvelastic.tp.host_supply import RankHostSupply, decode, encode
+from kvelastic.tp.host_supply import ReportedHostSupply
+from kvelastic.tp.step_report import RankReport, StepReport
 
 SLOT = PAGE  # one slot per page: chunks of whole slots are page-aligned with no rounding
 CHUNK = 4 * SLOT  # background chunks of 4 slots; the head chunk is 1 slot
@@ -221,29 +222,21 @@ def test_watchers_see_every_step_and_the_end():
     assert seen == [(1, False), (5, False), (9, False), (9, True)]
 
 
-class Board:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def get(self, field: int) -> int:
-        return self.value
-
-    def set(self, field: int, value: int) -> None:
-        self.value = value
+def _reported(rank: int, ready: int, settled: bool = False) -> StepReport:
+    return StepReport((RankReport(rank=rank, applied=0, step=1, host_ready=ready, host_settled=settled),))
 
 
-def test_ranks_hand_out_a_slot_only_once_every_rank_has_it():
-    assert [decode(encode(n, s)) for n, s in [(0, False), (0, True), (7, False), (7, True)]] == \
-        [(0, False), (0, True), (7, False), (7, True)]
-    boards = [Board(), Board()]
-    supply = RankHostSupply(boards)  # type: ignore[arg-type]
+def test_ranks_hand_out_a_slot_only_once_every_rank_reported_it():
+    supply = ReportedHostSupply(2)
     tier = HostTier(10 * SLOT, SLOT, pin=False, allocate=False, supply=supply)
-    assert tier.admit("a") is None  # no rank has published yet
-    boards[0].value = encode(6, False)
-    assert tier.admit("a") is None  # rank 1 has nothing pinned
-    boards[1].value = encode(2, False)
+    assert tier.admit("a") is None  # no rank has reported yet
+    supply.take(_reported(0, 6).ranks)
+    assert tier.admit("a") is None  # rank 1 has reported nothing pinned
+    supply.take(_reported(1, 2).ranks)
     assert tier.admit("a") == 0 and tier.stats().slots == 2
-    boards[0].value, boards[1].value = encode(10, True), encode(8, True)  # rank 1 stopped short
+    supply.take(_reported(1, 1).ranks)  # an older report never shrinks what a rank has pinned
+    assert supply.ready_slots == 2
+    supply.take(_reported(0, 10, True).ranks + _reported(1, 8, True).ranks)  # rank 1 stopped short
     tier.admit("b")
     assert tier.stats().slots == 8 and tier._supply is None
 

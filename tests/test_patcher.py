@@ -218,9 +218,11 @@ def test_the_lookup_hook_follows_the_prefix_map_through_resets_without_piling_up
         for _ in range(3):
             old_map = block_pool.cached_block_hash_to_block
             assert scheduler.reset_prefix_cache()
-            assert block_pool.cached_block_hash_to_block is not old_map  # vLLM made a new map
-            assert "get_one_block" not in vars(old_map)
-            assert isinstance(vars(block_pool.cached_block_hash_to_block)["get_one_block"], wrapt.FunctionWrapper)
+            if block_pool.cached_block_hash_to_block is not old_map:  # up to 0.33 vLLM makes a new map
+                assert "get_one_block" not in vars(old_map)
+            # (0.34 clears the map in place: the hook is put back on it, once)
+            hook = vars(block_pool.cached_block_hash_to_block)["get_one_block"]
+            assert isinstance(hook, wrapt.FunctionWrapper) and not isinstance(hook.__wrapped__, wrapt.FunctionWrapper)
         assert sum(c.name == "get_one_block" for c in patcher.changes) == 1
     finally:
         reclaimer.stop()

@@ -6,7 +6,7 @@ step's output to every stage, and the stages map, confirm and unmap exactly as
 tensor-parallel ranks do: the protocol's own cases (maps confirmed by both, a
 stage out of memory, a killed stage, the sizes the scheduler counts) run for both
 splits in ``tests/test_tp_protocol.py``, ``test_tp_rank_failures.py`` and
-``test_tp_host_tier.py``. Here each stage is a spawned process
+``test_tp_host_tier.py``. Here each stage is a process of its own
 (one layer, then two) and every block a "forward pass" touches is checked on both,
 so a block handed out before both stages mapped it, or unmapped while in use, fails.
 """
@@ -17,27 +17,15 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
-from kvelastic.settings import Settings  # noqa: E402
 from tests.kv_fixtures import RANK_LAYERS, group_bytes  # noqa: E402
 from tests.scheduler_harness import make_requests  # noqa: E402
-from tests.test_tp_real_scheduler import drive_ranks, drive_ranks_step, tp_engine  # noqa: E402,F401 (a fixture)
+from tests.test_tp_real_scheduler import drive_ranks, tp_engine  # noqa: E402,F401 (a fixture)
 
 
-def test_pipeline_parallelism_is_allowed_unless_refused():
-    """The refusal itself: tests/test_mapper_reclaimer.py; here the setting and its message."""
-    assert Settings().pipeline == "allow" and Settings.from_env({"KVELASTIC_PIPELINE": "refuse"}).pipeline == "refuse"
-    with pytest.raises(Exception, match="KVELASTIC_PIPELINE"):
-        Settings.from_env({"KVELASTIC_PIPELINE": "yes"})
-
-
-@pytest.mark.parametrize("confirm", ["board", "step"])
-def test_every_block_holds_its_tokens_data_on_both_stages(tp_engine, confirm):
-    scheduler, ranks = tp_engine(confirm=confirm, split="pipeline")
+def test_every_block_holds_its_tokens_data_on_both_stages(tp_engine):
+    scheduler, ranks = tp_engine(split="pipeline")  # built with pipeline_parallel_size=2: never refused
     waves = [make_requests("a", 6, 300, 200, seed=0), make_requests("c", 8, 460, 0, seed=1)]
-    if confirm == "step":
-        trace = drive_ranks_step(scheduler, ranks, waves, [], set())
-    else:
-        trace = drive_ranks(scheduler, ranks, waves)
+    trace = drive_ranks(scheduler, ranks, waves)
     assert {rid for step in trace for rid, _ in step} == {r.request_id for wave in waves for r in wave}
 
 

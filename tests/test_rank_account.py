@@ -2,7 +2,7 @@
 
 A data-parallel engine core (and TP=1 through the multiprocess executor) runs
 its one worker in a child process: the scheduler reaches the pool through the
-rank protocol. Here vLLM's real scheduler drives a spawned rank process (a
+rank protocol. Here vLLM's real scheduler drives a rank process (a
 host-backed pool) and joins the account the rank's device names, so it shares
 the device with a one-process engine (vLLM's real scheduler over a pool in the
 test's process): both are members of one account, the rank engine's maps are
@@ -24,12 +24,12 @@ from kvelastic.cluster import SharedAccount  # noqa: E402
 from kvelastic.cluster.device import device_identity  # noqa: E402
 from kvelastic.pool.host import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.startup.runtime import Runtime  # noqa: E402
-from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend, RankProcesses  # noqa: E402
-from tests.scheduler_harness import build_patched, make_requests, model_output  # noqa: E402
+from kvelastic.tp.report_merger import STEP_ATTR  # noqa: E402
+from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend  # noqa: E402
+from tests.scheduler_harness import make_requests, model_output  # noqa: E402
 from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
-from tests.test_tp_real_scheduler import _forward, _scheduler_with_world, close_engines  # noqa: E402
+from tests.test_tp_real_scheduler import close_engines, engine_over, step_to_ranks  # noqa: E402
+from tests.tp_ranks import RankProcesses  # noqa: E402
 
 BUDGET_GROUPS = 6
 
@@ -41,11 +41,9 @@ def rank_engine(patched, monkeypatch):  # noqa: F811 - patched sets KVELASTIC_SH
     def make(devices: tuple[str, ...] | None = None, **settings):
         """One rank on the host-memory device, or (``devices``) one rank on each device named."""
         world = len(devices) if devices else 1
-        ranks = RankProcesses(shm.engine_dir(os.getpid()), (None,) * world, layers=(3,) * world, devices=devices)
+        ranks = RankProcesses(layers=(3,) * world, devices=devices)
         made.append(ranks)
-        settings.setdefault("tp_confirm", "board")  # this driver gathers no step replies: the ranks confirm on boards
-        runtime = Runtime(Settings(enabled=True, **settings))  # no cache here: the ranks hold it
-        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(world))
+        scheduler, patcher = engine_over(ranks, Settings(enabled=True, **settings))
         made.append((scheduler, patcher))
         return scheduler, ranks
 
@@ -54,14 +52,16 @@ def rank_engine(patched, monkeypatch):  # noqa: F811 - patched sets KVELASTIC_SH
 
 
 def _step_rank_engine(scheduler, ranks: RankProcesses) -> None:
-    if not scheduler.has_requests():
-        ranks.send(scheduler.schedule().kvelastic_plan)  # commands still go out with an empty step
-        return
+    """One engine step: an empty one where nothing is scheduled (commands still go out with it), its ranks'
+    reports on its output."""
     out = scheduler.schedule()
-    ranks.send(out.kvelastic_plan, *_forward(scheduler, out))
+    carried = step_to_ranks(scheduler, ranks, out)
     samplers = {r for r in out.num_scheduled_tokens
                 if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
-    scheduler.update_from_output(out, model_output(scheduler, out, samplers))
+    result = model_output(scheduler, out, samplers)
+    if carried:
+        setattr(result, STEP_ATTR, carried[STEP_ATTR])
+    scheduler.update_from_output(out, result)
 
 
 def _step_local(scheduler) -> None:
@@ -138,8 +138,8 @@ def test_a_tp_engine_joins_each_gpus_account_and_maps_only_what_the_fullest_gran
     try:
         held: list[tuple[int, int]] = []
 
-        def forward(s, out) -> None:
-            ranks.send(out.kvelastic_plan, *_forward(s, out))
+        def forward(s, out):
+            return step_to_ranks(s, ranks, out)
 
         def after_step(_) -> None:
             scheduler.kvelastic_reclaimer.tick()

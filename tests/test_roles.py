@@ -1,9 +1,8 @@
 """Each scheduler-side role is filled completely by both its implementations, and they agree on the numbers.
 
 One connection is to a host-backed cache in this process, the other to two
-ranks (real ``RankWorker``s, their boards and description files in a real
-engine folder, run in this process for speed; ``test_tp_protocol.py`` runs
-them as separate processes). Every member a role declares must exist on what
+ranks (real ``RankWorker``s and their descriptions, run in this process for
+speed; ``test_tp_protocol.py`` runs them as separate processes). Every member a role declares must exist on what
 each connection hands out, with the role's parameters; and the room both
 caches report must follow the same limit, device reading and margin.
 """
@@ -11,7 +10,6 @@ caches report must follow the same limit, device reading and margin.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 
 import pytest
@@ -21,8 +19,8 @@ from kvelastic.scheduler.elastic_cache import DEVICE_MARGIN_BYTES
 from kvelastic.hooks.local_connection import LocalConnection
 from kvelastic.pool import HostBackend
 from kvelastic.settings import Settings
-from kvelastic.tp import board as shm
 from kvelastic.tp.scheduler_side import RankConnection
+from kvelastic.tp.step_report import StepReport
 from kvelastic.tp.worker_side import start_rank
 from tests.kv_fixtures import GROUP_BYTES, build_cache
 
@@ -51,11 +49,10 @@ def connections(tmp_path, monkeypatch):
         limit = limit_groups and limit_groups * GROUP_BYTES
         built = [build_cache(backend=ReportingBackend(free)) for _ in range(WORLD + 1)]
         made.extend(built)
-        folder = shm.engine_dir(os.getpid())
-        workers = [start_rank(cache, folder, rank, WORLD, limit, CPU_BYTES)
-                   for rank, (_, _, cache) in enumerate(built[1:])]
+        workers = [start_rank(cache, rank, WORLD, limit, CPU_BYTES) for rank, (_, _, cache) in enumerate(built[1:])]
         made.extend(workers)
-        remote = RankConnection(folder, [shm.read_info(folder, r) for r in range(WORLD)])
+        remote = RankConnection([worker.info for worker in workers])
+        remote.mapper.adopt(StepReport(tuple(w.take_report() for w in workers)))  # a report step's replies
         return LocalConnection(built[0][2], limit), remote
 
     yield make

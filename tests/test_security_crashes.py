@@ -171,37 +171,6 @@ def test_a_full_tmpfs_is_a_clear_error_at_account_creation(tiny_tmpfs, monkeypat
         assert account.budget == 1000
 
 
-BOARD = """
-import os, sys
-from kvelastic.tp import board as shm
-try:
-    board = shm.RankBoard.of_rank(shm.engine_dir(os.getpid()), 0, 200000, create=True)
-    board.groups[:] = 7
-except Exception as error:
-    print(f"{type(error).__name__}: {error}", file=sys.stderr)
-    sys.exit(3)
-"""
-
-
-def test_a_rank_board_on_a_nearly_full_shm_fails_at_creation_not_with_sigbus(tiny_tmpfs):
-    env = {**os.environ, "KVELASTIC_SHARED_DIR": str(tiny_tmpfs)}
-    result = subprocess.run([sys.executable, "-c", BOARD], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != -signal.SIGBUS, "the rank died of SIGBUS"
-    assert result.returncode == 3 and "no space" in result.stderr.lower() and "shm-size" in result.stderr
-
-
-def test_a_rank_board_that_cannot_be_allocated_is_a_clear_error(shared, monkeypatch):
-    """Where no tmpfs can be mounted: posix_fallocate's ENOSPC, injected."""
-    from kvelastic.shared.errors import NoSpace
-    from kvelastic.tp import board as shm
-
-    monkeypatch.setattr(os, "posix_fallocate", lambda *a: _enospc())
-    folder = shm.engine_dir(os.getpid())
-    with pytest.raises(NoSpace, match="rank0.board"):
-        shm.RankBoard.of_rank(folder, 0, 1000, create=True)
-    assert not (folder / "rank0.board").exists()
-
-
 # ------------------------------------------------------------ bad headers
 def _plant_account(header: Header) -> Path:
     SharedAccount.open("other", 1).close()  # the user's folder
@@ -255,11 +224,14 @@ def test_a_relative_or_missing_shared_dir_is_a_clear_error_not_a_new_folder(tmp_
 # ------------------------------------------------------------- dead engines
 ENGINE = """
 import os, sys
+from kvelastic.cluster.liveness import own_pid_namespace, process_start_time
 from kvelastic.metrics.metrics import StatsPublisher
-from kvelastic.tp import board as shm
-shm.RankBoard.of_rank(shm.engine_dir(os.getpid()), 0, 8, create=True)
+from kvelastic.shared.names import Owner, engine_dir_name
+from kvelastic.shared.scope import current_scope
 StatsPublisher("doomed").publish({"mapped_bytes": 1})
-print(shm.engine_dir(os.getpid()), flush=True)
+folder = current_scope().path / engine_dir_name(Owner(own_pid_namespace(), os.getpid(), process_start_time(os.getpid())))
+folder.mkdir(mode=0o700)  # an engine folder: status removes it once its engine is dead
+print(folder, flush=True)
 sys.stdin.read()
 """
 

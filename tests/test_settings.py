@@ -395,3 +395,17 @@ def test_the_readme_table_holds_exactly_the_user_settings_and_tuning_md_every_ot
     missing = [name for name, _ in _VARIABLES.values() if name not in readme_rows and name not in tuning_rows]
     assert missing == []
     assert not set(readme_rows) & set(tuning_rows)
+
+
+def test_a_retired_variable_is_named_once_with_what_kvelastic_does_instead():
+    """A variable kvelastic stopped reading is not an error: start-up says what became of its job."""
+    from kvelastic.settings import RETIRED
+
+    mine = {"KVELASTIC_RELEASE": "preempt", "KVELASTIC_TP_CONFIRM": "board", "KVELASTIC_TP_MAP_AFTER_LAUNCH": "0",
+            "KVELASTIC_PIPELINE": "refuse", "KVELASTIC_RAY": "refuse"}
+    assert set(mine) <= set(RETIRED) and set(RETIRED).isdisjoint(known_variables())
+    for variable, now in RETIRED.items():
+        (warning,) = unknown_variables({variable: "1", "KVELASTIC": "1"})
+        assert warning == f"{variable} is retired and ignored: {now}"
+    assert Settings.from_env(mine) == Settings()  # set, they change nothing
+    assert len(unknown_variables(mine)) == len(mine)

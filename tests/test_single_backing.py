@@ -1,7 +1,9 @@
 """vLLM 0.29+'s one KV backing served by the page pool, with vLLM's own planner and views.
 
-kvelastic's band-C worker patch (``v1_single_backing``) is applied through a
-patcher cleared for its contacts, on a host-backed runtime. vLLM's real
+kvelastic's one-backing worker patches (``v1_single_backing`` in band C,
+``v2_single_backing`` in bands C and D) are applied through a patcher cleared for
+their contacts, on a host-backed runtime: in band C vLLM's ``torch.zeros`` is
+served by a stand-in ``torch``, in band D (0.34+) by the ``allocate`` hook. vLLM's real
 ``get_kv_cache_config_from_groups`` plans each layout, vLLM's real
 ``allocate_kv_cache`` (through the runner's patched name) builds the views over
 the pool's backing, and kvelastic reads the group layout off those views. The
@@ -68,27 +70,36 @@ def patcher_for(patch) -> Patcher:
     return Patcher(installed_vllm_version(), patch.targets)
 
 
+def runners() -> list[str]:
+    """The runners the installed release has, each with its one-backing patch (the V1 runner is gone in 0.34)."""
+    from kvelastic.patches import v1_single_backing
+
+    return ["v1", "v2"] if v1_single_backing.PATCH.claims(installed_vllm_version()) else ["v2"]
+
+
 class BandC:
-    """A host-backed runtime with both runners' band-C patches applied, undone on close."""
+    """A host-backed runtime with every runner's one-backing patch applied, undone on close."""
 
     def __init__(self, page_bytes: int):
         from kvelastic.patches import v1_single_backing, v2_single_backing
 
+        version = installed_vllm_version()
+        patches = [patch for patch in (v1_single_backing.PATCH, v2_single_backing.PATCH) if patch.claims(version)]
         self.runtime = Runtime(Settings(enabled=True, chunk_bytes=page_bytes), backend_factory=HostBackend)
-        self.patcher = Patcher(installed_vllm_version(), (*v1_single_backing.PATCH.targets,
-                                                          *v2_single_backing.PATCH.targets))
-        for patch in (v1_single_backing.PATCH, v2_single_backing.PATCH):
+        self.patcher = Patcher(version, tuple(target for patch in patches for target in patch.targets))
+        for patch in patches:
             patch.apply(self.patcher, self.runtime)
         self.patchers: list[Patcher] = []  # further patches a test applies, undone first
 
     def allocate(self, config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int | None,
-                 runner: str = "v1"):
-        """Through the name the V1 runner's module calls, or (``runner="v2"``) the V2 runner's ``attn_utils``."""
-        from vllm.v1.worker import gpu_model_runner
-        from vllm.v1.worker.gpu import attn_utils
+                 runner: str | None = None):
+        """Through the name the V1 runner's module calls, or (``runner="v2"``, and the default where the V1
+        runner is gone) the V2 runner's ``attn_utils``."""
+        import importlib
 
+        modules = {"v1": "vllm.v1.worker.gpu_model_runner", "v2": "vllm.v1.worker.gpu.attn_utils"}
+        module = importlib.import_module(modules[runner or runners()[0]])
         sizes = None if kernel_block_size is None else [kernel_block_size] * len(config.kv_cache_groups)
-        module = {"v1": gpu_model_runner, "v2": attn_utils}[runner]
         return module.allocate_kv_cache(config, CPU, layout, sizes)
 
     def close(self) -> None:
@@ -249,7 +260,7 @@ def test_block_outermost_layouts_cannot_split_kernel_blocks(band_c):
             band_c().allocate(plan(layout, spec_groups, 8), layout, 16)
 
 
-@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("runner", runners())
 def test_views_are_vllms_own_over_the_pool_backing(band_c, runner):
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -290,6 +301,45 @@ def test_another_wrapper_around_vllms_allocator_is_refused(band_c):
         allocate_in_pool(env.runtime, wrapped, (config, CPU, KVCacheLayout.BLNHC, None), {},
                          is_host_resident=lambda tensor: False)
     assert env.runtime.allocation_pool() is None
+
+
+def _takes_hook() -> bool:
+    from kvelastic.patches import single_backing
+
+    return single_backing.ALLOCATE_HOOK in single_backing.ALLOCATOR.shape(installed_vllm_version()).params
+
+
+@pytest.mark.skipif(not _takes_hook(), reason="vLLM 0.34+ (band D): allocate_kv_cache's allocate hook")
+def test_a_backing_hook_already_given_is_refused_before_anything_is_allocated(band_c):
+    """With kvelastic on, vLLM's extensible cache is off: a hook passed in means something else serves the KV."""
+    from vllm.v1.worker.gpu import attn_utils
+
+    from kvelastic.errors import PatchError
+
+    env = band_c()
+    config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
+    asked: list[int] = []
+    with pytest.raises(PatchError, match="extensible KV cache"):
+        attn_utils.allocate_kv_cache(config, CPU, KVCacheLayout.BLNHC, None,
+                                     allocate=lambda size: asked.append(size) or torch.zeros(size, dtype=torch.int8))
+    assert asked == [] and env.runtime.allocation_pool() is None
+
+
+@pytest.mark.skipif(not _takes_hook(), reason="vLLM 0.34+ (band D): allocate_kv_cache's allocate hook")
+def test_the_hook_serves_one_backing_and_refuses_a_second(band_c):
+    """kvelastic's hook reserves the size vLLM asks, once, in a new pool: vLLM's own function runs unchanged."""
+    from kvelastic.worker.single_backing import PoolBacking
+
+    env = band_c()
+    hook = PoolBacking(env.runtime, CPU)
+    backing = hook(8 * KIB)
+    assert backing.dtype == torch.int8 and backing.numel() == 8 * KIB  # nothing mapped yet: not read
+    (region,) = env.runtime.allocation_pool().regions
+    assert region.address == backing.data_ptr() and hook.backing is backing
+    with pytest.raises(LayoutError, match="second"):
+        hook(8 * KIB)
+    with pytest.raises(LayoutError, match="bytes"):
+        PoolBacking(env.runtime, CPU)(0)
 
 
 def test_an_empty_config_allocates_no_pool(band_c):

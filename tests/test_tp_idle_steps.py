@@ -1,18 +1,18 @@
-"""Idle delivery by an empty step (issue #19, row 2), with vLLM's real Scheduler and engine loop.
+"""Idle delivery by an empty step, with vLLM's real Scheduler and engine loop.
 
-Two spawned ranks serve vLLM's real scheduler (as in ``test_tp_real_scheduler.py``).
+Two rank processes serve vLLM's real scheduler (as in ``test_tp_real_scheduler.py``).
 The engine loop is vLLM's own ``EngineCoreProc.run_busy_loop``, wrapped by
 ``patches/engine_core_wake.py``, and its real ``_process_input_queue``, which
 blocks on the input queue while ``has_work()`` is false; only the step itself
 (schedule, both ranks' ``execute_model``, ``update_from_output``) is the harness's.
 The reclaimer is kvelastic's real thread: once the engine idles it gives back
-the cached groups and wakes the loop. In step mode, with the ranks' boards
-removed, the unmap must reach both ranks on a step with no tokens; in board mode
-it must still go through the engine folder's idle files, with no step.
+the cached groups and wakes the loop, and the unmap must reach both ranks on a
+step with no tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
@@ -21,11 +21,12 @@ import pytest
 pytest.importorskip("vllm.v1.engine.core", reason="needs vllm installed")
 
 from kvelastic.patches import engine_core_wake  # noqa: E402
-from kvelastic.tp import board as shm  # noqa: E402
+from kvelastic.tp.idle_steps import IdleSteps  # noqa: E402
 from kvelastic.tp.protocol import UNMAP  # noqa: E402
-from tests.kv_fixtures import WORLD, wait_for  # noqa: E402
+from kvelastic.tp.report_merger import STEP_ATTR  # noqa: E402
 from tests.scheduler_harness import applied_patch, make_requests, model_output  # noqa: E402
-from tests.test_tp_real_scheduler import _forward, drive_ranks_step, tp_engine  # noqa: E402,F401,F811
+from tests.test_tp_real_scheduler import _forward, drive_ranks, tp_engine  # noqa: E402,F401,F811
+from tests.tp_cluster import wait_for  # noqa: E402
 
 CACHE_TTL_S = 0.3  # the reclaimer gives back cached groups idle this long (once no allocation for 1 s)
 WAIT_S = 20.0
@@ -59,11 +60,9 @@ def _engine_class():
             out = self.scheduler.schedule()
             self.ranks.send(out.kvelastic_plan, *_forward(self.scheduler, out))
             result = model_output(self.scheduler, out, set())
-            if out.kvelastic_plan.report:  # every rank's reply, merged as vLLM's executor merges it
-                from kvelastic.tp.report_merger import STEP_ATTR, ReportMerger
-
-                merged = ReportMerger().aggregate(self.ranks.launched, output_rank=0)
-                setattr(result, STEP_ATTR, getattr(merged, STEP_ATTR))
+            report = self.ranks.merged_report(out.kvelastic_plan)  # every rank's reply, as vLLM's executor merges
+            if report is not None:
+                setattr(result, STEP_ATTR, report)
             self.scheduler.update_from_output(out, result)
             self.steps.append((out.total_num_scheduled_tokens, out.kvelastic_plan))
             return out.total_num_scheduled_tokens > 0
@@ -117,27 +116,13 @@ def _wave(tag: str) -> list:
     return make_requests(tag, 4, 320, 160, seed=0, max_tokens=4)
 
 
-def _count_idle_files(monkeypatch) -> list:
-    """Every idle file the scheduler writes, from now on."""
-    written: list = []
-    write = shm.write_idle_commands
-
-    def counting(folder, commands):
-        written.append(tuple(commands))
-        return write(folder, commands)
-
-    monkeypatch.setattr(shm, "write_idle_commands", counting)
-    return written
-
-
-def test_an_unmap_queued_while_idle_rides_an_empty_step_to_both_ranks_without_boards(tp_engine, monkeypatch):
-    files = _count_idle_files(monkeypatch)
+def test_an_unmap_queued_while_idle_rides_an_empty_step_to_both_ranks(tp_engine):
     with applied_patch(engine_core_wake, None):
-        scheduler, ranks = tp_engine(confirm="step", cache_ttl_s=CACHE_TTL_S)
+        scheduler, ranks = tp_engine(cache_ttl_s=CACHE_TTL_S)
         queue_ = scheduler.kv_cache_manager.block_pool.free_block_queue
         mapper = queue_.mapper
         assert queue_.cache.pool.idle_steps is not None
-        drive_ranks_step(scheduler, ranks, [_wave("a")], [], set())  # no loop yet: vLLM's steps, as in the harness
+        drive_ranks(scheduler, ranks, [_wave("a")])  # no loop yet: vLLM's steps, as in the harness
         busy = list(ranks.mapped_bytes)
         cached = set(mapper.mapped_groups)
         wake = queue_.cache.pool.idle_steps.wake
@@ -154,37 +139,33 @@ def test_an_unmap_queued_while_idle_rides_an_empty_step_to_both_ranks_without_bo
     given_back = set().union(*(_unmapped(plan) for _, plan in steps))
     assert given_back & cached, "the empty steps did not give back the groups the wave left cached"
     assert ranks.mapped_bytes[0] == ranks.mapped_bytes[1] < busy[0], "the ranks kept the unmapped pages"
-    assert mapper.boards == [] and files == [], "idle delivery went through the engine folder"
     assert queue_.cache.pool.idle_steps.steps_asked >= 1
     # later commands come after them on both ranks: the same groups mapped again, every block's data checked
     last_idle = max(c[0] for _, plan in steps for c in plan.commands)
     reports: list = []
     seen: set = set()
-    drive_ranks_step(scheduler, ranks, [_wave("b")], reports, seen)
+    drive_ranks(scheduler, ranks, [_wave("b")], reports, seen)
     later = [c for report in reports for rank in report.ranks for c in rank.maps]
     assert later and min(seq for seq, _ in later) > last_idle, "a later map was numbered before the idle unmap"
     assert seen & given_back, "no group given back while idle was mapped again by the next wave"
     assert ranks.mapped_bytes[0] == ranks.mapped_bytes[1] > 0
 
 
-def test_board_mode_still_sends_idle_commands_as_files_and_runs_no_step(tp_engine, monkeypatch):
-    from tests.test_tp_real_scheduler import drive_ranks
-
-    files = _count_idle_files(monkeypatch)
-    with applied_patch(engine_core_wake, None):
-        scheduler, ranks = tp_engine(confirm="board", cache_ttl_s=CACHE_TTL_S)
-        queue_ = scheduler.kv_cache_manager.block_pool.free_block_queue
-        mapper = queue_.mapper
-        assert queue_.cache.pool.idle_steps is None
-        drive_ranks(scheduler, ranks, [_wave("a")])
-        busy = [b.get(shm.MAPPED_BYTES) for b in mapper.boards]
-        assert not hasattr(scheduler, engine_core_wake.WAKE_ATTRIBUTE), "board mode handed the loop a wake-up"
-        with RunningLoop(scheduler, ranks) as loop:
-            assert _wait_for(lambda: loop.thread.is_alive())
-            assert _wait_for(lambda: all(b.get(shm.MAPPED_BYTES) < m for b, m in zip(mapper.boards, busy))), \
-                "idle ranks never got the unmap through the engine folder"
-            steps = list(loop.engine.steps)
-    assert loop.error is None, loop.error
-    assert steps == [], "board mode ran a step to deliver idle commands"
-    assert any(c[1] == UNMAP for commands in files for c in commands), "no idle file carried the unmap"
-    assert len(mapper.boards) == WORLD
+def test_where_no_loop_can_be_woken_the_commands_wait_for_the_next_step_and_it_is_said_once(caplog):
+    """An in-process engine core, or DP over MoE (vLLM's own ``DPEngineCoreProc`` loop): nothing registers, so
+    the reclaimer's tick sends nothing and the commands stay queued for the engine's next step; once the engine
+    has stepped (its loop would have registered by then), the log says so, once."""
+    pending, stepped = [3], [False]
+    idle = IdleSteps(lambda: pending[0], stepped=lambda: stepped[0])
+    with caplog.at_level(logging.WARNING, logger="vllm.kvelastic"):
+        assert not idle.deliver() and not idle.waiting()  # the engine's start-up: no loop yet, nothing said
+        assert "cannot be woken" not in caplog.text
+        stepped[0] = True
+        assert not idle.deliver() and not idle.deliver()
+    assert caplog.text.count("this engine's loop cannot be woken") == 1, caplog.text
+    assert idle.steps_asked == 0 and pending == [3]
+    posted: list = []
+    idle.wake.register(lambda: posted.append("WAKEUP"))  # a loop that can be woken
+    assert idle.waiting() and idle.deliver() and posted == ["WAKEUP"]
+    pending[0] = 0
+    assert not idle.waiting() and not idle.deliver() and posted == ["WAKEUP"]

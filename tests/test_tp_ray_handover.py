@@ -1,23 +1,24 @@
-"""Under Ray a rank is not its engine core's child: the engine's folder reaches it over vLLM's collective_rpc.
+"""A multiprocess executor's ranks describe themselves over vLLM's collective_rpc; Ray's learn who drives them.
 
-The engine core is this test process. A launcher process starts the ranks and
-stays their parent, as the raylet is a Ray actor's, so ``os.getppid()`` names
-the wrong engine. vLLM's real ``MultiprocExecutor`` (the base of Ray's V2
-executor) drives them, patched by ``engine_folder_handover``: only its message
-queues are stood in for, by pipes to the ranks, which run each call the way
-vLLM's ``WorkerProc`` does (``run_method`` for a pickled callable). Checked: a
-rank finds its engine's folder through the hand-over (the scheduler reads its
-description there), fails with a clear error without it, refuses an engine
-core on another host; the multiprocess path is left as it was; the refusals.
+The engine core is this test process. The ranks are processes that are not its
+children (as a Ray actor's parent is the raylet), started from
+``tests/tp_ranks.py``'s forkserver. vLLM's real ``MultiprocExecutor`` (the base
+of Ray's V2 executor) drives them, patched by ``executor_handover``: only its
+message queues are stood in for, by pipes to the ranks, which run each call the
+way vLLM's ``WorkerProc`` does. Checked: every rank's description comes back on
+its reply and the scheduler connects from those alone (no rank writes a file);
+a Ray rank that no engine core spoke to fails with a clear error; the refusals
+(Ray v1, a vLLM whose engine loop cannot be woken) stop start-up before any
+rank hears anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
 import os
 from collections import deque
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,101 +27,25 @@ pytest.importorskip("vllm.v1.executor.multiproc_executor", reason="needs vllm in
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor, WorkerProc  # noqa: E402
 
-from kvelastic.errors import EngineFolderError, PatchError  # noqa: E402
-from kvelastic.patches import engine_folder_handover, executor_step_report  # noqa: E402
+from kvelastic.errors import PatchError  # noqa: E402
+from kvelastic.patches import executor_handover, executor_step_report  # noqa: E402
+from kvelastic.patching.versions import Version, installed_vllm_version  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.tp import board as shm  # noqa: E402
-from kvelastic.tp import engine_folder, ray_executor  # noqa: E402
+from kvelastic.tp import executor_handover as handover  # noqa: E402
+from kvelastic.tp.handovers import RankHandovers  # noqa: E402
 from kvelastic.tp.protocol import MAP, START_SEQ, UNMAP  # noqa: E402
-from kvelastic.tp.rank_files import RankInfo, encode_info  # noqa: E402
-from kvelastic.tp.ray_executor import hand_over_folder, ray_refusal  # noqa: E402
-from kvelastic.tp.remote_mapper import STEP  # noqa: E402
+from kvelastic.tp.rank_info import RankInfo, encode_info  # noqa: E402
 from kvelastic.tp.report_merger import step_report_of  # noqa: E402
 from kvelastic.tp.step_report import CommandTally  # noqa: E402
 from tests.kv_fixtures import BLOCKS_PER_GROUP  # noqa: E402
 from tests.scheduler_harness import applied_patch  # noqa: E402
+from tests.tp_ranks import ray_rank_main, rank_context  # noqa: E402
 
 WORLD = 2
 TIMEOUT_S = 120
 #: The groups each rank maps before it serves (the null group 0 aside): group 1 on both, group 2 on rank 0 only.
 START_GROUPS = ((1, 2), (1,))
-
-
-# ------------------------------------------------------------------ the ranks (other processes)
-class _Worker:
-    """What a rank's vLLM worker does with the executor's calls: initialise its KV cache (find its engine's
-    folder, as ``serve_as_rank`` does, and describe itself there), then run each step through the
-    ``Worker.execute_model`` wrap, whose forward pass writes the step's blocks (each must be mapped)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.runtime = SimpleNamespace(rank_worker=None)
-        self.pool = self.views = self.cache = None
-
-    def initialize_from_config(self, *_) -> None:
-        from kvelastic.tp.worker_side import start_rank
-        from tests.kv_fixtures import build_cache
-
-        found = engine_folder.rank_folder("ray")
-        self.pool, self.views, self.cache = build_cache()
-        self.cache.map_groups(START_GROUPS[self.rank])  # as vLLM's start-up may, before the scheduler exists
-        self.runtime.rank_worker = start_rank(self.cache, found.folder, self.rank, WORLD, None, None)
-
-    def compile_or_warm_up_model(self) -> SimpleNamespace:
-        return SimpleNamespace(language_model=0.0, encoder=0.0)
-
-    def execute_model(self, scheduler_output) -> object:
-        from patches.worker_execute_model import _execute
-
-        def forward(_scheduler_output) -> None:  # "launched": the step's writes, on this rank's shard
-            for block_id in scheduler_output.writes:
-                assert self.pool.is_mapped(self.cache.group_of_block(block_id)), f"write to unmapped {block_id}"
-                for view in self.views:
-                    view[:, block_id].fill_(self.rank + 1)
-
-        return _execute(self.runtime, forward, self, (scheduler_output,), {})
-
-    def sample_tokens(self, _grammar_output) -> SimpleNamespace:
-        return SimpleNamespace(rank=self.rank)  # the step's output (only the output rank's reaches the engine)
-
-    def close(self) -> None:
-        if self.runtime.rank_worker is not None:
-            self.runtime.rank_worker.close()
-            self.pool.close()
-
-
-def _rank_main(rank: int, inbox, outbox, host: str | None = None) -> None:
-    """Answer the executor's calls as vLLM's WorkerProc does: ``run_method`` on the worker, then success and
-    result, or failure and the error, sent only by the rank the call asks to reply (every rank if none).
-    ``host``: the host identity this rank reads for its own (another host's, for the tests of one), at the one
-    place a rank learns where it runs."""
-    from vllm.v1.serial_utils import run_method
-
-    if host is not None:
-        engine_folder.host_identity = lambda: host
-    worker = _Worker(rank)
-    while True:
-        item = inbox.recv()
-        if item is None:
-            worker.close()
-            return
-        method, args, kwargs, reply_rank = item
-        try:
-            answer = (WorkerProc.ResponseStatus.SUCCESS, run_method(worker, method, args, kwargs))
-        except Exception as error:  # noqa: BLE001 - sent back, as vLLM's worker does
-            answer = (WorkerProc.ResponseStatus.FAILURE, f"{type(error).__name__}: {error}")
-        if reply_rank is None or reply_rank == rank:
-            outbox.send(answer)
-
-
-def _launcher(pipes, hosts: dict) -> None:
-    """The ranks' parent, standing for the raylet: not the engine core. ``hosts``: rank -> another host."""
-    ranks = [multiprocessing.get_context("spawn").Process(target=_rank_main, args=(r, *pipes[r], hosts.get(r)))
-             for r in range(WORLD)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join()
+STATUS = {"ok": WorkerProc.ResponseStatus.SUCCESS, "failed": WorkerProc.ResponseStatus.FAILURE}
 
 
 # ------------------------------------------------------------------ the engine core (this process)
@@ -134,13 +59,16 @@ class Broadcast:
 
 
 class Replies:
+    """One rank's response queue: its answers, with vLLM's own status values."""
+
     def __init__(self, pipe) -> None:
         self.pipe = pipe
 
     def dequeue(self, timeout=None, **_):
         if not self.pipe.poll(TIMEOUT_S if timeout is None else timeout):
             raise TimeoutError("no reply from the rank")
-        return self.pipe.recv()
+        status, result = self.pipe.recv()
+        return STATUS[status], result
 
 
 def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> MultiprocExecutor:
@@ -154,18 +82,15 @@ def _executor(to_ranks, from_ranks, backend: str = "ray", stages: int = 1) -> Mu
     return ex
 
 
-def _runtime(settings: Settings) -> SimpleNamespace:
-    """What the patches and the scheduler side read of the engine core's Runtime: its settings and the
-    record of what the executor handed to Ray's ranks."""
-    from kvelastic.tp.handovers import RayHandovers
-
-    return SimpleNamespace(settings=settings, ray_handovers=RayHandovers())
+def _runtime(settings: Settings | None = None) -> SimpleNamespace:
+    """What the patches and the scheduler side read of the engine core's Runtime: its settings and the record
+    of what the executor learnt from its ranks."""
+    return SimpleNamespace(settings=settings or Settings(), rank_handovers=RankHandovers())
 
 
-def _scheduler_side(runtime: SimpleNamespace, wait_s: float = TIMEOUT_S):
-    """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``, which waits
-    ``wait_s`` for description files), in front of vLLM's BlockPool made page-aware: (connection, block
-    pool, queue)."""
+def _scheduler_side(runtime: SimpleNamespace, backend: str = "ray"):
+    """The engine core's scheduler side as ``attach_scheduler`` connects it (``connect_ranks``), in front of
+    vLLM's BlockPool made page-aware: (connection, block pool, queue)."""
     from vllm.v1.core.block_pool import BlockPool
 
     from kvelastic.hooks.block_pool import make_page_aware
@@ -173,94 +98,51 @@ def _scheduler_side(runtime: SimpleNamespace, wait_s: float = TIMEOUT_S):
     from tests.kv_fixtures import BS, N
     from tests.scheduler_harness import scheduler_patcher
 
-    parallel = SimpleNamespace(world_size=WORLD, pipeline_parallel_size=1, distributed_executor_backend="ray")
+    parallel = SimpleNamespace(world_size=WORLD, pipeline_parallel_size=1, distributed_executor_backend=backend)
     connection = connect_ranks(SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel)),
-                               runtime, contextlib.nullcontext(), wait_s=wait_s)
+                               runtime, contextlib.nullcontext())
     pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
     queue = make_page_aware(pool, connection.cache, connection.mapper, patcher=scheduler_patcher(),
                             max_ahead_groups=2)
     return connection, pool, queue
 
 
-@pytest.fixture
-def ranks(tmp_path, monkeypatch):
-    """WORLD rank processes, grandchildren of this one, and vLLM's executor wired to them."""
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))  # inherited by the launcher and the ranks
-    with rank_processes({}) as found:
-        yield found
-
-
 @contextlib.contextmanager
-def rank_processes(hosts: dict):
-    """WORLD rank processes under a launcher: (pipes to them, pipes from them, the launcher's pid).
+def rank_processes(hosts: dict | None = None, backend: str = "ray", vllm_run_method: bool = False):
+    """WORLD rank processes, none of them a child of this one: (pipes to them, pipes from them).
     ``hosts``: rank -> the host identity it finds for itself (absent: this host's)."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
+    hosts = hosts or {}
     inboxes = [context.Pipe() for _ in range(WORLD)]
     outboxes = [context.Pipe() for _ in range(WORLD)]
-    pipes = [(inboxes[r][1], outboxes[r][0]) for r in range(WORLD)]
-    launcher = context.Process(target=_launcher, args=(pipes, hosts))
-    launcher.start()
+    ranks = [context.Process(target=ray_rank_main, args=(r, WORLD, inboxes[r][1], outboxes[r][0], hosts.get(r),
+                                                         START_GROUPS[r], vllm_run_method, backend), daemon=True)
+             for r in range(WORLD)]
+    for process in ranks:
+        process.start()
     to_ranks, from_ranks = [i[0] for i in inboxes], [o[1] for o in outboxes]
     try:
-        yield to_ranks, from_ranks, launcher.pid
+        yield to_ranks, from_ranks
     finally:
         for pipe in to_ranks:
             pipe.send(None)
-        launcher.join(TIMEOUT_S)
-        if launcher.is_alive():
-            launcher.kill()
+        for process in ranks:
+            process.join(TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
 
 
 @pytest.fixture
-def patched():
-    """The hand-over patch applied for a Runtime with KVELASTIC_RAY=allow; yields that runtime."""
-    runtime = _runtime(Settings(ray="allow"))
-    with applied_patch(engine_folder_handover, runtime):
-        yield runtime
-
-
-def test_ranks_that_are_not_the_engines_children_find_its_folder_through_the_hand_over(ranks, patched):
-    to_ranks, from_ranks, launcher_pid = ranks
-    executor = _executor(to_ranks, from_ranks)
-    executor.initialize_from_config([])  # patched: the hand-over, then vLLM's own calls to the ranks
-    folder = shm.engine_dir(os.getpid())
-    infos = [shm.read_info(folder, r) for r in range(WORLD)]  # where the scheduler looks without a hand-over
-    assert all(info is not None for info in infos), "the ranks did not describe themselves in the engine's folder"
-    assert {info.pid for info in infos}.isdisjoint({os.getpid(), launcher_pid})
-    sent = patched.ray_handovers.described(folder)  # and what they sent back over collective_rpc, read first
-    assert sent is not None and [encode_info(i) for i in sent] == [encode_info(i) for i in infos]
-
-
-def test_step_confirmations_come_back_on_the_replies_of_ranks_that_are_not_the_engines_children(ranks):
-    """KVELASTIC_TP_CONFIRM=step under Ray's V2 executor: a report step makes vLLM's executor hear every rank,
-    the ranks' reports reach the scheduler on the step's output, and a group's blocks are handed out only
-    once both ranks' word on it was adopted from there. The scheduler connects with neither description
-    files nor boards: the start-up state comes in the descriptions sent back over collective_rpc (the group
-    both ranks mapped adopted, the one only rank 0 mapped unmapped with the first step)."""
-    from tests.test_tp_step_report import remove_boards
-
-    to_ranks, from_ranks, _ = ranks
-    runtime = _runtime(Settings(ray="allow", tp_confirm="step"))
-    with applied_patch(engine_folder_handover, runtime), \
-            applied_patch(executor_step_report, None):
-        with pytest.raises(PatchError, match="KVELASTIC_TP_CONFIRM=step .* without that hand-over"):
-            _scheduler_side(runtime)  # no folder handed over yet: the executor could be anything
-        executor = _executor(to_ranks, from_ranks)
-        executor.initialize_from_config([])  # patched: the hand-over, vLLM's own calls, the descriptions
-        folder = shm.engine_dir(os.getpid())
-        for rank in range(WORLD):  # the scheduler must take the descriptions from the ranks' replies
-            (folder / f"rank{rank}.info").unlink()
-        remove_boards(folder)  # ... and the start-up state too
-        connection, pool, queue = _scheduler_side(runtime, wait_s=0.0)
-        map_and_write_on_every_rank(executor, connection, pool, queue)
+def shared_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
+    return tmp_path
 
 
 def map_and_write_on_every_rank(executor, connection, pool, queue) -> list:
-    """From a connection made in step mode with no board: the start-up state adopted from the descriptions,
-    a report step hearing every rank, blocks handed out only from the groups every rank reported, each rank's
-    writes landing in mapped groups, and both ranks then holding the same bytes."""
+    """From a connection made from the descriptions alone: the start-up state adopted, a report step hearing
+    every rank, blocks handed out only from the groups every rank reported, each rank's writes landing in mapped
+    groups, and both ranks then holding the same bytes."""
     mapper, adopt = connection.mapper, connection.reply_hook()
-    assert mapper.confirm == STEP and adopt is not None and mapper.boards == []
     assert mapper.mapped_groups == {0, 1}, "the groups both ranks mapped at start-up were not adopted"
     confirmed = set(mapper.mapped_groups)
     want = 3 * BLOCKS_PER_GROUP
@@ -290,33 +172,42 @@ def map_and_write_on_every_rank(executor, connection, pool, queue) -> list:
     return blocks
 
 
-def test_without_the_hand_over_a_ray_rank_fails_with_a_clear_error(ranks):
-    to_ranks, from_ranks, launcher_pid = ranks
-    executor = _executor(to_ranks, from_ranks)
-    with pytest.raises(RuntimeError, match="EngineFolderError.*handed no engine folder") as caught:
-        executor.collective_rpc("initialize_from_config")  # vLLM's call, no kvelastic wrap in front
-    assert f"its parent (pid {launcher_pid}) is not its engine core" in str(caught.value)
-    assert "KVELASTIC_RAY=allow" in str(caught.value)
-    assert shm.read_info(shm.engine_dir(os.getpid()), 0) is None
+def _files_under(root: Path) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
 
 
-def test_the_multiprocess_path_hands_nothing_over_and_names_the_parent(patched):
-    executor = object.__new__(MultiprocExecutor)
-    executor.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="mp"),
-                                           compilation_config=SimpleNamespace())
-    calls: list = []
-    executor.collective_rpc = lambda method, *a, **k: calls.append(method) or []
-    executor.initialize_from_config([])  # patched: vLLM's own calls only
-    assert calls and all(isinstance(method, str) for method in calls)
-    here = engine_folder.rank_folder("mp")  # a multiprocess rank: its parent is its engine core
-    assert here.engine_pid == os.getppid() and here.folder == shm.engine_dir(os.getppid())
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_ranks_describe_themselves_on_the_replies_and_the_scheduler_connects_from_those_alone(shared_dir, backend):
+    """Through vLLM's own ``run_method`` on the ranks: the engine core's word (Ray only), vLLM's call in which the
+    ranks make their caches, then their descriptions on the replies, decoded and kept in rank order. The scheduler
+    adopts their start-up state from those, a report step hears every rank, and nothing was written to the shared
+    folder by any of them."""
+    runtime = _runtime()
+    with rank_processes(backend=backend, vllm_run_method=backend == "ray") as (to_ranks, from_ranks), \
+            applied_patch(executor_handover, runtime), applied_patch(executor_step_report, None):
+        executor = _executor(to_ranks, from_ranks, backend=backend)
+        executor.initialize_from_config([])  # patched: the word (Ray), vLLM's own calls, the descriptions
+        described = runtime.rank_handovers.described()
+        assert described is not None and [info.rank for info in described] == list(range(WORLD))
+        assert {info.pid for info in described}.isdisjoint({os.getpid()})  # not this process's children
+        assert [info.start_groups for info in described] == [(0, 1, 2), (0, 1)]
+        connection, pool, queue = _scheduler_side(runtime, backend)
+        map_and_write_on_every_rank(executor, connection, pool, queue)
+    assert _files_under(shared_dir) == [], "a rank or the scheduler wrote to the shared folder"
 
 
-def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_path, monkeypatch):
+def test_without_the_engine_cores_word_a_ray_rank_fails_with_a_clear_error(shared_dir):
+    with rank_processes() as (to_ranks, from_ranks):
+        executor = _executor(to_ranks, from_ranks)
+        with pytest.raises(RuntimeError, match="EngineCoreUnknown.*was told by no engine core") as caught:
+            executor.collective_rpc("initialize_from_config")  # vLLM's call, no kvelastic wrap in front
+    assert f"its parent (pid {os.getpid()})" not in str(caught.value)  # the rank is no child of the engine core
+    assert "KVELASTIC=1 there" in str(caught.value)
+
+
+def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own():
     from kvelastic.pool.kv_layout import BlockRuns, KVGroupLayout
 
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    folder = shm.engine_dir(os.getpid())
     layout = KVGroupLayout([BlockRuns(0, 4096, ((0, 8),))], num_blocks=8, page_bytes=8192, blocks_per_group=2)
 
     def sent(rank: int) -> bytes:
@@ -324,62 +215,57 @@ def test_descriptions_sent_back_are_kept_only_when_each_rank_sent_its_own(tmp_pa
                                     page_bytes=8192, limit_bytes=None, host_slots=0, slot_bytes=0))
 
     for replies, kept in (([sent(1), sent(0)], [100, 101]), ([sent(0), None], None), ([sent(1), sent(1)], None)):
-        handovers = _runtime(Settings()).ray_handovers
-        ray_executor.collect_descriptions(SimpleNamespace(collective_rpc=lambda method, **_: replies), folder,
-                                          handovers)
-        found = handovers.described(folder)
-        assert (found and [info.pid for info in found]) == kept  # in rank order, or none: the files decide
+        handovers = RankHandovers()
+        handover.collect_descriptions(SimpleNamespace(collective_rpc=lambda method, **_: replies), handovers)
+        found = handovers.described()
+        assert (found and [info.pid for info in found]) == kept  # in rank order, or none: start-up is refused
 
 
-def test_a_rank_on_another_host_refuses_the_hand_over(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    folder = str(shm.engine_dir(os.getpid()))
-    with pytest.raises(EngineFolderError, match="not on the engine core's host.*Set KVELASTIC_TP_CONFIRM=auto"):
-        engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836")
-    with pytest.raises(EngineFolderError, match="not on the engine core's host"):
-        engine_folder.receive(None, folder, os.getpid(), "another-boot-id/4026531836", "board")
-    try:  # confirmed on the steps' replies, the rank runs with no folder (not even this one's, or a wrong one)
-        assert engine_folder.receive(None, "/elsewhere/engine-1-2-3", 1, "another-boot-id/1", "step") == \
-            (os.getpid(), engine_folder.host_identity())
-        assert engine_folder.rank_folder("ray").folder is None
-    finally:
-        engine_folder.forget()
-    with pytest.raises(EngineFolderError, match="same KVELASTIC_SHARED_DIR"):
-        engine_folder.receive(None, "/elsewhere/engine-1-2-3", os.getpid(), engine_folder.host_identity())
-    try:
-        assert engine_folder.receive(None, folder, os.getpid(), engine_folder.host_identity()) == \
-            (os.getpid(), engine_folder.host_identity())
-        assert engine_folder.rank_folder("ray").folder == shm.engine_dir(os.getpid())
-    finally:
-        engine_folder.forget()
-
-
-def test_ray_v2_is_allowed_by_default_refused_on_request_and_ray_v1_always():
-    parallel = SimpleNamespace(pipeline_parallel_size=1)
+def test_ray_v1_is_refused_naming_v2_and_under_pipeline_parallelism_the_lost_replies():
     v2 = object.__new__(MultiprocExecutor)
-    assert ray_refusal(Settings().ray, v2, parallel) is None
-    assert "KVELASTIC_RAY=refuse" in ray_refusal("refuse", v2, parallel)
+    version = installed_vllm_version()
+    assert handover.refusal(v2, SimpleNamespace(pipeline_parallel_size=1), version, True) is None
     v1 = SimpleNamespace()
-    message = ray_refusal("allow", v1, parallel)
+    message = handover.refusal(v1, SimpleNamespace(pipeline_parallel_size=1), version, True)
     assert "Ray executor v1" in message and "VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1" in message
     assert "pipeline" not in message
-    assert "stage k's reply would never reach the scheduler" in ray_refusal("allow", v1,
-                                                                           SimpleNamespace(pipeline_parallel_size=2))
+    assert "stage k's reply would never reach the scheduler" in handover.refusal(
+        v1, SimpleNamespace(pipeline_parallel_size=2), version, True)
 
 
-def test_the_refusal_stops_start_up_before_the_ranks_hear_anything():
+def test_a_vllm_whose_engine_loop_cannot_be_woken_is_refused_naming_the_release_and_what_works():
+    from kvelastic.patches import engine_core_wake
+
+    old = Version.parse("0.17.1")
+    assert not engine_core_wake.PATCH.claims(old) and engine_core_wake.PATCH.claims(installed_vllm_version())
+    message = handover.refusal(object.__new__(MultiprocExecutor), SimpleNamespace(pipeline_parallel_size=1), old,
+                               wakeable=False)
+    assert "vLLM 0.17.1 cannot wake its engine loop" in message and "0.18 and later" in message
+    assert "--distributed-executor-backend uni" in message and "KVELASTIC=0" in message
+
+
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_the_refusals_stop_start_up_before_the_ranks_hear_anything(backend):
     sent: list = []
-    for setting, executor in (("refuse", object.__new__(MultiprocExecutor)), ("allow", SimpleNamespace())):
+    version = installed_vllm_version()
+    cases = [(object.__new__(MultiprocExecutor), False)]  # an engine loop that cannot be woken
+    if backend == "ray":
+        cases.append((SimpleNamespace(), True))  # Ray v1
+    for executor, wakeable in cases:
         executor.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
-            distributed_executor_backend="ray", pipeline_parallel_size=1))
+            distributed_executor_backend=backend, pipeline_parallel_size=1))
         executor.collective_rpc = lambda *a, **k: sent.append(a)
-        with pytest.raises(PatchError, match="Ray executor"):
-            hand_over_folder(executor, setting, _runtime(Settings()).ray_handovers)
+        handovers = RankHandovers()
+        with pytest.raises(PatchError, match="Ray executor v1|cannot wake its engine loop"):
+            handover.hand_over(executor, handovers, version, wakeable)
+        assert not handovers.was_asked
     assert sent == []
 
 
-def test_the_setting_is_allow_unless_refused():
-    assert Settings().ray == "allow"
-    assert Settings.from_env({"KVELASTIC_RAY": "Refuse"}).ray == "refuse"
-    with pytest.raises(Exception, match="KVELASTIC_RAY='yes' is not one of: allow, refuse"):
-        Settings.from_env({"KVELASTIC_RAY": "yes"})
+def test_other_executors_pass_straight_through():
+    for backend in ("uni", "external_launcher"):
+        executor = SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+            distributed_executor_backend=backend)), collective_rpc=lambda *a, **k: pytest.fail("a call was sent"))
+        handovers = RankHandovers()
+        assert handover.hand_over(executor, handovers, installed_vllm_version(), False) is False
+        assert not handovers.was_asked

@@ -1,12 +1,10 @@
-"""``KVELASTIC_TP_CONFIRM=step`` without the engine's folder: the ranks' start-up state and pinned host slots.
+"""The ranks' start-up state and pinned host slots, as the scheduler learns them without any shared file.
 
-docs/tp-step-protocol.md, "What still goes through the engine's folder", rows 1 and 3. The scheduler
-has no board here (the spawned ranks' board files are removed before it connects, as
-``tests/test_tp_step_report.py``'s harness does), so what it knows of the ranks before the first step
-comes from their descriptions, and how far each has pinned its host-tier share only from the reports
-on the steps' replies. The guarantees checked: a block comes only from a group every rank mapped; a
-host slot is handed out only once every rank reported it pinned; the scheduler numbers its commands on
-from the highest mark any rank applied.
+What the scheduler knows of the ranks before the first step comes from their descriptions
+(sent back over vLLM's ``collective_rpc``), and how far each has pinned its host-tier share only
+from the reports on the steps' replies. The guarantees checked: a block comes only from a group
+every rank mapped; a host slot is handed out only once every rank reported it pinned; the
+scheduler numbers its commands on from the highest mark any rank applied.
 """
 
 from __future__ import annotations
@@ -19,15 +17,14 @@ import pytest
 pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.tp import board as shm  # noqa: E402
 from kvelastic.tp import remote_mapper, start_state  # noqa: E402
 from kvelastic.tp.host_supply import ReportedHostSupply  # noqa: E402
 from kvelastic.tp.protocol import MAP, START_SEQ, UNMAP  # noqa: E402
-from kvelastic.tp.rank_files import decode_info  # noqa: E402
-from kvelastic.tp.remote_mapper import PIN_REPORT_PERIOD_S, STEP, RemoteMapper  # noqa: E402
+from kvelastic.tp.rank_info import decode_info  # noqa: E402
+from kvelastic.tp.remote_mapper import PIN_REPORT_PERIOD_S, RemoteMapper  # noqa: E402
 from kvelastic.tp.step_report import RankReport, StepReport  # noqa: E402
-from tests.kv_fixtures import BLOCKS_PER_GROUP, allocate_within, build_cache  # noqa: E402
-from tests.test_tp_step_report import WORLD, step_cluster  # noqa: E402,F401 (step_cluster: a fixture)
+from tests.kv_fixtures import BLOCKS_PER_GROUP, WORLD, build_cache  # noqa: E402
+from tests.tp_cluster import allocate_within, cluster  # noqa: E402,F401 (cluster: a fixture)
 
 #: Groups each rank maps before it serves (besides the null group 0): 1 and 3 on both, 2 on rank 0 only.
 START_GROUPS = ((1, 2, 3), (1, 3))
@@ -36,48 +33,45 @@ START_GROUPS = ((1, 2, 3), (1, 3))
 QUEUED_START_GROUPS = ((1, 2), (1,))
 
 
-def _ranks_in_this_process(folder, start_groups):
-    """Two rank workers over host-backed caches in ``folder``, each having mapped its ``start_groups``."""
+def _ranks_in_this_process(start_groups):
+    """Two rank workers over host-backed caches, each having mapped its ``start_groups``."""
     from kvelastic.tp.worker_side import start_rank
 
     made = []
     for rank, groups in enumerate(start_groups):
         pool, _, cache = build_cache()
         cache.map_groups(groups)
-        made.append((pool, start_rank(cache, folder, rank, WORLD, None, None)))
+        made.append((pool, start_rank(cache, rank, WORLD, None, None)))
     return made
 
 
-def test_the_descriptions_give_the_start_the_boards_give(tmp_path):
-    """Same behaviour, new source: the start read off the boards equals the one in the descriptions (the
-    files and what ``describe`` sends back under Ray alike)."""
-    from kvelastic.tp import engine_folder
+def test_the_descriptions_give_the_start_every_rank_shares():
+    """Adopted: what every rank mapped (the null group included); unmapped first: what only some did; the mark
+    to number on from. The description a rank sends back carries its groups and mark as described."""
+    from kvelastic.tp import rank_handover
 
-    made = _ranks_in_this_process(tmp_path, START_GROUPS)
+    made = _ranks_in_this_process(START_GROUPS)
     try:
-        boards = [worker.board for _, worker in made]
-        from_boards = start_state.of_boards(boards, made[0][1].cache.num_groups)
-        infos = [shm.read_info(tmp_path, rank) for rank in range(WORLD)]
-        assert start_state.of_descriptions(infos) == from_boards
-        assert from_boards == start_state.StartState(adopted=(0, 1, 3), partial=(2,), applied=START_SEQ)
-        sent = decode_info(engine_folder.describe(None), "the description sent back")  # the last rank's
+        infos = [worker.info for _, worker in made]
+        assert start_state.of_descriptions(infos) == start_state.StartState(adopted=(0, 1, 3), partial=(2,),
+                                                                            applied=START_SEQ)
+        sent = decode_info(rank_handover.describe(None), "the description sent back")  # the last rank's
         assert sent.start_groups == (0, 1, 3) and sent.applied == 0
     finally:
         for pool, worker in made:
             worker.close()
             pool.close()
-        engine_folder.forget()
+        rank_handover.forget()
 
 
-def test_commands_are_numbered_on_from_the_highest_mark_any_rank_described(tmp_path):
-    """No board to read the marks from (the folder is empty): the descriptions' marks decide."""
+def test_commands_are_numbered_on_from_the_highest_mark_any_rank_described():
     from kvelastic.tp.scheduler_side import RankConnection
 
-    made = _ranks_in_this_process(tmp_path / "ranks", START_GROUPS)
+    made = _ranks_in_this_process(START_GROUPS)
     try:
         infos = [dataclasses.replace(worker.info, applied=mark) for (_, worker), mark in zip(made, (9, 5))]
-        connection = RankConnection(tmp_path / "no-boards", infos, confirm=STEP)
-        assert connection.mapper.mapped_groups == {0, 1, 3} and connection.mapper.boards == []
+        connection = RankConnection(infos)
+        assert connection.mapper.mapped_groups == {0, 1, 3}
         assert connection.mapper.take_plan().commands == ((10, UNMAP, (2,)),)
     finally:
         for pool, worker in made:
@@ -85,8 +79,8 @@ def test_commands_are_numbered_on_from_the_highest_mark_any_rank_described(tmp_p
             pool.close()
 
 
-def test_the_scheduler_adopts_what_every_rank_mapped_at_start_and_unmaps_the_rest(step_cluster):
-    c = step_cluster(start_groups=QUEUED_START_GROUPS)
+def test_the_scheduler_adopts_what_every_rank_mapped_at_start_and_unmaps_the_rest(cluster):
+    c = cluster(start_groups=QUEUED_START_GROUPS)
     assert c.mapper.mapped_groups == {0, 1}
     assert c.mapper.pending_commands == 1  # the unmap of group 2: no map yet, so the first step is only that
     report = c.step(report=True)
@@ -97,22 +91,22 @@ def test_the_scheduler_adopts_what_every_rank_mapped_at_start_and_unmaps_the_res
     assert {c.cache.group_of_block(b.block_id) for b in blocks} == {0, 1}
     assert c.allocate(1) is None, "a block of a group not every rank confirmed was handed out"
     more = allocate_within(c, BLOCKS_PER_GROUP)  # mapped anew on both ranks, confirmed by both reports
-    c.step(writes=[b.block_id for b in blocks + more])  # every rank checks each block it writes is mapped
+    c.step(writes=[(b.block_id, 1) for b in blocks + more])  # every rank checks each block it writes is mapped
 
 
-def test_the_first_command_unmaps_the_group_only_one_rank_mapped(step_cluster):
-    c = step_cluster(start_groups=QUEUED_START_GROUPS)
+def test_the_first_command_unmaps_the_group_only_one_rank_mapped(cluster):
+    c = cluster(start_groups=QUEUED_START_GROUPS)
     c.queue.want_blocks(5 * BLOCKS_PER_GROUP)
     plan = c.mapper.take_plan()
     assert plan.commands[0] == (START_SEQ + 1, UNMAP, (2,))
     assert all(c[0] > START_SEQ + 1 for c in plan.commands if c[1] == MAP)
 
 
-def test_host_slots_are_handed_out_only_as_far_as_every_rank_reported_pinned(step_cluster):
+def test_host_slots_are_handed_out_only_as_far_as_every_rank_reported_pinned(cluster):
     """Each rank pins its share chunk by chunk. The tier grows to the least count the ranks reported, only
-    when a report step brings it: not to what a rank has pinned since (what a board would show), and not
+    when a report step brings it: not to what a rank has pinned since, and not
     to the whole share. While a rank still pins, the scheduler asks for report steps itself."""
-    c = step_cluster(host_slots=16)  # each rank: a 1-slot head pinned at start, then chunks of 4
+    c = cluster(host_slots=16)  # each rank: a 1-slot head pinned at start, then chunks of 4
     from tests.host_plans import ON_RANKS
 
     tier, _ = c.connection.host_tier(Settings(), ON_RANKS)
@@ -139,10 +133,10 @@ def test_host_slots_are_handed_out_only_as_far_as_every_rank_reported_pinned(ste
     assert not c.mapper.wants_report and c.step() is None, "report steps went on after every rank settled"
 
 
-def test_report_steps_come_while_a_rank_pins_and_at_most_every_period(tmp_path, monkeypatch):
+def test_report_steps_come_while_a_rank_pins_and_at_most_every_period(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(remote_mapper.time, "monotonic", lambda: now[0])  # the clock: the one boundary here
-    mapper = RemoteMapper(tmp_path, [], confirm=STEP, world=WORLD)
+    mapper = RemoteMapper(WORLD)
     assert not mapper.take_plan().report, "no host tier, nothing pending: no report step"
     supply = ReportedHostSupply(WORLD)
     mapper.follow_pinning(supply)

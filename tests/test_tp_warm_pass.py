@@ -7,7 +7,7 @@ each costing steps of confirmation lag. This test runs vLLM's real scheduler in 
 processes with the GPU run's shape, at half its size: 256 blocks per group (256 MiB at TP=2),
 16384 batched tokens, prompts of 50-1250 tokens of which a quarter share a 700-token prefix.
 
-What it shows (sync scheduling, board confirmations; async scheduling, measured aside, differs only
+What it shows (sync scheduling; async scheduling, measured aside, differs only
 in losing two cold steps): the warm pass takes exactly vanilla's steps; the cold pass loses one step,
 the first map's confirmation; groups are given back only while the cold pass's prompts still wait
 (the demand counts each waiting prompt whole, its cached prefix too, and the surplus goes as they are
@@ -17,7 +17,6 @@ output blocks (the cold pass's stay cached). Nothing is given back between the p
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -25,11 +24,10 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
 
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.startup.runtime import Runtime  # noqa: E402
-from kvelastic.tp import board as shm  # noqa: E402
-from tests.kv_fixtures import HALF, WORLD, RankProcesses  # noqa: E402
-from tests.scheduler_harness import block_hasher, build_patched, drive, make_scheduler  # noqa: E402
-from tests.test_tp_real_scheduler import _forward, _scheduler_with_world  # noqa: E402
+from tests.kv_fixtures import HALF  # noqa: E402
+from tests.scheduler_harness import block_hasher, drive, make_scheduler  # noqa: E402
+from tests.test_tp_real_scheduler import engine_over, step_to_ranks  # noqa: E402
+from tests.tp_ranks import RankProcesses  # noqa: E402
 
 BLOCKS = 32768  # 128 groups: room for both passes without a limit, as on the GPUs
 GROUP_BLOCKS = 256  # an 8B model's group at TP=2 with 8 MiB chunks
@@ -66,14 +64,12 @@ def steps_per_pass(trace: list) -> tuple[int, int]:
 
 @pytest.fixture
 def gpu_shaped_tp(tmp_path, monkeypatch):
-    """vLLM's scheduler over two spawned ranks of :data:`BLOCKS` blocks in groups of :data:`GROUP_BLOCKS`."""
+    """vLLM's scheduler over two rank processes of :data:`BLOCKS` blocks in groups of :data:`GROUP_BLOCKS`."""
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    ranks = RankProcesses(shm.engine_dir(os.getpid()), shape=(BLOCKS, GROUP_BLOCKS * HALF))
+    ranks = RankProcesses(shape=(BLOCKS, GROUP_BLOCKS * HALF))
     try:
         # TTL past the run: the GPU run's 2 s outlasted its 1.7 s warm pass; a slow CPU's would not
-        runtime = Runtime(Settings(enabled=True, cache_ttl_s=600.0, tp_confirm="board"))  # this driver reads boards
-        scheduler, patcher = build_patched(runtime, lambda: _scheduler_with_world(WORLD, num_blocks=BLOCKS,
-                                                                                     **BATCH))
+        scheduler, patcher = engine_over(ranks, Settings(enabled=True, cache_ttl_s=600.0), num_blocks=BLOCKS, **BATCH)
         try:
             yield scheduler, ranks
         finally:
@@ -90,10 +86,10 @@ def test_a_warm_burst_waits_for_no_group_and_none_is_given_back_between_bursts(g
     assert queue.cache.blocks_per_group == GROUP_BLOCKS
     steps: list[dict] = []
 
-    def forward(s, out) -> None:
+    def forward(s, out):
         commands = out.kvelastic_plan.commands
         steps.append({"waiting": len(s.waiting), "unmaps": sum(len(c[2]) for c in commands if c[1] == "unmap")})
-        ranks.send(out.kvelastic_plan, _forward(s, out)[0])  # each rank checks every block written is mapped
+        return step_to_ranks(s, ranks, out, writes_only=True)  # each rank checks every block written is mapped
 
     trace = drive(scheduler, two_passes(), max_steps=1000, forward=forward)
     ranks.check_map_order()  # every map behind its step's forward launch, and the same steps as before

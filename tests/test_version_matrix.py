@@ -30,17 +30,19 @@ from kvelastic_dev.releases import (NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUP
                                     release_band)
 from kvelastic_dev.remote_zip import SourceFetchError
 
-#: Each runner's KV path: per-layer tensors up to 0.28 (bands A and B), one backing from 0.29 (band C).
+#: Each runner's KV path: per-layer tensors up to 0.28 (bands A and B), one backing from 0.29 (bands C and D).
 V1_PATCHES = {"uniform_kv_cache", "v1_allocate_kv_cache", "v1_initialize_kv_cache"}
 V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
-ONE_BACKING = {"v1_single_backing", "v2_single_backing", "kv_layout_preference", "whole_page_num_blocks"}
-EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_report", "engine_folder_handover",
+ONE_BACKING_BY_RUNNER = {"V1": "v1_single_backing", "V2": "v2_single_backing"}
+ONE_BACKING = {*ONE_BACKING_BY_RUNNER.values(), "kv_layout_preference", "whole_page_num_blocks"}
+EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_report", "executor_handover",
                  "scheduler_block_pool"}
 #: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
 #: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
-#: activation (0.31+ configures it only when an engine starts), the engine loop's wake-up (0.18+).
+#: activation (0.31+ configures it only when an engine starts), the engine loop's wake-up (0.18+), vLLM's own
+#: extensible KV cache turned off (0.34+).
 SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging",
-                 "engine_core_wake"}
+                 "engine_core_wake", "extensible_kv_cache"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 
@@ -88,18 +90,44 @@ def test_readme_support_table_lists_every_release_with_its_band() -> None:
     assert listed == {r: release_band(r) for r in RELEASES}
 
 
+def _band_has(release: str, runner: str) -> bool:
+    return runner in next(band for band in BANDS if band.name == release_band(release)).runners
+
+
 def test_runner_paths_are_patched_whole_or_not_at_all() -> None:
     """A release never gets half of the V1 (or V2) runner patched, each release gets exactly one way of
-    allocating per runner, and the shared patches claim all."""
+    allocating per runner it has (the V1 runner is gone from band D), and the shared patches claim all."""
     assert set(BY_NAME) == V1_PATCHES | V2_PATCHES | ONE_BACKING | EVERY_RELEASE | SOME_RELEASES
     per_layer = {_claimed_by(name) for name in V1_PATCHES | V2_PATCHES}
-    one_backing = {_claimed_by(name) for name in ONE_BACKING}
-    assert len(per_layer) == 1 and len(one_backing) == 1, (per_layer, one_backing)
-    (per_layer_releases,), (one_backing_releases,) = per_layer, one_backing
-    assert per_layer_releases + one_backing_releases == RELEASES
-    assert [r for r in RELEASES if release_band(r) == "C"] == list(one_backing_releases)
+    assert len(per_layer) == 1, per_layer
+    (per_layer_releases,) = per_layer
+    assert [r for r in RELEASES if release_band(r) in "AB"] == list(per_layer_releases)
+    one_backing = {name: _claimed_by(name) for name in ONE_BACKING}
+    assert one_backing["kv_layout_preference"] == one_backing["whole_page_num_blocks"] \
+        == tuple(r for r in RELEASES if release_band(r) in "CD")
+    for runner, name in ONE_BACKING_BY_RUNNER.items():
+        assert one_backing[name] == tuple(r for r in RELEASES if release_band(r) in "CD" and _band_has(r, runner))
     for name in EVERY_RELEASE:
         assert _claimed_by(name) == RELEASES, f"{name} does not claim every supported release"
+
+
+def test_a_band_without_the_v1_runner_declares_it_absent() -> None:
+    """Band D has the V2 runner alone: its runner class, method and allocator name are declared gone."""
+    from kvelastic.patches import v1_initialize_kv_cache, v1_single_backing
+    from kvelastic.patches.kv_cache_objects import V1_RUNNER, V2_RUNNER
+
+    assert {runner for band in BANDS for runner in band.runners} == {"V1", "V2"}
+    assert all("V2" in band.runners for band in BANDS)
+    for release in RELEASES:
+        version = Version.parse(release)
+        has_v1 = _band_has(release, "V1")
+        for target in (V1_RUNNER, v1_initialize_kv_cache.TARGET):
+            assert target.exists_in(version) == has_v1, (target.path, release)
+        assert V2_RUNNER.exists_in(version)
+        one_backing_v1 = has_v1 and release_band(release) == "C"
+        assert BY_NAME["v1_single_backing"].claims(version) == one_backing_v1
+        if release_band(release) in "CD":
+            assert v1_single_backing.ALLOCATE.exists_in(version) == one_backing_v1
 
 
 def test_every_contact_declares_its_shape_in_every_release_its_patch_claims() -> None:
@@ -186,8 +214,13 @@ def test_only_the_allocations_estimate_maps_and_admission_checks_are_told_apart(
     assert BY_NAME["admission_check"].claims(Version.parse(release)) == ("can_fit_full_sequence" in unflagged)
 
 
+def _takes_hook(release: str) -> bool:
+    return single_backing.ALLOCATE_HOOK in single_backing.ALLOCATOR.shape(Version.parse(release)).params
+
+
 @pytest.mark.matrix
-@pytest.mark.parametrize("release", [r for r in RELEASES if BY_NAME["v1_single_backing"].claims(Version.parse(r))])
+@pytest.mark.parametrize("release", [r for r in RELEASES if BY_NAME["v2_single_backing"].claims(Version.parse(r))
+                                     and not _takes_hook(r)])
 def test_the_one_backing_is_a_single_int8_torch_zeros(sources: dict, release: str) -> None:
     """What the band-C stand-in for ``torch`` serves (``patches/single_backing.py``): vLLM's allocator makes
     exactly one ``torch.zeros(size, dtype=torch.int8, device=...)`` and calls nothing else of torch."""
@@ -198,6 +231,19 @@ def test_the_one_backing_is_a_single_int8_torch_zeros(sources: dict, release: st
     assert zeros.func.attr == "zeros" and len(zeros.args) == 1
     assert {k.arg: ast.unparse(k.value) for k in zeros.keywords if k.arg == "dtype"} == {"dtype": "torch.int8"}
     assert {k.arg for k in zeros.keywords} == {"dtype", "device"}
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("release", [r for r in RELEASES if BY_NAME["v2_single_backing"].claims(Version.parse(r))
+                                     and _takes_hook(r)])
+def test_the_one_backing_comes_from_the_allocate_hook_alone(sources: dict, release: str) -> None:
+    """Band D: what kvelastic's ``allocate`` hook serves. With a hook given, vLLM's allocator calls it once, with
+    the one size, and calls nothing of torch itself (its ``torch.zeros`` moved to another function)."""
+    allocator = single_backing.ALLOCATOR
+    root = _source(sources, release)
+    assert static_check.torch_calls(root, allocator.module, allocator.qualname) == []
+    (call,) = static_check.calls_of_name(root, allocator.module, allocator.qualname, single_backing.ALLOCATE_HOOK)
+    assert len(call.args) == 1 and not call.keywords
 
 
 @pytest.mark.parametrize("release", [NEWEST_OLDER_UNSUPPORTED, OLDEST_NEWER_UNSUPPORTED, "0.35.1", "1.0.0"])

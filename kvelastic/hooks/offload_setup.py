@@ -132,9 +132,10 @@ def block_entry(block_pool: Any, patcher: Patcher) -> Callable[[Any, Hashable], 
 class PrefixLookupHook:
     """The host tier's hook on the prefix-cache map's ``get_one_block``, following the map through resets.
 
-    vLLM's ``reset_prefix_cache`` replaces the map with a new one; the manager's
-    reset then calls :meth:`install`, which drops the hook on the old map and
-    hooks the new one, so the Patcher never holds more than one.
+    vLLM's ``reset_prefix_cache`` replaces the map with a new one (0.34 clears it
+    in place instead); the manager's reset then calls :meth:`install`, which drops
+    the hook on the old map and hooks the current one, so the Patcher never holds
+    more than one.
     """
 
     def __init__(self, block_pool: Any, manager: OffloadManager, patcher: Patcher,

@@ -75,13 +75,10 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                             keep_free_order=may_walk_free_queue(scheduler.connector))
     queue.transfers_in_flight = transfers_in_flight(scheduler, patcher)
     guard = commit_guard.install(manager.coordinator, queue, patcher)
-    vllm_connector = scheduler.connector is not None  # read before kvelastic may put its own there
     plan = _host_plan(scheduler, connection) if settings.cpu_bytes else None
     offload = _attach_offload(scheduler, block_pool, queue, connection, settings, plan, patcher)
     if offload is not None and plan is not None and plan.loads_beside_compute:
         _attach_host_loads(scheduler, offload, block_pool, patcher)
-    if settings.release == "preempt":
-        _attach_targeted_release(scheduler, queue, cache, connection, patcher, vllm_connector=vllm_connector)
     _lock_entry_points(scheduler, patcher, lock, guard, offload, connection.step_hook(scheduler, queue))
     reply_hook = connection.reply_hook()
     if reply_hook is not None:  # under tensor parallelism, confirmations on the steps' replies
@@ -189,17 +186,6 @@ def _reload_reserve(offload: OffloadManager | None, cache: Any) -> "ReloadReserv
 
     tier = offload.tier
     return ReloadReserve(offload.runs, cache, lambda: tier.stats().slots_used)
-
-
-def _attach_targeted_release(scheduler: Any, queue: PageAwareFreeQueue, cache: Any, connection: CacheConnection,
-                             patcher: Patcher, *, vllm_connector: bool) -> None:
-    """``KVELASTIC_RELEASE=preempt``: the holders of the groups to give back are preempted at once.
-    ``vllm_connector``: vLLM made a KV connector (kvelastic's own host-load connector is not one)."""
-    from kvelastic.hooks.targeted_release import install_targeted_release
-
-    release = install_targeted_release(scheduler, queue, cache, patcher, local=connection.unmaps_between_steps,
-                                       vllm_connector=vllm_connector)
-    patcher.add_attribute(scheduler, "kvelastic_release", release)
 
 
 def _attach_host_loads(scheduler: Any, offload: OffloadManager, block_pool: Any, patcher: Patcher) -> None:

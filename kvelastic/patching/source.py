@@ -149,11 +149,8 @@ def _decorator_name(node: ast.expr) -> str:
     return node.id if isinstance(node, ast.Name) else ast.dump(node)
 
 
-def find(root: Path, target: Target, set_in: tuple[str, ...] = ("__init__",)) -> Found:
-    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent.
-
-    A class's attributes count what its methods ``set_in`` assign to ``self``.
-    """
+def definition(root: Path, target: Target) -> ast.stmt:
+    """The ``def`` or ``class`` statement ``target`` is in ``root``'s source; StaticLookupError if absent."""
     first, *rest = target.qualname.split(".")
     node, _ = _top_level(root, target.module, first)
     for part in rest:
@@ -164,6 +161,15 @@ def find(root: Path, target: Target, set_in: tuple[str, ...] = ("__init__",)) ->
         if inner is None or isinstance(inner, ast.ImportFrom):
             raise StaticLookupError(f"{target.path} does not exist")
         node = inner
+    return node
+
+
+def find(root: Path, target: Target, set_in: tuple[str, ...] = ("__init__",)) -> Found:
+    """Describe ``target`` as ``root`` (the directory holding ``vllm/``) defines it; StaticLookupError if absent.
+
+    A class's attributes count what its methods ``set_in`` assign to ``self``.
+    """
+    node = definition(root, target)
     if isinstance(node, ast.ClassDef):
         return Found("class", attributes=frozenset(_class_attributes(node, set_in)))
     assert isinstance(node, _Def)

@@ -65,14 +65,17 @@ class VersionRange:
 
 @dataclass(frozen=True)
 class Band:
+    """``runners``: the model runners vLLM has in these releases (the V1 runner is gone from 0.34)."""
+
     name: str
     versions: VersionRange
     note: str
+    runners: tuple[str, ...] = ("V1", "V2")
 
 
 #: The oldest supported release and the first unsupported newer one: the only copy of either.
 OLDEST_SUPPORTED = "0.12"
-FIRST_UNSUPPORTED = "0.34"
+FIRST_UNSUPPORTED = "0.35"
 SUPPORTED = VersionRange.of(OLDEST_SUPPORTED, FIRST_UNSUPPORTED)
 
 
@@ -89,8 +92,10 @@ def before(high: str) -> VersionRange:
 BANDS: tuple[Band, ...] = (
     Band("A", before("0.24"), "use_uniform_kv_cache(attn_groups, cache_dtype)"),
     Band("B", VersionRange.of("0.24", "0.29"), "use_uniform_kv_cache(attn_groups)"),
-    Band("C", since("0.29"), "one KV backing for every layer: allocate_kv_cache(kv_cache_config, device, "
-                             "layout, kernel_block_sizes)"),
+    Band("C", VersionRange.of("0.29", "0.34"), "one KV backing for every layer: allocate_kv_cache(kv_cache_config, "
+                                               "device, layout, kernel_block_sizes)"),
+    Band("D", since("0.34"), "the V2 runner alone; allocate_kv_cache(..., allocate) takes the backing from a hook; "
+                             "vLLM's own extensible KV cache, turned off by kvelastic", runners=("V2",)),
 )
 UNSUPPORTED_NEWER_NOTE = (
     f"kvelastic is checked against every vLLM release before {FIRST_UNSUPPORTED}; a newer release may have "

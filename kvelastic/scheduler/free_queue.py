@@ -57,7 +57,6 @@ class PageAwareFreeQueue:
         self.hold = AllocationHold()  # set by the commit guard between vLLM's estimate and allocation
         self.refused_groups = 0
         self.excess_blocks = 0  # blocks the pool holds over its limit, kept out of the free count (shrink_by)
-        self.shrink_ticks = 0  # readings of the excess so far
         self.last_allocation = clock()
         self.free = FreeBlockLedger(cache, blocks, free_blocks, cache.pool.is_mapped, keep_order=keep_free_order)
         self._requested: set[int] = set()
@@ -225,7 +224,6 @@ class PageAwareFreeQueue:
         releases the groups they leave. 0 lifts it.
         """
         self.excess_blocks = groups * self.cache.blocks_per_group
-        self.shrink_ticks += 1  # a targeted release acts once per reading (kvelastic/hooks/targeted_release.py)
 
     def set_idle(self) -> None:
         """No allocation lately: keep no empty group mapped ahead."""

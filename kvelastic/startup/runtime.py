@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from kvelastic.settings import Settings
-from kvelastic.tp.handovers import RayHandovers
+from kvelastic.tp.handovers import RankHandovers
 from kvelastic.units import format_size
 
 if TYPE_CHECKING:
@@ -67,8 +67,8 @@ class Runtime:
         self.budget: "SharedBudgetSource | None" = None
         self._pools: list[EnginePool] = []
         self.rank_worker: "RankWorker | None" = None  # set on a worker rank whose scheduler is another process
-        #: What the executor handed to Ray's ranks, for the scheduler (the engine core's process only).
-        self.ray_handovers = RayHandovers()
+        #: What the executor learnt from its worker ranks, for the scheduler (the engine core's process only).
+        self.rank_handovers = RankHandovers()
         self._allocating = threading.local()
         self._lock = threading.Lock()
 

@@ -1,59 +1,46 @@
-"""What the engine core handed to a Ray executor's ranks, kept for its scheduler.
+"""What the engine core's executor learnt from its worker ranks, kept for its scheduler.
 
-The executor's wrap (:mod:`kvelastic.tp.ray_executor`) runs before the
-scheduler exists and holds no handle the scheduler could reach, so the record
-lives on the process's :class:`~kvelastic.startup.runtime.Runtime`, which both
-are bound to: one engine core per process, so one record, never a module global.
+The executor's wrap (:mod:`kvelastic.tp.executor_handover`) asks the ranks for
+their descriptions before the scheduler exists and holds no handle the
+scheduler could reach, so the record lives on the process's
+:class:`~kvelastic.startup.runtime.Runtime`, which both are bound to: one engine
+core per process, so one record, never a module global.
 """
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
-    from kvelastic.tp.rank_files import RankInfo
+    from kvelastic.tp.rank_info import RankInfo
 
 
-class RayHandovers:
-    """The engine folders handed to a Ray V2 executor's ranks, with the descriptions they sent back."""
+class RankHandovers:
+    """Whether a multiprocess executor (vLLM's own, or Ray's V2) asked its ranks, and what they described."""
 
     def __init__(self) -> None:
-        self._folders: dict[Path, tuple["RankInfo", ...] | None] = {}
-        self._elsewhere: dict[Path, tuple[int, ...]] = {}
+        self._asked = False
+        self._infos: tuple["RankInfo", ...] | None = None
         self._lock = threading.Lock()
 
-    def handed(self, folder: Path, elsewhere: Sequence[int] = ()) -> None:
-        """``folder`` went to every rank; no description yet. ``elsewhere``: the pids of the ranks that said
-        they are on another host (they took no folder: step confirmations)."""
+    def asked(self) -> None:
+        """The executor asked every rank for its description (it gathers every rank's reply)."""
         with self._lock:
-            self._folders[folder] = None
-            self._elsewhere[folder] = tuple(elsewhere)
+            self._asked = True
 
-    def ranks_elsewhere(self, folder: Path) -> tuple[int, ...]:
-        """The pids of the ranks ``folder`` was handed to that run on another host (none: all on this one)."""
+    def keep_descriptions(self, infos: Sequence["RankInfo"]) -> None:
+        """The ranks' descriptions, in rank order."""
         with self._lock:
-            return self._elsewhere.get(folder, ())
+            self._infos = tuple(infos)
 
-    def keep_descriptions(self, folder: Path, infos: Sequence["RankInfo"]) -> None:
-        """The ranks' descriptions of ``folder``'s engine, in rank order."""
+    @property
+    def was_asked(self) -> bool:
+        """Whether this engine's executor is one whose ranks kvelastic reaches: it asked them."""
         with self._lock:
-            self._folders[folder] = tuple(infos)
+            return self._asked
 
-    def handed_over(self, folder: Path) -> bool:
-        """Whether ``folder`` was handed to a Ray executor's ranks: then that executor is Ray's V2, a
-        ``MultiprocExecutor`` (any other was refused first), which gathers every rank's reply as ``mp`` does."""
+    def described(self) -> tuple["RankInfo", ...] | None:
+        """The descriptions every rank sent back, in rank order; None unless each rank sent its own."""
         with self._lock:
-            return folder in self._folders
-
-    def described(self, folder: Path) -> tuple["RankInfo", ...] | None:
-        """The descriptions the ranks ``folder`` was handed to sent back, in rank order; None if none came."""
-        with self._lock:
-            return self._folders.get(folder)
-
-    def forget(self, folder: Path) -> None:
-        """Forget a hand-over (an engine core that shut down)."""
-        with self._lock:
-            self._folders.pop(folder, None)
-            self._elsewhere.pop(folder, None)
+            return self._infos

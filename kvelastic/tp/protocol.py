@@ -20,7 +20,8 @@ LOAD = "load"        # (seq, LOAD, block_ids, slots)
 RESERVE = "reserve"  # (seq, RESERVE, pages): warm pages each rank keeps for fast mapping
 WAIT = "wait"        # (seq, WAIT): the step's compute waits for every copy queued before it
 
-#: Board value of a group mapped before the scheduler existed (start-up warm-up, the null block).
+#: The command number of the maps a rank made before its scheduler existed (start-up warm-up, the null
+#: block); the scheduler numbers its own commands from above it.
 START_SEQ = 1
 
 Command = Tuple  # (seq, kind, *arguments)
@@ -59,10 +60,10 @@ def maps_after_launch(commands: Sequence[Command], group_of_block: Callable[[int
     mapped it. So a MAP may move behind the forward pass, and behind the plan's later
     commands, unless one of those touches its groups: a later UNMAP, a STORE or
     LOAD of one of their blocks, or another MAP of them (kept in order with it).
-    The scheduler never sends such a plan while every rank is alive (it asks to map
-    only unmapped groups not already asked for, and frees, spills and loads blocks
-    only of confirmed ones); a rank found dead turns the groups still pending into
-    UNMAPs that can follow their MAP in one plan. Such a MAP stays in its place.
+    The scheduler never sends such a plan (it asks to map only unmapped groups not
+    already asked for, frees, spills and loads blocks only of confirmed ones, and
+    refuses a group only on a report of the step that carried its MAP); should a
+    plan do so, such a MAP stays in its place and the rank counts it.
     """
     first = next((i for i, command in enumerate(commands) if command[1] == MAP), None)
     if first is None:
@@ -86,15 +87,12 @@ def maps_after_launch(commands: Sequence[Command], group_of_block: Callable[[int
 class StepPlan:
     """What one scheduling step tells every rank, attached to its ``SchedulerOutput``.
 
-    ``step`` numbers the step (ranks report the last one they ran, so the
-    scheduler knows when none is in flight); ``idle_upto`` is the last command
-    sent outside a step while the engine was idle, which a rank must have
-    applied before this plan's own ``commands``. ``report``: every rank must
-    attach its :class:`~kvelastic.tp.step_report.RankReport` to this step's
-    reply, and the executor must gather every rank's reply (a MAP awaits them).
+    ``step`` numbers the step (ranks report the last one they ran). ``report``:
+    every rank must attach its :class:`~kvelastic.tp.step_report.RankReport` to
+    this step's reply, and the executor must gather every rank's reply (a MAP
+    awaits them).
     """
 
     step: int
     commands: tuple[Command, ...] = field(default_factory=tuple)
-    idle_upto: int = 0
     report: bool = False

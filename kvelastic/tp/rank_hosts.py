@@ -1,12 +1,10 @@
-"""Which worker ranks share the engine core's host: what the engine folder and the GPUs' accounts depend on.
+"""Which worker ranks share the engine core's host: what the GPUs' shared accounts depend on.
 
-The engine folder (boards, ``rank<r>.info``, idle command files) lives in one
-host's shared memory, and a GPU's shared account in one host's shared folder.
-Under Ray with ``KVELASTIC_TP_CONFIRM=step`` a rank may run on another host
-(``engine_folder.receive`` lets it, with no folder); its description says so
-(``RankInfo.host``). The scheduler side asks here which ranks are elsewhere, so
-that it never opens, writes or waits for a file of theirs and never counts their
-GPU in this host's account of a same-named GPU.
+A GPU's shared account lives in one host's shared folder. A rank may run on
+another host (Ray, or vLLM's multiprocess executor over several nodes); its
+description says so (``RankInfo.host``). The scheduler side asks here which
+ranks are elsewhere, so that it never counts their GPU in this host's account
+of a same-named GPU.
 """
 
 from __future__ import annotations
@@ -14,14 +12,14 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvelastic.tp.rank_files import RankInfo
+from kvelastic.tp.rank_info import RankInfo
 
 log = logging.getLogger("vllm.kvelastic")
 
 
 def on_this_host(info: RankInfo, here: str) -> bool:
     """Whether ``info``'s rank runs on the host (and pid namespace) ``here``; a description that names no host
-    was written by a rank of one host (under ``mp`` the engine core's children: always)."""
+    is of ``here``."""
     return not info.host or info.host == here
 
 

@@ -16,7 +16,7 @@ from typing import Callable, ContextManager
 from kvelastic.scheduler.elastic_cache import DEVICE_FREE_TTL_S, GroupedBlocks, least_room
 from kvelastic.pool.stats import PoolStats
 from kvelastic.roles import PoolView
-from kvelastic.tp.board import RankInfo
+from kvelastic.tp.rank_info import RankInfo
 from kvelastic.tp.idle_steps import IdleSteps
 from kvelastic.tp.remote_mapper import RemoteMapper
 
@@ -34,7 +34,7 @@ class ShardedPoolView(PoolView):
         self.limit_bytes = limit_bytes
         self.lock: ContextManager = lock if lock is not None else threading.RLock()
         self.reserve_pages = 0  # the warm reserve every rank was last told to keep
-        self.idle_steps: IdleSteps | None = None  # step mode: idle commands by an empty step, where it can run
+        self.idle_steps: IdleSteps | None = None  # idle commands by an empty step, where the loop can be woken
 
     def is_mapped(self, group: int) -> bool:
         return group in self.mapper.mapped_groups
@@ -58,12 +58,10 @@ class ShardedPoolView(PoolView):
 
     def collect(self, wait: bool = False) -> int:
         """The reclaimer's periodic call: commands queued while idle go out now, on an empty step where the
-        engine loop can be woken for one (:mod:`kvelastic.tp.idle_steps`), else as the engine folder's files,
-        where a folder reaches every rank; where none does (a rank on another host) they wait for the next step."""
+        engine loop can be woken for one (:mod:`kvelastic.tp.idle_steps`), else with the next step."""
         with self.lock:
-            idle = self.idle_steps
-            if idle is None or not idle.deliver():
-                self.mapper.deliver_idle()  # with an empty-step loop and nothing queued: removes old files only
+            if self.idle_steps is not None:
+                self.idle_steps.deliver()
         return 0
 
     def grow_reserve(self, pages: int) -> int:
@@ -120,5 +118,5 @@ class ShardedKVCache(GroupedBlocks):
         return room
 
     def forget_device_free(self) -> None:
-        """The ranks' boards are read afresh each time; only the account's grant is kept, and dropped here."""
+        """The ranks' reports are read as they come; only the account's grant is kept, and dropped here."""
         self._external_cache = (0.0, None)

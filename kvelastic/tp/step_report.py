@@ -1,9 +1,8 @@
 """What a rank tells its scheduler on a step's reply, and how the ranks' words are combined.
 
-The board (:mod:`kvelastic.tp.board`) only works where the scheduler can map the
-ranks' files, which means one host. A report instead rides the reply vLLM already
-sends back for a step (:mod:`kvelastic.tp.report_merger`), so the same
-confirmations cross hosts and executors. Every rank runs the same commands, so a
+A report rides the reply vLLM already sends back for a step
+(:mod:`kvelastic.tp.report_merger`), so confirmations need no channel of their
+own and cross hosts as the steps do. Every rank runs the same commands, so a
 MAP's outcome on a rank is a single count: how many of the command's groups it
 mapped (a rank maps a prefix and refuses the rest). The ranks' words combine as
 the minimum. A command is decided only once every rank has spoken. Everything

@@ -1,27 +1,27 @@
 """Set up a worker rank whose scheduler runs in another process (TP or PP: multiprocess executor, Ray V2).
 
-Runs right after the rank has published its elastic KV cache: describes it in
-the engine's folder, allocates this rank's share of the host tier (pinned in
-the background; the rank publishes its progress on its board and in its step
-reports, and the scheduler hands out a slot once every rank has it) and starts
-the :class:`~kvelastic.tp.rank.RankWorker` that the patched
-``Worker.execute_model`` feeds each step's commands.
+Runs right after the rank has published its elastic KV cache: keeps its
+description for the engine core, which asks for it over vLLM's
+``collective_rpc`` (:mod:`kvelastic.tp.rank_handover`), allocates this rank's
+share of the host tier (pinned in the background; the rank reports its progress
+on the steps' replies, and the scheduler hands out a slot once every rank has
+it) and starts the :class:`~kvelastic.tp.rank.RankWorker` that the patched
+``Worker.execute_model`` feeds each step's commands. The rank opens nothing in
+the shared folder, so a folder another user squats, or a full ``/dev/shm``,
+never stops it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvelastic.cluster.device import device_identity
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
-from kvelastic.settings import Settings
-from kvelastic.tp import board as shm
-from kvelastic.tp import engine_folder
-from kvelastic.tp.engine_folder import keep_description, rank_folder
+from kvelastic.tp import rank_handover
 from kvelastic.tp.rank import RankWorker
+from kvelastic.tp.rank_info import RankInfo
 
 if TYPE_CHECKING:
     from kvelastic.startup.runtime import Runtime
@@ -33,7 +33,7 @@ log = logging.getLogger("vllm.kvelastic")
 
 def scheduler_elsewhere(runner: Any) -> bool:
     """True when this worker's scheduler lives in another process: its parent (vLLM's multiprocess
-    executor) or, under Ray, the engine core that handed it the folder (:mod:`kvelastic.tp.engine_folder`)."""
+    executor) or, under Ray, the engine core that said it drives it (:mod:`kvelastic.tp.rank_handover`)."""
     return runner.vllm_config.parallel_config.distributed_executor_backend in ("mp", "ray")
 
 
@@ -50,30 +50,27 @@ def rank_and_world(runner: Any) -> tuple[int, int]:
 def serve_as_rank(runtime: "Runtime", runner: Any, cache: ElasticKVCache) -> RankWorker:
     rank, world = rank_and_world(runner)
     settings = runtime.settings
-    engine = rank_folder(runner.vllm_config.parallel_config.distributed_executor_backend)
-    worker = start_rank(cache, engine.folder, rank, world, runtime.limit_bytes, settings.cpu_bytes,
-                        map_after_launch=settings.tp_map_after_launch)
+    engine_pid = rank_handover.engine_core(runner.vllm_config.parallel_config.distributed_executor_backend)
+    worker = start_rank(cache, rank, world, runtime.limit_bytes, settings.cpu_bytes)
     runtime.rank_worker = worker
-    where = worker.folder or "no folder (another host: its description, reports and commands ride vLLM's calls)"
-    log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) through %s", rank, world,
-             engine.engine_pid, where)
+    log.info("kvelastic: rank %d of %d serves its scheduler (pid %d) over vLLM's calls", rank, world, engine_pid)
     return worker
 
 
-def start_rank(cache: ElasticKVCache, folder: Path | None, rank: int, world: int, limit_bytes: int | None,
-               cpu_bytes: int | None, map_after_launch: bool = Settings.tp_map_after_launch) -> RankWorker:
-    """Describe this rank's cache in ``folder`` (None: on another host, nowhere but in memory), set up its
-    host-tier share, start its worker (``map_after_launch``: its steps' MAPs wait for the forward pass's launch)."""
+def start_rank(cache: ElasticKVCache, rank: int, world: int, limit_bytes: int | None,
+               cpu_bytes: int | None) -> RankWorker:
+    """Describe this rank's cache (kept for the engine core to ask for), set up its host-tier share, start
+    its worker."""
     copier, memory, slot_bytes = None, None, 0
     if cpu_bytes:
         copier, memory, slot_bytes = _host_share(cache, cpu_bytes, world)
     gpu_id, gpu_total = device_identity(cache.pool.backend)
-    info = shm.RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
-                        group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
-                        limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
-                        gpu_id=gpu_id, gpu_total=gpu_total or 0, host=engine_folder.host_identity())
-    worker = RankWorker(cache, folder, info, copier, map_after_launch=map_after_launch)
-    keep_description(worker.info)  # with its start-up state; under Ray the engine core asks for it
+    info = RankInfo(rank=rank, world=world, pid=os.getpid(), layout=cache.layout,
+                    group_bytes=cache.group_bytes, page_bytes=cache.pool.page_bytes,
+                    limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
+                    gpu_id=gpu_id, gpu_total=gpu_total or 0, host=rank_handover.host_identity())
+    worker = RankWorker(cache, info, copier)
+    rank_handover.keep_description(worker.info)  # with its start-up state: the engine core asks for it
     if memory is not None:
         memory.watch(worker.pinned)
         worker.at_first_step(memory.begin)  # not while vLLM captures CUDA graphs (HostMemory's docstring)

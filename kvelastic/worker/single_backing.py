@@ -1,18 +1,26 @@
 """vLLM 0.29+: the one KV backing of ``allocate_kv_cache`` comes from the page pool.
 
 From 0.29 vLLM allocates every layer's KV cache at once: ``allocate_kv_cache``
-(``vllm/v1/worker/utils.py``) calls ``torch.zeros(size, dtype=torch.int8)`` a
-single time and cuts per-layer views out of that backing with
-``create_kv_cache_views``. Which views, for which specs, with which kernel block
-split, changes from release to release.
+(``vllm/v1/worker/utils.py``) makes one int8 backing and cuts per-layer views
+out of it with ``create_kv_cache_views``. Which views, for which specs, with
+which kernel block split, changes from release to release, and kvelastic
+rebuilds none of it: the views handed back are vLLM's own.
 
-kvelastic does not rebuild any of that. It runs vLLM's own function, the same
-code object, against a copy of its module's globals in which the one name
-``torch`` is a stand-in: ``zeros`` reserves the bytes in the page pool (nothing
-is mapped, fresh pages read as zeros once mapped) and every other attribute is
-torch itself. The views handed back are therefore vLLM's own. If a release ever
-allocates more than that one backing, or one of another dtype, the stand-in
-refuses with :class:`~kvelastic.errors.LayoutError` rather than guess.
+- From 0.34 (band D) the function takes an ``allocate(size)`` hook that makes
+  the backing (vLLM's extensible cache passes its own). kvelastic passes one
+  that reserves the bytes in a new page pool (:class:`PoolBacking`) and calls
+  vLLM's function as it is. vLLM's extensible cache is off with kvelastic
+  (``patches/extensible_kv_cache.py``), so a hook already passed means something
+  else serves the backing: refused.
+- In 0.29-0.33 (band C) the backing is one ``torch.zeros(size,
+  dtype=torch.int8)``, with no hook. kvelastic runs vLLM's own function, the
+  same code object, against a copy of its module's globals in which the one name
+  ``torch`` is a stand-in (:class:`PoolZeros`): ``zeros`` reserves the bytes in
+  the page pool and every other attribute is torch itself.
+
+Either way nothing is mapped at first and fresh pages read as zeros once
+mapped. A second backing, or one of another dtype, is refused with
+:class:`~kvelastic.errors.LayoutError` rather than guessed at.
 
 Layers whose spec has no per-layer views (HiSparse's raw tensors, 0.30+) get the
 backing itself; kvelastic cannot tell which bytes their blocks use, so such a
@@ -40,8 +48,31 @@ ALLOCATOR_MODULE = "vllm.v1.worker.utils"
 ALLOCATOR_NAME = "allocate_kv_cache"
 
 
+class PoolBacking:
+    """The ``allocate(size)`` hook of vLLM 0.34+'s ``allocate_kv_cache``: the one backing, from a new pool."""
+
+    def __init__(self, runtime: Runtime, device: Any):
+        self._runtime = runtime
+        self._device = device
+        self.backing: Any = None
+
+    def __call__(self, size: int) -> Any:
+        import torch
+
+        if self.backing is not None:
+            raise LayoutError("vLLM's allocate_kv_cache asked for a second KV backing; kvelastic serves exactly one")
+        if not isinstance(size, int) or size <= 0:
+            raise LayoutError(f"vLLM's allocate_kv_cache asked for a backing of {size!r} bytes")
+        backing = self._runtime.new_pool().add_tensor(size)
+        if backing.device.type != torch.device(self._device).type:
+            raise LayoutError(f"the page pool makes {backing.device.type} tensors but vLLM allocates "
+                              f"its KV cache on {self._device}")
+        self.backing = backing
+        return backing
+
+
 class PoolZeros:
-    """The ``torch`` that vLLM's ``allocate_kv_cache`` sees: ``zeros`` comes from the pool."""
+    """The ``torch`` that vLLM 0.29-0.33's ``allocate_kv_cache`` sees: ``zeros`` comes from the pool."""
 
     def __init__(self, runtime: Runtime):
         import torch
@@ -88,23 +119,39 @@ def check_allocator(function: Any) -> None:
 
 
 def allocate_in_pool(runtime: Runtime, allocate: Callable[..., Any], args: tuple, kwargs: dict, *,
-                     is_host_resident: Callable[[Any], bool]) -> dict[str, Any]:
+                     is_host_resident: Callable[[Any], bool], hook: bool = False) -> dict[str, Any]:
     """Run vLLM's ``allocate_kv_cache(*args, **kwargs)`` with its backing reserved in a new page pool.
 
     ``is_host_resident`` tells a tensor kept in host memory (HiSparse, 0.30+), which the
-    GPU allocation never gets from vLLM itself; one that does is refused.
+    GPU allocation never gets from vLLM itself; one that does is refused. ``hook``: the
+    release's allocator takes the backing from its ``allocate`` argument (0.34+,
+    ``patches/single_backing.py:takes_allocate_hook``) rather than from ``torch.zeros``.
     """
     check_allocator(allocate)
-    kv_cache_config = inspect.signature(allocate).bind(*args, **kwargs).arguments["kv_cache_config"]
-    resident = [t.layers for t in kv_cache_config.kv_cache_tensors if is_host_resident(t)]
+    bound = inspect.signature(allocate).bind(*args, **kwargs)
+    resident = [t.layers for t in bound.arguments["kv_cache_config"].kv_cache_tensors if is_host_resident(t)]
     if resident:
         raise LayoutError(f"host-resident KV tensors (layers {resident[0][:3]}...) reached the GPU "
                           "allocation; kvelastic backs only device tensors")
-    stand_in = PoolZeros(runtime)
-    views: dict[str, Any] = with_torch(allocate, stand_in)(*args, **kwargs)
+    if hook:
+        stand_in: PoolBacking | PoolZeros = PoolBacking(runtime, bound.arguments["device"])
+        refuse_other_hook(bound.arguments.get("allocate"))
+        bound.arguments["allocate"] = stand_in
+        views: dict[str, Any] = allocate(*bound.args, **bound.kwargs)
+    else:
+        stand_in = PoolZeros(runtime)
+        views = with_torch(allocate, stand_in)(*args, **kwargs)
     if stand_in.backing is not None:
         refuse_raw_layers(views, stand_in.backing)
     return views
+
+
+def refuse_other_hook(hook: Any) -> None:
+    """A backing hook the caller passed itself: something other than kvelastic serves the KV cache."""
+    if hook is not None:
+        raise PatchError(f"kvelastic: vLLM's allocate_kv_cache was handed a backing of its own ({hook!r}): "
+                         "vLLM's extensible KV cache (which kvelastic turns off) or something else serves the KV "
+                         "cache here. Run with KVELASTIC=0 to keep it")
 
 
 def refuse_raw_layers(views: dict[str, Any], backing: Any) -> None:

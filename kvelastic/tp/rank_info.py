@@ -1,30 +1,28 @@
-"""What ranks and their scheduler write to each other as files: rank descriptions and idle commands.
+"""What a rank tells its scheduler about its KV cache, and how the scheduler reads it back.
 
-Both are bounded JSON checked against a fixed schema when read back
-(:mod:`kvelastic.shared.bounded_json`), never pickle: a file in a shared
-folder is untrusted input, and unpickling runs code. A command comes back as
-exactly the tuple :mod:`kvelastic.tp.protocol` builds, or not at all.
+A rank's description travels as bounded JSON checked against a fixed schema
+when read back (:mod:`kvelastic.shared.bounded_json`), never pickle: it comes
+from another process, possibly on another host, and the scheduler plans every
+command from it. It carries plain values only; a layout comes back as exactly
+the :class:`~kvelastic.pool.kv_layout.KVGroupLayout` the rank built, or not at all.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kvelastic.cluster.device import ACCOUNT_ID
 from kvelastic.shared import bounded_json
 from kvelastic.shared.bounded_json import expect, int_list
 from kvelastic.shared.errors import BadSharedData
-from kvelastic.tp.protocol import (LOAD, MAP, RESERVE, STORE, UNMAP, Command, load_command, map_command,
-                                   reserve_command, store_command, unmap_command)
 
 MAX_INFO_BYTES = 4 << 20
-MAX_COMMANDS_BYTES = 64 << 20
 MAX_WORLD = 4096
 MAX_VALUE = 1 << 52  # no offset, size or count a rank describes comes near this
 MAX_ENTRIES = 1 << 16  # regions of a layout, runs of a region
-#: A host identity as ``engine_folder.host_identity`` spells it (a boot id, "/", a pid namespace's inode).
+#: A host identity as ``rank_handover.host_identity`` spells it (a boot id, "/", a pid namespace's inode).
 HOST_ID = re.compile(r"[A-Za-z0-9_.:/-]{1,160}")  # whole names only: fullmatch
 
 
@@ -43,14 +41,12 @@ class RankInfo:
     slot_bytes: int
     gpu_id: str = ""       # the rank's device, as its shared account names it ("": not said)
     gpu_total: int = 0     # the device's memory in bytes (0: unknown)
-    #: The rank's state before any scheduler existed, what its board held then: the groups it had mapped
-    #: (its board's ``START_SEQ`` entries) and its applied-command mark. In ``KVELASTIC_TP_CONFIRM=step``
-    #: the scheduler adopts them from here, so it needs no board (``kvelastic/tp/start_state.py``).
+    #: The rank's state before any scheduler existed: the groups it had mapped (vLLM's start-up) and its
+    #: applied-command mark, which the scheduler starts from (``kvelastic/tp/start_state.py``).
     start_groups: tuple[int, ...] = ()
     applied: int = 0
-    #: The rank's host and pid namespace (``engine_folder.host_identity()``); "" (a description written before
-    #: the field existed) means the engine core's. The scheduler opens no file of a rank on another host and
-    #: joins no shared account for its GPU (:mod:`kvelastic.tp.rank_hosts`).
+    #: The rank's host and pid namespace (``rank_handover.host_identity()``); "" means the engine core's. The
+    #: scheduler joins no shared account on its own host for a GPU on another (:mod:`kvelastic.tp.rank_hosts`).
     host: str = ""
 
 
@@ -75,7 +71,9 @@ def encode_info(info: RankInfo) -> bytes:
 
 
 def decode_info(data: bytes, what: str) -> RankInfo:
-    """The RankInfo a rank wrote; BadSharedData for anything out of shape or range."""
+    """The RankInfo a rank sent; BadSharedData for anything out of shape, size or range."""
+    if len(data) > MAX_INFO_BYTES:
+        raise BadSharedData(f"{what} is {len(data)} bytes, more than the {MAX_INFO_BYTES} a description may be")
     record = expect(bounded_json.loads(data, what), _INFO, what)
     _in_range(record["world"], 1, MAX_WORLD + 1, f"{what}: world")
     _in_range(record["rank"], 0, record["world"], f"{what}: rank")
@@ -143,46 +141,3 @@ def _decode_layout(record: dict, what: str) -> Any:
 def _in_range(value: int, low: int, high: int, what: str) -> None:
     if not low <= value < high:
         raise BadSharedData(f"{what} is {value}, not in [{low}, {high})")
-
-
-# ------------------------------------------------------------------ commands
-def encode_commands(commands: Sequence[Command]) -> bytes:
-    return bounded_json.dumps([list(c[:2]) + [list(a) if isinstance(a, tuple) else a for a in c[2:]]
-                               for c in commands])
-
-
-def decode_commands(data: bytes, what: str) -> tuple[Command, ...]:
-    """The commands the scheduler wrote, each rebuilt by its protocol constructor; BadSharedData otherwise."""
-    value = bounded_json.loads(data, what, max_depth=3)
-    if not isinstance(value, list):
-        raise BadSharedData(f"{what} is not a list of commands")
-    return tuple(_command(item, f"{what}: command {i}") for i, item in enumerate(value))
-
-
-def _command(item: Any, what: str) -> Command:
-    if not isinstance(item, list) or len(item) < 3 or not isinstance(item[1], str):
-        raise BadSharedData(f"{what} is not [seq, kind, ...]")
-    seq, kind, args = item[0], item[1], item[2:]
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-        raise BadSharedData(f"{what}: sequence number {seq!r}")
-    if kind in (MAP, UNMAP) and len(args) == 1:
-        build = map_command if kind == MAP else unmap_command
-        return build(seq, int_list(args[0], f"{what}: groups", high=1 << 31))
-    if kind == STORE and len(args) == 3 and isinstance(args[2], bool):
-        blocks, slots = _pairs(args[0], args[1], what)
-        return store_command(seq, blocks, slots, args[2])
-    if kind == LOAD and len(args) == 3 and isinstance(args[2], bool):
-        blocks, slots = _pairs(args[0], args[1], what)
-        return load_command(seq, blocks, slots, args[2])
-    if kind == RESERVE and len(args) == 1 and isinstance(args[0], int) and not isinstance(args[0], bool):
-        _in_range(args[0], 0, MAX_VALUE, f"{what}: reserve pages")
-        return reserve_command(seq, args[0])
-    raise BadSharedData(f"{what}: {kind[:20]!r} with {len(args)} arguments is not a command kvelastic sends")
-
-
-def _pairs(blocks: Any, slots: Any, what: str) -> tuple[list[int], list[int]]:
-    blocks = int_list(blocks, f"{what}: block ids", high=1 << 31)
-    slots = int_list(slots, f"{what}: host slots", high=1 << 31)
-    if len(blocks) != len(slots):
-        raise BadSharedData(f"{what}: {len(blocks)} block ids but {len(slots)} host slots")
-    return blocks, slots

@@ -1,4 +1,4 @@
-"""What ranks and their scheduler exchange as files: bounded JSON, checked on the way in, never pickle."""
+"""What a rank tells its scheduler about its KV cache: bounded JSON, checked on the way in, never pickle."""
 
 from __future__ import annotations
 
@@ -8,37 +8,27 @@ import pickle
 import pytest
 
 from kvelastic.shared.errors import BadSharedData
-from kvelastic.tp import board as shm
-from kvelastic.tp.protocol import load_command, map_command, reserve_command, store_command, unmap_command
-from kvelastic.tp.rank_files import decode_commands, decode_info, encode_commands, encode_info
+from kvelastic.tp.rank_info import MAX_INFO_BYTES, RankInfo, decode_info, encode_info
 from tests.kv_fixtures import build_cache
 from tests.other_user import RunsCodeWhenUnpickled
 
 
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
-    return shm.engine_dir(os.getpid())
-
-
 def _info(limit=None):
     pool, views, cache = build_cache()
-    info = shm.RankInfo(rank=1, world=2, pid=os.getpid(), layout=cache.layout, group_bytes=cache.group_bytes,
+    info = RankInfo(rank=1, world=2, pid=os.getpid(), layout=cache.layout, group_bytes=cache.group_bytes,
                         page_bytes=pool.page_bytes, limit_bytes=limit, host_slots=3, slot_bytes=4096,
                         gpu_id="gpu-42245d53-03c8", gpu_total=80 << 30)
     return pool, views, cache, info
 
 
-def test_a_rank_description_round_trips_with_its_layout(folder):
+def test_a_rank_description_round_trips_with_its_layout():
     pool, _, cache, info = _info(limit=1 << 20)
     try:
-        shm.write_info(folder, info)
-        back = shm.read_info(folder, 1)
+        back = decode_info(encode_info(info), "rank 1's description")
         assert (back.rank, back.world, back.limit_bytes, back.host_slots) == (1, 2, 1 << 20, 3)
         assert (back.gpu_id, back.gpu_total) == ("gpu-42245d53-03c8", 80 << 30)  # the account it names
         assert back.layout.num_groups == cache.layout.num_groups
         assert all(back.layout.pages(g) == cache.layout.pages(g) for g in range(cache.layout.num_groups))
-        assert shm.read_info(folder, 0) is None  # not written yet
     finally:
         pool.close()
 
@@ -68,8 +58,8 @@ def test_a_description_carries_the_start_up_state_and_refuses_a_group_outside_it
 
 
 def test_a_description_names_its_rank_s_host_and_one_without_it_is_of_the_engine_core_s_host():
-    """The host identity comes back as written; a description written before the field existed (no
-    ``host``) reads as "" (the engine core's host); anything but a bounded plain name is refused."""
+    """The host identity comes back as written; a description without one reads as "" (the engine core's
+    host); anything but a bounded plain name is refused."""
     import dataclasses
     import json
 
@@ -87,36 +77,13 @@ def test_a_description_names_its_rank_s_host_and_one_without_it_is_of_the_engine
         pool.close()
 
 
-def test_commands_round_trip_exactly_as_the_protocol_builds_them(folder):
-    commands = (map_command(2, [1, 2]), unmap_command(3, [4]), store_command(4, [5, 6], [0, 1], True),
-                load_command(5, [7], [2]), load_command(6, [8], [3], block_compute=False), reserve_command(7, 9))
-    shm.open_folder(folder, create=True).close()
-    path = shm.write_idle_commands(folder, commands)
-    assert shm.idle_files(folder) == [(2, 7, path)]
-    assert shm.read_idle_commands(path) == commands
-    assert decode_commands(encode_commands(commands), "x") == commands
-
-
-@pytest.mark.parametrize("text, complaint", [
-    (b'[[1, "map", [-1]]]', "groups"), (b'[[0, "map", [1]]]', "sequence"), (b'[[1, "exec", "rm -rf"]]', "exec"),
-    (b'[[1, "store", [1, 2], [3], true]]', "2 block ids but 1"), (b'[[1, "reserve", true]]', "reserve"),
-    (b'[[1, "load", [1], [3]]]', "load"), (b'[[1, "load", [1], [3], 1]]', "load"),
-    (b'{"a": 1}', "not a list"), (b'[[[[[1]]]]]', "deeper")])
-def test_malformed_commands_are_refused(text, complaint):
-    with pytest.raises(BadSharedData, match=complaint):
-        decode_commands(text, "idle file")
-
-
-def test_a_pickle_in_a_rank_file_is_refused_unread(folder, tmp_path):
+def test_a_pickle_or_an_oversized_description_is_refused_unread(tmp_path):
     marker = tmp_path / "ran"
-    shm.open_folder(folder, create=True).close()
-    (folder / "rank0.info").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(str(marker))))
-    (folder / "idle-000000000001-000000000001.cmd").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(str(marker))))
     with pytest.raises(BadSharedData):
-        shm.read_info(folder, 0)
-    with pytest.raises(BadSharedData):
-        shm.read_idle_commands(folder / "idle-000000000001-000000000001.cmd")
+        decode_info(pickle.dumps(RunsCodeWhenUnpickled(str(marker))), "a rank's reply")
     assert not marker.exists()
+    with pytest.raises(BadSharedData, match="more than the"):
+        decode_info(b" " * (MAX_INFO_BYTES + 1), "a rank's reply")
 
 
 def test_a_rank_description_out_of_range_is_refused():
@@ -136,14 +103,3 @@ def test_a_rank_description_out_of_range_is_refused():
                 decode_info(bad, "rank1.info")
     finally:
         pool.close()
-
-
-def test_a_board_is_read_only_for_the_scheduler_and_sized_exactly(folder):
-    writer = shm.RankBoard.of_rank(folder, 0, 16, create=True)
-    writer.set(shm.APPLIED, 7)
-    reader = shm.RankBoard.of_rank(folder, 0, 16, create=False)
-    assert reader.get(shm.APPLIED) == 7 and reader.get(shm.DEVICE_FREE) == -1
-    with pytest.raises(ValueError):
-        reader.set(shm.APPLIED, 8)  # mapped read-only
-    with pytest.raises(BadSharedData, match="not the"):
-        shm.RankBoard.of_rank(folder, 0, 17, create=False)
