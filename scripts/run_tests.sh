@@ -28,9 +28,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # One band a line: name, torch, vLLM, venv, and whether it runs (1) or not (0). The bands run in
-# this order, each one's venv built while the one before it runs its tests: the quickest install
-# first (torch 2.13.0's CPU build lies on this machine's disk), the slowest (torch 2.11.0's CUDA
-# build and NVIDIA libraries, from PyPI) behind the newest band's run, the longest.
+# this order, each one's venv built while the one before it runs its tests, so only the first
+# install is waited for (each takes about 3 to 4 minutes; a band's tests take longer).
 BANDS=(
     "B 2.13.0 0.28.0 ${KVELASTIC_VENV:-.venv} 1"
     "C 2.14.0 0.33.0 ${KVELASTIC_VENV_BAND_C:-.venv-band-c} ${KVELASTIC_BAND_C:-1}"
