@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 
 # One band a line: name, torch, vLLM, venv, and whether it runs (1) or not (0). The bands run in
 # this order, each one's venv built while the one before it runs its tests, so only the first
-# install is waited for (each takes about 3 to 4 minutes; a band's tests take longer).
+# install is waited for (an install takes 2.5 to 4.5 minutes on two cores; a band's tests take longer).
 BANDS=(
     "B 2.13.0 0.28.0 ${KVELASTIC_VENV:-.venv} 1"
     "C 2.14.0 0.33.0 ${KVELASTIC_VENV_BAND_C:-.venv-band-c} ${KVELASTIC_BAND_C:-1}"
