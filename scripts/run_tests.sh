@@ -34,6 +34,7 @@ BANDS=(
     "B 2.13.0 0.28.0 ${KVELASTIC_VENV:-.venv} 1"
     "C 2.14.0 0.33.0 ${KVELASTIC_VENV_BAND_C:-.venv-band-c} ${KVELASTIC_BAND_C:-1}"
     "A 2.11.0 0.23.0 ${KVELASTIC_VENV_BAND_A:-.venv-band-a} ${KVELASTIC_BAND_A:-1}"
+    "D 2.14.0 0.34.0 ${KVELASTIC_VENV_BAND_D:-.venv-band-d} ${KVELASTIC_BAND_D:-1}"
 )
 
 running=()
