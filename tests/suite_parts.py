@@ -36,7 +36,6 @@ file. tests/test_suite_parts.py checks that every name exists.
 from __future__ import annotations
 
 VERSION_FREE = frozenset({
-    "test_ab_table.py",
     "test_arc.py",
     "test_benchmark_drivers.py",
     "test_bench_variants.py",
