@@ -17,7 +17,9 @@ cd "$(dirname "$0")/.."
 
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "torch==$torch"
+# --no-compile: byte-compiling every file of torch, vLLM and their dependencies costs about 100 s of
+# CPU a band; Python compiles the modules the tests import, on their first import, instead.
+"$venv/bin/python" -m pip install -q --no-compile "torch==$torch"
 # A pin the package index here cannot serve and nothing on the CPU imports (vLLM 0.34.0's
 # flashinfer-python==0.7.3, a GPU kernel library): the wheel's other requirements first, then the
 # wheel itself without its dependencies (scripts/wheel_requirements.py says why, and fails when a
@@ -27,14 +29,14 @@ case $vllm in
     *) unservable=() ;;
 esac
 if [ ${#unservable[@]} -eq 0 ]; then
-    "$venv/bin/python" -m pip install -q "vllm==$vllm"
+    "$venv/bin/python" -m pip install -q --no-compile "vllm==$vllm"
 else
     wheels=$(mktemp -d) && trap 'rm -rf "$wheels"' EXIT
     "$venv/bin/python" -m pip download -q --no-deps "vllm==$vllm" -d "$wheels"
     "$venv/bin/python" scripts/wheel_requirements.py "$wheels"/vllm-*.whl "${unservable[@]/#/--skip=}" \
         > "$wheels/requirements.txt"
-    "$venv/bin/python" -m pip install -q -r "$wheels/requirements.txt"
-    "$venv/bin/python" -m pip install -q --no-deps "$wheels"/vllm-*.whl
+    "$venv/bin/python" -m pip install -q --no-compile -r "$wheels/requirements.txt"
+    "$venv/bin/python" -m pip install -q --no-compile --no-deps "$wheels"/vllm-*.whl
 fi
 # vLLM pulls a CUDA torchvision that cannot load beside a CPU torch; kvelastic needs none of them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

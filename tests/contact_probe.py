@@ -16,6 +16,7 @@ replies) declares, each case removes or reshapes it
 
 Each case prints one ``MARK`` line of JSON. The cases come from the
 declarations, so a newly declared contact is covered without a new test.
+Case ids given on the command line run only those cases (and the control).
 """
 
 from __future__ import annotations
@@ -68,6 +69,21 @@ def cases(version: Version) -> list[Case]:
         else:
             found += [Case(target, "remove"), Case(target, "reshape")]
     return found
+
+
+def kind_of_breakage(case: Case) -> tuple[str, str, str]:
+    """What the gate tells apart when it refuses ``case``: the target's kind (its shape is read as a
+    signature, a setter or a class's attributes), its use (a wrapped target's module is patched when
+    it is imported; the others are read, or changed on live objects) and how it is broken."""
+    return case.target.kind, case.target.use, case.how
+
+
+def one_per_kind(all_cases: list[Case]) -> list[Case]:
+    """The first declared case of each kind of breakage: every path of the gate's refusal, each once."""
+    first: dict[tuple[str, str, str], Case] = {}
+    for case in all_cases:
+        first.setdefault(kind_of_breakage(case), case)
+    return list(first.values())
 
 
 # ------------------------------------------------------------------------------------ breaking
@@ -223,11 +239,17 @@ def run_case(case: Case | None, held: list[Any]) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
+def main(wanted: list[str]) -> int:
+    """Runs the control, then every case, or only the cases whose ids are in ``wanted``."""
     from kvelastic.patching.versions import installed_vllm_version
 
+    declared = cases(installed_vllm_version())
+    unknown = set(wanted) - {case.id for case in declared}
+    if unknown:
+        print(f"no such case: {sorted(unknown)}", file=sys.stderr)
+        return 2
     held = owners()
-    for case in [None, *cases(installed_vllm_version())]:
+    for case in [None, *(case for case in declared if not wanted or case.id in wanted)]:
         try:
             result = run_case(case, held)
         except Exception as exc:  # noqa: BLE001 - reported per case, the others still run
@@ -237,4 +259,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -6,6 +6,10 @@ or reshapes it (or adds it, where it is declared absent), activates kvelastic,
 and reports; each test here reads one case. A control run with nothing broken
 shows activation then does wrap vLLM, so the checks of "nothing changed" can
 fail.
+
+``--contact-cases=one-per-kind`` (what CI gives the bands older than the newest)
+runs the first case of each kind of breakage only: the gate's every refusal path
+against that release, at a tenth of the cost; the newest band runs every case.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm installed")
 
 from kvelastic.patching.versions import band_of, installed_vllm_version  # noqa: E402
-from tests.contact_probe import MARK, Case, cases  # noqa: E402
+from tests.contact_probe import MARK, Case, cases, kind_of_breakage, one_per_kind  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = installed_vllm_version()
@@ -32,13 +36,25 @@ EXPECTED = {"remove": "does not exist", "reshape": "expected parameters", "add":
             "drop": "expected its objects to carry"}
 
 
+def chosen_cases(config: pytest.Config) -> list[Case]:
+    """Every case, or (``--contact-cases=one-per-kind``) the first of each kind of breakage."""
+    return one_per_kind(CASES) if config.getoption("contact_cases") == "one-per-kind" else CASES
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", chosen_cases(metafunc.config), ids=lambda case: case.id)
+
+
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict[str, dict]:
+def probe(request, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("contacts") / "probe.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVELASTIC", "VLLM_PLUGINS"))}
+    chosen = chosen_cases(request.config)
+    wanted = [] if chosen == CASES else [case.id for case in chosen]
     with open(out, "wb") as sink:
-        done = subprocess.run([sys.executable, "-m", "tests.contact_probe"], cwd=REPO, env=env, stdout=sink,
-                              stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
+        done = subprocess.run([sys.executable, "-m", "tests.contact_probe", *wanted], cwd=REPO, env=env,
+                              stdout=sink, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
     text = out.read_text()
     assert done.returncode == 0, text[-4000:]
     results = [json.loads(line[len(MARK):]) for line in text.splitlines() if line.startswith(MARK)]
@@ -57,7 +73,13 @@ def test_every_scheduler_side_contact_has_cases():
     assert len(targets) >= 25 and all(case.how in EXPECTED for case in CASES)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_one_case_per_kind_keeps_every_kind_of_breakage_once():
+    kinds = {kind_of_breakage(case) for case in CASES}
+    chosen = one_per_kind(CASES)
+    assert {kind_of_breakage(case) for case in chosen} == kinds and len(chosen) == len(kinds)
+    assert len(kinds) >= 6 and {case.how for case in chosen} == {case.how for case in CASES}
+
+
 def test_a_broken_contact_refuses_start_up_naming_it_and_leaves_vllm_as_it_was(probe, case: Case):
     result = probe[case.id]
     assert "error" not in result, result

@@ -423,3 +423,37 @@ def test_a_retired_variable_is_named_once_with_what_kvelastic_does_instead():
         assert warning == f"{variable} is retired and ignored: {now}"
     assert Settings.from_env(mine) == Settings()  # set, they change nothing
     assert len(unknown_variables(mine)) == len(mine)
+
+
+def _tuning_section(title: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "tuning.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_tuning_md_lists_exactly_the_retired_variables():
+    """A deployment that still sets a retired variable is warned at start-up and looks it up in docs/tuning.md:
+    every name in RETIRED has its row there, and the table names nothing else."""
+    assert sorted(_table_rows(_tuning_section("Retired settings"))) == sorted(RETIRED)
+
+
+def _parse_constant(text: str) -> int:
+    number, _, unit = text.partition(" ")
+    return int(number) * {"": 1, "KiB": 1024, "MiB": MIB, "GiB": GIB}[unit]
+
+
+def test_tuning_md_states_the_constants_the_code_uses():
+    """The constants table of docs/tuning.md gives each constant's value as the code has it."""
+    import importlib
+
+    rows = re.findall(r"^\| `(kvelastic\.[a-z_.]+)\.([A-Z_]+)` \| ([^|]+?) \|", _tuning_section("Constants"), re.M)
+    assert {f"{module}.{name}" for module, name, _ in rows} >= {
+        "kvelastic.offload.write_through.STEP_BYTES", "kvelastic.offload.write_through.AHEAD_SHARE",
+        "kvelastic.offload.copier.STAGING_BYTES", "kvelastic.offload.copier.RUNS_MIN_PIECE_BYTES",
+        "kvelastic.offload.manager.LONG_RUN_GROUPS", "kvelastic.scheduler.reload_reserve.MAX_BYTES",
+        "kvelastic.scheduler.reclaimer.BUSY_STEP_BYTES"}
+    for module, name, value in rows:
+        assert getattr(importlib.import_module(module), name) == _parse_constant(value), (module, name, value)
