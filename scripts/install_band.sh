@@ -40,7 +40,17 @@ else
 fi
 # vLLM pulls a CUDA torchvision that cannot load beside a CPU torch; kvelastic needs none of them.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$venv/bin/python" -m pip install -q -e ".[test]"
+# kvelastic without its dependencies, then those but vLLM: vLLM is a dependency of kvelastic, and pip
+# would otherwise resolve vLLM's own pins again (0.34.0's flashinfer pin would move it back to 0.33.0).
+"$venv/bin/python" -m pip install -q --no-deps -e .
+"$venv/bin/python" - <<'PY' > "$venv/kvelastic-requirements.txt"
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for requirement in project["dependencies"] + project["optional-dependencies"]["test"]:
+    if not requirement.replace(" ", "").lower().startswith("vllm"):
+        print(requirement)
+PY
+"$venv/bin/python" -m pip install -q --no-compile -r "$venv/kvelastic-requirements.txt"
 # torch reports its build as a local version (2.14.0+cu130, 2.13.0+cpu): compare the release only.
 installed=$("$venv/bin/python" -c "import torch, vllm; print(torch.__version__.split('+')[0], vllm.__version__)" 2>/dev/null | tail -1)
 [ "$installed" = "$torch $vllm" ] || { echo "$venv has torch/vllm '$installed', not '$torch $vllm'" >&2; exit 1; }
