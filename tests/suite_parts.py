@@ -78,6 +78,7 @@ BAND_TESTS = frozenset({
     "test_security_attacks.py::test_attack_1_a_planted_engine_folder_runs_no_code_and_overwrites_nothing",
     "test_security_attacks.py::test_attack_4_an_engine_says_when_other_users_run_kvelastic_beside_it",
     "test_settings.py::test_the_retired_lines_state_the_constants_kvelastic_uses",
+    "test_settings.py::test_tuning_md_states_the_constants_the_code_uses",
     "test_version_matrix.py::test_static_check_agrees_with_the_import_gate_on_installed_vllm",
 })
 
