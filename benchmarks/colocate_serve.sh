@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two plain `vllm serve` of vLLM 0.34+ on one GPU, started one after the other with no
-# --gpu-memory-utilization, then loaded in turns (issue 45: co-location by default).
+# --gpu-memory-utilization, then loaded in turns (co-location by default).
 #   bash benchmarks/colocate_serve.sh kvelastic   # KVELASTIC=1: both start, both serve, memory moves between them
 #   bash benchmarks/colocate_serve.sh vanilla     # plain 0.34 (its extensible cache takes the GPU): the second is
 #                                                 # expected to fail (docs/vllm-0.34.md)

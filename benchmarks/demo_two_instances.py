@@ -1,6 +1,6 @@
 """Two kvelastic vLLM servers sharing one GPU, end to end: many models on one GPU.
 
-Starts two dummy-weight llama-1b servers with ``python3 -m kvelastic.launch`` and samples
+Starts two dummy-weight llama-1b servers with ``python3 -m kvelastic.launcher.command`` and samples
 ``python3 -m kvelastic.cli status --json`` every 0.25 s. Phase A loads instance 1; while it idles
 with a warm prefix cache its cap is lowered at run time (``kvelastic limit``): the cache must
 spill to the host tier, and the same prompts must come back token-identical. Phase B loads
@@ -112,7 +112,7 @@ class Demo:
     def launch_command(self) -> list[str]:
         a = self.args
         vllm = shlex.split(a.vllm_args) + (["--enforce-eager"] if a.enforce_eager else [])
-        cmd = [sys.executable, "-m", "kvelastic.launch", "--gpu-util", str(a.gpu_util),
+        cmd = [sys.executable, "-m", "kvelastic.launcher.command", "--gpu-util", str(a.gpu_util),
                "--log-dir", str(self.out / "servers"), "--startup-timeout", str(a.ready_timeout)]
         cmd += [] if a.budget.lower() == "none" else ["--budget", a.budget]
         for i, (name, port) in enumerate(zip(NAMES, a.ports, strict=True)):

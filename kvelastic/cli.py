@@ -17,7 +17,7 @@ engines rejoin a fresh one. Only this user's (or group's) folder is read, and
 names from it are shown without control characters (``docs/security.md``).
 
 ``kvelastic launch`` starts kvelastic-enabled vLLM servers on one GPU (see
-:mod:`kvelastic.launch`, which has its own options and exit codes);
+:mod:`kvelastic.launcher.command`, which has its own options and exit codes);
 ``kvelastic top`` is a live view of the instances' memory (:mod:`kvelastic.top`).
 
 ``--gpu`` takes the id ``kvelastic status`` shows, the GPU's UUID as
@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["launch"]:  # its own parser: option groups separated by --and, vllm arguments after --
-        from kvelastic.launch import main as launch
+        from kvelastic.launcher.command import main as launch
 
         return launch(argv[1:])
     refused = negative_size(argv)

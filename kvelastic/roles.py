@@ -13,14 +13,13 @@ role                          in this process                       on worker ra
 :class:`SchedulerCache`       ``ElasticKVCache``                    ``ShardedKVCache``
 :class:`Mapper`               ``GroupMapper`` (a thread)            ``RemoteMapper`` (numbered commands)
 :class:`Copier`               ``BlockCopier``                       ``RemoteCopier``
-:class:`CacheConnection`      ``LocalConnection``                   ``RankConnection``
 ============================  ====================================  ===================================
 
 Every implementation subclasses its role, so a method it lacks is an error
 when it is built, not a silent ``None`` later. Which of the two an engine
-gets is decided once, when the scheduler attaches
-(:func:`kvelastic.hooks.scheduler.attach_scheduler`); nothing after that
-asks which one it holds.
+gets is decided once, when the scheduler attaches: the hooks' connection
+(:class:`kvelastic.hooks.connection.CacheConnection`, ``LocalConnection`` or
+``RankConnection``) builds them, and nothing after that asks which one it holds.
 """
 
 from __future__ import annotations
@@ -32,17 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 if TYPE_CHECKING:
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.pool.kv_layout import KVGroupLayout
-    from kvelastic.startup.runtime import Runtime
-    from kvelastic.offload.host_tier import HostTier
-    from kvelastic.offload.plan import HostPlan
     from kvelastic.pool.backend import Fence
     from kvelastic.pool.lock_waits import LockWaits
     from kvelastic.pool.stats import PoolStats
     from kvelastic.scheduler.reclaim_timing import ReclaimTiming
-    from kvelastic.settings import Settings
-    from kvelastic.tp.idle_steps import IdleSteps
 
-__all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "CacheConnection", "AccountLink"]
+__all__ = ["PoolView", "SchedulerCache", "Mapper", "Copier", "AccountLink"]
 
 
 class AccountLink(Protocol):
@@ -212,40 +206,3 @@ class Copier(Protocol):
     def copy_times(self) -> dict[str, float] | None:
         """GPU seconds and bytes of the copies done so far (``store_seconds``, ``load_seconds``,
         ``store_timed_bytes``, ``load_timed_bytes``), or None where this process cannot see them."""
-
-
-class CacheConnection(Protocol):
-    """How a scheduler reaches its engine's KV cache: the cache and mapper, and what differs around them."""
-
-    cache: SchedulerCache
-    mapper: Mapper
-    #: What each GPU's pool really holds, for the log line; None with a single pool in this process.
-    rank_held_bytes: Callable[[], list[int]] | None
-    #: Whether a host load can run beside compute: its copier's fence says when it is done without this
-    #: process waiting on another (the host tier's plan loads hits beside compute only then).
-    async_loads: bool
-    #: Whether an unmap takes effect between two steps (the pool is in this process); False where the
-    #: ranks apply it with their next step.
-    unmaps_between_steps: bool
-
-    @abstractmethod
-    def host_tier(self, settings: "Settings", plan: "HostPlan") -> tuple["HostTier", Copier]:
-        """The host tier's index of ``settings.cpu_bytes`` and the copier that fills its slots, as ``plan``
-        has them."""
-
-    @abstractmethod
-    def step_hook(self, scheduler: Any, queue: "PageAwareFreeQueue") -> Callable[[Any], None] | None:
-        """What must happen to each ``schedule()`` output before it leaves the scheduler; None: nothing."""
-
-    @abstractmethod
-    def reply_hook(self) -> Callable[[Any], None] | None:
-        """What each ``update_from_output``'s model output gives up before vLLM reads it; None: nothing."""
-
-    @abstractmethod
-    def idle_work(self) -> "IdleSteps | None":
-        """Commands for idle ranks that ride an empty step: while they wait the scheduler's ``has_requests()``
-        is true, and the engine's loop registers its wake-up with them; None: nothing."""
-
-    @abstractmethod
-    def join_account(self, scheduler: Any, runtime: "Runtime") -> AccountLink | None:
-        """This engine's membership in its GPUs' shared accounts; None where it joins none."""

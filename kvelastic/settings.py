@@ -10,16 +10,15 @@ A ``KVELASTIC_*`` name that no part of kvelastic reads is most likely a typo
 from __future__ import annotations
 
 import difflib
-import grp
 import math
 import os
 import re
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Callable, Mapping
 
 from kvelastic import switch
 from kvelastic.errors import ConfigError
+from kvelastic.shared import location
 from kvelastic.shared.names import INSTANCE_NAME_FORM, is_instance_name
 from kvelastic.units import format_size, parse_size
 
@@ -88,31 +87,6 @@ def _choice(*options: str) -> Callable[[str, str], str]:
     return parse
 
 
-def _shared_dir(name: str, text: str) -> str:
-    """An existing directory named by an absolute path: a relative one would resolve per working directory."""
-    value = text.strip()
-    if not os.path.isabs(value):
-        raise ConfigError(f"{name}={text!r} must be an absolute path (for example /dev/shm): a relative "
-                          f"one would mean another directory for every working directory")
-    if not os.path.isdir(value):
-        raise ConfigError(f"{name}={text!r} is not an existing directory; kvelastic creates only its own "
-                          f"folder inside it (for example /dev/shm)")
-    return os.path.normpath(value)
-
-
-def _group(name: str, text: str) -> int:
-    """A group this process belongs to, by name or number: its members share one account per GPU."""
-    value = text.strip()
-    try:
-        gid = int(value) if value.isdigit() else grp.getgrnam(value).gr_gid
-    except KeyError:
-        raise ConfigError(f"{name}={text!r} is not a group on this machine") from None
-    if gid not in os.getgroups() and gid != os.getegid():
-        raise ConfigError(f"{name}={text!r}: this process (uid {os.geteuid()}) is not a member of group {gid}; "
-                          f"only members may share its accounts")
-    return gid
-
-
 def _name(name: str, text: str) -> str:
     """An instance name: ASCII only, so it fits its account record whole and matches itself there."""
     value = text.strip()
@@ -145,7 +119,7 @@ class Settings:
     min_bytes: int = 0
     port: int = 0
     shared_budget_bytes: int | None = None
-    shared_dir: str = "/dev/shm"
+    shared_dir: str = location.DEFAULT_DIR
     shared_group: int | None = None  # gid whose members share accounts (unset: only this uid)
 
     @classmethod
@@ -257,24 +231,9 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "min_bytes": ("KVELASTIC_MIN", lambda n, t: parse_size(t, name=n)),
     "port": ("KVELASTIC_PORT", lambda n, t: _port(n, t)),
     "shared_budget_bytes": ("KVELASTIC_SHARED_BUDGET", _size),
-    "shared_dir": ("KVELASTIC_SHARED_DIR", _shared_dir),
-    "shared_group": ("KVELASTIC_SHARED_GROUP", _group),
+    "shared_dir": (location.DIR_VARIABLE, location.parse_shared_dir),
+    "shared_group": (location.GROUP_VARIABLE, location.parse_group),
 }
-
-
-def shared_location(environ: Mapping[str, str] | None = None) -> tuple[Path, int | None]:
-    """``(KVELASTIC_SHARED_DIR, KVELASTIC_SHARED_GROUP)``, validated, without reading any other variable.
-
-    The CLI and the shared-file code need only these two; a bad value of an
-    unrelated variable must not stop ``kvelastic status``.
-    """
-    env = os.environ if environ is None else environ
-    values: dict[str, object] = {}
-    for field in ("shared_dir", "shared_group"):
-        variable, parse = _VARIABLES[field]
-        text = env.get(variable)
-        values[field] = parse(variable, text) if text is not None and text.strip() else None
-    return Path(str(values["shared_dir"] or Settings.shared_dir)), values["shared_group"]  # type: ignore[return-value]
 
 
 #: Variables kvelastic no longer reads -> what it does now; start-up warns once for each one set.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvelastic.patching.carried import Carried
 from kvelastic.patching.spec import Attributes, Patch, Signature, Target
 from kvelastic.patches._common import ALL
 
@@ -36,7 +37,18 @@ SAMPLE = Target(
     kind="method",
     shapes=(Signature(ALL, ("self", "grammar_output", "non_block")),),
 )
-TARGETS = (EXECUTOR, EXECUTE, SAMPLE)
+MODEL_RUNNER_OUTPUT = Target(  # carries a rank's report back, and the merged reports to the scheduler
+    module="vllm.v1.outputs",
+    qualname="ModelRunnerOutput",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ()),),
+)
+#: One rank's ``RankReport``, on (a copy of) its reply to a report step.
+RANK_REPORT = Carried("kvelastic_rank_report", MODEL_RUNNER_OUTPUT)
+#: Every rank's reports as one ``StepReport``, on the output that reaches the scheduler.
+STEP_REPORT = Carried("kvelastic_report", MODEL_RUNNER_OUTPUT)
+TARGETS = (EXECUTOR, EXECUTE, SAMPLE, MODEL_RUNNER_OUTPUT)
 
 
 def apply(patcher: Any, runtime: Any) -> None:

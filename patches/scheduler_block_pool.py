@@ -42,13 +42,13 @@ SCHEDULER_INIT = Target(
             Signature(since("0.20"), (*_INIT, "hash_block_size", "mm_registry", "include_finished_set",
                                       "log_stats"))),
 )
-SCHEDULER = Target(  # what the attachment and the tensor-parallel step hook read; ``connector`` is set to
-    module=_SCHEDULER,  # kvelastic's own where vLLM made none and host loads run beside compute (host_loads)
+SCHEDULER = Target(  # what the attachment, the tensor-parallel step hook and the host loads read; ``connector``
+    module=_SCHEDULER,  # is set to kvelastic's own where vLLM made none and host loads run beside compute
     qualname="Scheduler",
     kind="class",
     use="instance",
     shapes=(Attributes(ALL, ("kv_cache_manager", "vllm_config", "cache_config", "running", "waiting", "connector",
-                             "finished_req_ids")),),
+                             "finished_req_ids", "requests", "block_size", "kv_cache_config")),),
 )
 SCHEDULE = Target(  # the entry points below take the lock shared with the reclaimer thread
     module=_SCHEDULER,

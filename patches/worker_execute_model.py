@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.carried import Carried
+from kvelastic.patching.spec import Attributes, Patch, Signature, Target
 from kvelastic.patches._common import ALL
 
 TARGET = Target(
@@ -26,6 +27,15 @@ TARGET = Target(
     kind="method",
     shapes=(Signature(ALL, ("self", "scheduler_output")),),
 )
+SCHEDULER_OUTPUT = Target(  # carries the step's commands to every rank (vLLM broadcasts it)
+    module="vllm.v1.core.sched.output",
+    qualname="SchedulerOutput",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ()),),
+)
+#: The commands of a step (a ``StepPlan``), put on its output by the scheduler's step hook.
+PLAN = Carried("kvelastic_plan", SCHEDULER_OUTPUT)
 
 
 def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -33,7 +43,7 @@ def _execute(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dic
     if worker is None:
         return wrapped(*args, **kwargs)
     scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-    plan = getattr(scheduler_output, "kvelastic_plan", None)
+    plan = PLAN.get(scheduler_output)
     if plan is None:
         return wrapped(*args, **kwargs)
     worker.before_step(plan)
@@ -51,4 +61,4 @@ def apply(patcher: Any, runtime: Any) -> None:
 
 
 PATCH = Patch("worker_execute_model", "Worker: apply the scheduler's KV page commands around the forward pass",
-              ALL, (TARGET,), apply)
+              ALL, (TARGET, SCHEDULER_OUTPUT), apply)

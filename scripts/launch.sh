@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A thin wrapper around `kvelastic launch` (see kvelastic/launch.py), for a Python whose scripts are
+# A thin wrapper around `kvelastic launch` (see kvelastic/launcher/command.py), for a Python whose scripts are
 # not on PATH. Paths are the caller's: nothing here changes directory.
 #   scripts/launch.sh                       # two dummy-weight llama-1b servers on 8001/8002
 #   scripts/launch.sh --config fleet.yaml   # instances from a YAML file

@@ -5,7 +5,7 @@ kvelastic's index (ARC); the copier is a stand-in whose fences the test passes
 by hand and which moves a tag per block, so every loaded block's data is
 checked. The connector is wired as ``attach_scheduler`` will wire it: set on
 ``Scheduler.connector``, loads issued after ``schedule()``, completions fed to
-``update_from_output`` (docs/offload-async-loads.md).
+``update_from_output`` (docs/offload.md, "How a host hit comes back").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad input to the ``kvelastic`` command ends in a message and exit 2, never a traceback (issue 46).
+"""Bad input to the ``kvelastic`` command ends in a message and exit 2, never a traceback.
 
 A fuzz over the invocations the issue lists (``reset ''``, ``--gpu ' '``,
 ``status --watch nan``/``inf``, ``top --interval inf``, sizes of 2^64 and more,

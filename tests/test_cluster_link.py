@@ -11,12 +11,11 @@ import pytest
 from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.hooks.block_pool import make_page_aware
 from kvelastic.scheduler.mapper import GroupMapper
-from kvelastic.scheduler.cluster_link import ClusterLink
+from kvelastic.scheduler.cluster_link import ClusterLink, MemberTerms
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.pool.kv_layout import KVGroupLayout, merge_runs, runs_of_view
 from kvelastic.scheduler.upkeep import UpkeepThread, engine_upkeep
 from kvelastic.pool import DeviceSource, HostBackend, LimitedSource, PagePool, ReserveSource
-from kvelastic.settings import Settings
 from tests.kv_fixtures import StandInRequest
 from tests.scheduler_harness import scheduler_patcher
 
@@ -35,7 +34,7 @@ def engine(name: str, budget: int, limit: int | None):
     cache = ElasticKVCache(pool, KVGroupLayout(merge_runs([(region.region_id, *runs)]), N, PAGE))
     bp = block_pool_module.BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
     queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
-    link = ClusterLink(cache, gate, Settings(name=name, shared_budget_bytes=budget), "dummy-model", limit)
+    link = ClusterLink(cache, gate, MemberTerms(name=name, model="dummy-model", shared_budget_bytes=budget), limit)
     return pool, raw, cache, bp, queue, link
 
 

@@ -1,4 +1,4 @@
-"""Nothing that happens to the shared account stops vLLM's scheduler (issue 13, attacks 2 and 5).
+"""Nothing that happens to the shared account stops vLLM's scheduler.
 
 A lost record, a removed, replaced or corrupt file, another pid namespace, a
 member stopped inside a transaction: the engine's real vLLM BlockPool keeps

@@ -167,6 +167,29 @@ def test_a_walker_whose_place_was_released_starts_again_from_the_front() -> None
     pool.close()
 
 
+def test_a_group_mapped_after_blocks_were_freed_joins_the_never_used_blocks_ahead_of_them() -> None:
+    """On vanilla vLLM a block never used waits ahead of every freed one; a group the mapper maps late must
+    too, or a walker covering a fixed count from the front (lazy mode) reaches cached blocks sooner."""
+    pool, _, cache = build_cache(8)
+    bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    queue = make_page_aware(bp, cache, GroupMapper(cache), patcher=scheduler_patcher())
+    vanilla = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
+    hashes = [hashlib.sha256(str(i).encode()).digest() for i in range(2 * cache.blocks_per_group)]
+    for each in (bp, vanilla):
+        blocks = each.get_new_blocks(len(hashes))
+        each.cache_full_blocks(StandInRequest(hashes), blocks, 0, len(blocks), BS, 0)
+        each.free_blocks(blocks)
+    new = next(g for g in range(cache.num_groups) if not queue.free.is_mapped(g))
+    queue.mapper.map_now([new])
+    queue.mapped_free_blocks()  # the scheduler's next count adopts what the mapper mapped
+    walk = [b.block_id for b in queue.iter_blocks_after(None)]
+    first_cached = next(i for i, b in enumerate(walk) if bp.blocks[b].block_hash is not None)
+    assert set(cache.blocks_of_group(new)) <= set(walk[:first_cached])
+    theirs = [b.block_id for b in vanilla.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+    assert [b for b in walk if bp.blocks[b].block_hash is not None] == theirs
+    pool.close()
+
+
 def test_the_page_aware_queue_offers_every_declared_lazy_walk_member() -> None:
     for _, members in LAZY_WALK_MEMBERS:
         assert sorted(name for name in members if not hasattr(PageAwareFreeQueue, name)) == []

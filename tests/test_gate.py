@@ -96,12 +96,15 @@ def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     one_backing = version >= Version(0, 29)
     assert {"worker_capacity", "worker_execute_model", "executor_step_report", "executor_handover",
             "scheduler_block_pool"} <= names
-    for runner in ("v1", "v2"):  # each runner's KV path exactly once: per-layer tensors, or the one backing
+    runners = ("v2",) if version >= Version(0, 34) else ("v1", "v2")  # 0.34 removed the V1 runner
+    for runner in runners:  # each runner's KV path exactly once: per-layer tensors, or the one backing
         assert (f"{runner}_allocate_kv_cache" in names, f"{runner}_single_backing" in names) == \
             (not one_backing, one_backing)
+    assert not {n for n in names if n.startswith("v1_")} or "v1" in runners
     assert result.version == version
     assert result.band == band_of(version).name
-    assert result.band == ("C" if one_backing else "B" if version >= Version(0, 24) else "A")
+    newest = "D" if version >= Version(0, 34) else "C"
+    assert result.band == (newest if one_backing else "B" if version >= Version(0, 24) else "A")
 
 
 def test_patch_names_are_unique():
@@ -196,7 +199,7 @@ def test_wrong_parameters_are_reported_with_path_and_both_signatures_and_nothing
 
 def test_every_problem_is_reported_at_once():
     version = installed_vllm_version()
-    missing_method = Target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._no_such_method",
+    missing_method = Target("vllm.v1.worker.gpu_worker", "Worker._no_such_method",
                             (Signature(ALL, ("self",)),), kind="method")
     missing_module = Target("vllm.v1.no_such_module", "anything", (Signature(ALL, ()),))
     unsigned = Target("vllm.v1.worker.gpu_worker", "Worker.execute_model",
@@ -207,7 +210,7 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(PatchError) as info:
         gate.check([patch], version)
     message = str(info.value)
-    assert "GPUModelRunner._no_such_method does not exist" in message
+    assert "Worker._no_such_method does not exist" in message
     assert "vllm.v1.no_such_module cannot be imported" in message
     assert f"kvelastic declares nothing for vLLM {version}" in message
     assert "expected a staticmethod, found a function" in message

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from kvelastic.cluster.liveness import is_alive
-from kvelastic.cluster.plan import DEFAULT_MODEL_DIR
-from kvelastic.cluster.supervisor import gpu_problem
-from kvelastic.launch import kvelastic_problem
+from kvelastic.launcher.plan import DEFAULT_MODEL_DIR
+from kvelastic.launcher.supervisor import gpu_problem
+from kvelastic.launcher.command import kvelastic_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*args, env=None, timeout=60, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "kvelastic.launch", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvelastic.launcher.command", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=timeout, cwd=cwd)
 
 
@@ -287,9 +287,9 @@ server.serve_forever()
 RUN_SUPERVISOR = """\
 import sys
 from pathlib import Path
-from kvelastic.cluster.plan import LaunchPlan, make_instance
-from kvelastic.cluster.supervisor import Supervisor
-from kvelastic.launch import install_stop_signals, supervise
+from kvelastic.launcher.plan import LaunchPlan, make_instance
+from kvelastic.launcher.supervisor import Supervisor
+from kvelastic.launcher.command import install_stop_signals, supervise
 fake, logs, ports, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 instances = tuple(make_instance(model="fake-model", port=p, env={"FAKE_MODE": m}) for p, m in zip(ports, modes))
 install_stop_signals()
@@ -418,7 +418,7 @@ def test_a_stop_during_the_slow_gpu_probe_works_from_the_start(tmp_path, signum)
     env.pop("KVELASTIC_LAUNCH_NO_GPU", None)
     # A launcher started under nohup keeps SIGHUP ignored, by design; this test is about a terminal's
     # SIGHUP, so the launcher starts with the default disposition even when the suite runs under nohup.
-    process = subprocess.Popen(_sigint_ignored([sys.executable, "-m", "kvelastic.launch"]), env=env, cwd=REPO,
+    process = subprocess.Popen(_sigint_ignored([sys.executable, "-m", "kvelastic.launcher.command"]), env=env, cwd=REPO,
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     smi_pid = None
@@ -485,9 +485,9 @@ time.sleep(600)
 STOP_DURING_START = """\
 import json, os, signal, sys, time
 from pathlib import Path
-from kvelastic.cluster import supervisor as sv
-from kvelastic.cluster.plan import LaunchPlan, make_instance
-from kvelastic.launch import install_stop_signals
+from kvelastic.launcher import supervisor as sv
+from kvelastic.launcher.plan import LaunchPlan, make_instance
+from kvelastic.launcher.command import install_stop_signals
 fake, logs = sys.argv[1], sys.argv[2]
 install_stop_signals()
 real_spawn = sv.spawn

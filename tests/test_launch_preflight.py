@@ -1,4 +1,4 @@
-"""``kvelastic launch`` before anything starts (issue 46): logs never through a link, the vLLM release
+"""``kvelastic launch`` before anything starts: logs never through a link, the vLLM release
 checked, timeouts that mean something, a help text without markup or test-only variables."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_the_launcher_refuses_an_unsupported_vllm_before_anything_starts(tmp_pat
 
 
 def test_no_vllm_or_an_unreadable_version_is_named_with_the_fix():
-    from kvelastic.launch import vllm_problem
+    from kvelastic.launcher.command import vllm_problem
 
     assert INSTALL in vllm_problem("/x/python", None) and "not installed in /x/python" in vllm_problem("/x/python", None)
     assert "does not support" in vllm_problem("/x/python", "banana")

@@ -1,4 +1,4 @@
-"""What a new user meets on the CPU (issue 46): a bad ``KVELASTIC`` and an unsupported vLLM.
+"""What a new user meets on the CPU: a bad ``KVELASTIC`` and an unsupported vLLM.
 
 Each case is a fresh interpreter with the installed vLLM, in a clean
 environment; they start together and each test waits for its own. An

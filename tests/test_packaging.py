@@ -136,7 +136,7 @@ def test_the_installed_cli_and_launcher_work_from_another_directory(venv, tmp_pa
 PROBE = """
 import json, kvelastic, vllm
 from kvelastic.startup.activate import current
-from kvelastic.launch import kvelastic_problem
+from kvelastic.launcher.command import kvelastic_problem
 import os, sys
 print(json.dumps({"kvelastic": kvelastic.__file__, "active": current() is not None,
                   "launcher_probe": kvelastic_problem(sys.executable, dict(os.environ))}))

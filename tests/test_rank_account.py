@@ -1,4 +1,4 @@
-"""An engine whose KV cache lives in one worker rank joins that GPU's shared account (issue 19).
+"""An engine whose KV cache lives in one worker rank joins that GPU's shared account.
 
 A data-parallel engine core (and TP=1 through the multiprocess executor) runs
 its one worker in a child process: the scheduler reaches the pool through the
@@ -24,7 +24,7 @@ from kvelastic.cluster import SharedAccount  # noqa: E402
 from kvelastic.cluster.device import device_identity  # noqa: E402
 from kvelastic.pool.host import HostBackend  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.tp.report_merger import STEP_ATTR  # noqa: E402
+from kvelastic.patches.executor_step_report import STEP_REPORT  # noqa: E402
 from tests.kv_fixtures import GROUP_BYTES, NamedHostBackend  # noqa: E402
 from tests.scheduler_harness import make_requests, model_output  # noqa: E402
 from tests.test_real_scheduler import patched  # noqa: E402,F401 - the fixture
@@ -60,7 +60,7 @@ def _step_rank_engine(scheduler, ranks: RankProcesses) -> None:
                 if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens}
     result = model_output(scheduler, out, samplers)
     if carried:
-        setattr(result, STEP_ATTR, carried[STEP_ATTR])
+        STEP_REPORT.put(result, carried[STEP_REPORT.name])
     scheduler.update_from_output(out, result)
 
 

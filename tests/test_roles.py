@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvelastic import roles
+from kvelastic.hooks.connection import CacheConnection
 from kvelastic.scheduler.elastic_cache import DEVICE_MARGIN_BYTES
 from kvelastic.hooks.local_connection import LocalConnection
 from kvelastic.pool import HostBackend
@@ -63,13 +64,13 @@ def connections(tmp_path, monkeypatch):
             thing.close()
 
 
-def _role_objects(connection: roles.CacheConnection) -> list[tuple[type, object]]:
+def _role_objects(connection: CacheConnection) -> list[tuple[type, object]]:
     from kvelastic.offload.plan import host_plan
 
     plan = host_plan(cache_in_process=connection.unmaps_between_steps, loads_reported=connection.async_loads,
                      vllm_connector=None)  # as the scheduler's attach makes it
     tier, copier = connection.host_tier(Settings(cpu_bytes=CPU_BYTES), plan)
-    return [(roles.CacheConnection, connection), (roles.SchedulerCache, connection.cache),
+    return [(CacheConnection, connection), (roles.SchedulerCache, connection.cache),
             (roles.PoolView, connection.cache.pool), (roles.Mapper, connection.mapper), (roles.Copier, copier)]
 
 

@@ -1,9 +1,10 @@
-"""The attacks of issue 13, each tried as a second local user (or a hostile file) would try it.
+"""Attacks on the shared folder, each tried as a second local user (or a hostile file) would try it.
 
-Each test does what the attack did against the code before the fix and checks
-that it has no effect (see the report of issue 13). The first attack planted
-files in a tensor-parallel engine's folder; its ranks and scheduler now meet
-only on vLLM's calls, so the test checks that such an engine opens none of them.
+Each test does what the attack does and checks that it has no effect. The
+first plants pickles and a symlink where a tensor-parallel engine's ranks could
+look for each other (a folder named after the engine's process, whose pid and
+start time are public): the ranks and the scheduler meet only on vLLM's calls,
+so the test checks that such an engine opens none of it.
 """
 
 from __future__ import annotations
@@ -47,13 +48,11 @@ def _plant_engine_folder(folder: str, marker: str, target: str) -> str:
 
 
 def _engine_folder() -> Path:
-    """Where this process's engine folder would be: its pid and start time are public in /proc."""
+    """A folder named after this process in the user's shared folder: its pid and start time are public."""
     from kvelastic.cluster.liveness import own_pid_namespace, process_start_time
-    from kvelastic.shared.names import Owner, engine_dir_name
     from kvelastic.shared.scope import current_scope
 
-    owner = Owner(own_pid_namespace(), os.getpid(), process_start_time(os.getpid()))
-    return current_scope().path / engine_dir_name(owner)
+    return current_scope().path / f"engine-{own_pid_namespace()}-{os.getpid()}-{process_start_time(os.getpid())}"
 
 
 def _tp_engine_step() -> set[int]:

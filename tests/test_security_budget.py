@@ -1,4 +1,4 @@
-"""A newcomer's ``KVELASTIC_SHARED_BUDGET`` (issue 46): it never resets the budget of a live account.
+"""A newcomer's ``KVELASTIC_SHARED_BUDGET``: it never resets the budget of a live account.
 
 docs/multi-instance.md: "The first process to create a GPU's account sets its
 budget; later ones keep it. Change it at run time with ``kvelastic budget``."

@@ -1,4 +1,4 @@
-"""A wall clock stepped back (issue 46): wants and fair-share caps lapse as they would without the step.
+"""A wall clock stepped back: wants and fair-share caps lapse as they would without the step.
 
 Times in an account are wall-clock times, since every process reads them.
 After the clock stepped back by an hour, a want written before the step was an

@@ -1,4 +1,4 @@
-"""Crashes, full file systems and bad files (issue 13, attacks 7 and 8).
+"""Crashes, full file systems and bad files.
 
 A SIGKILL before any write of account creation or of a transaction, ENOSPC at
 any write (a tiny tmpfs where it can be mounted, injected otherwise), header
@@ -223,15 +223,14 @@ def test_a_relative_or_missing_shared_dir_is_a_clear_error_not_a_new_folder(tmp_
 
 # ------------------------------------------------------------- dead engines
 ENGINE = """
-import os, sys
-from kvelastic.cluster.liveness import own_pid_namespace, process_start_time
+import sys
 from kvelastic.metrics.metrics import StatsPublisher
-from kvelastic.shared.names import Owner, engine_dir_name
+from kvelastic.shared.names import temp_name
 from kvelastic.shared.scope import current_scope
 StatsPublisher("doomed").publish({"mapped_bytes": 1})
-folder = current_scope().path / engine_dir_name(Owner(own_pid_namespace(), os.getpid(), process_start_time(os.getpid())))
-folder.mkdir(mode=0o700)  # an engine folder: status removes it once its engine is dead
-print(folder, flush=True)
+half_written = current_scope().path / temp_name()  # a write SIGKILL stops before its rename
+half_written.write_text("doomed")
+print(half_written, flush=True)
 sys.stdin.read()
 """
 
@@ -239,11 +238,11 @@ sys.stdin.read()
 def test_files_of_sigkilled_engines_are_removed_by_status(shared):
     engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env={**os.environ, "KVELASTIC_SHARED_DIR": str(shared)})
-    folder = Path(engine.stdout.readline().strip())
+    half_written = Path(engine.stdout.readline().strip())
     engine.kill()
     engine.wait(30)
-    files = [p for p in folder.parent.iterdir() if p == folder or (p.is_file() and "doomed" in p.read_text())]
-    assert folder.exists() and len(files) == 2  # its engine folder and its metrics snapshot
+    files = [p for p in half_written.parent.iterdir() if p.is_file() and "doomed" in p.read_text()]
+    assert half_written in files and len(files) == 2  # its temporary file and its metrics snapshot
     subprocess.run([sys.executable, "-m", "kvelastic.cli", "status"], capture_output=True, timeout=60,
                    env={**os.environ, "KVELASTIC_SHARED_DIR": str(shared)})
     assert not any(p.exists() for p in files), "a dead engine's files outlived it"

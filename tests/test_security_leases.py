@@ -1,4 +1,4 @@
-"""A dead container's record (issue 46, item 4): records of another pid namespace hold a lease.
+"""A dead container's record: records of another pid namespace hold a lease.
 
 A record of another pid namespace cannot be checked through ``/proc``; it was
 treated as alive forever, so an engine restarted in a new container under the

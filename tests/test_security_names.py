@@ -1,4 +1,4 @@
-"""Instance names (issue 46, item 1): ASCII ``[A-Za-z0-9._-]{1,64}`` wherever one is accepted, and a
+"""Instance names: ASCII ``[A-Za-z0-9._-]{1,64}`` wherever one is accepted, and a
 member known by its slot and process, never by its name.
 
 A name of 40 accented letters is 80 UTF-8 bytes: stored cut to the record's 64,
@@ -60,9 +60,9 @@ def _engine_without_a_name(model: str):
 
     pool, raw, cache, bp, queue, link = engine("placeholder", budget=64 * PAGE, limit=None)
     link.leave()
-    from kvelastic.scheduler.cluster_link import ClusterLink
+    from kvelastic.scheduler.cluster_link import ClusterLink, MemberTerms
 
-    named = ClusterLink(cache, link.source, Settings(shared_budget_bytes=64 * PAGE), model, None)
+    named = ClusterLink(cache, link.source, MemberTerms(model=model, shared_budget_bytes=64 * PAGE), None)
     return pool, queue, named
 
 
@@ -111,7 +111,7 @@ def test_the_cli_refuses_a_name_outside_the_alphabet_with_exit_2(shared):
 def test_the_launcher_derives_a_valid_name_from_a_non_ascii_model_folder_and_refuses_bad_ones(tmp_path):
     model = tmp_path / "模型"
     model.mkdir()
-    launch = [sys.executable, "-m", "kvelastic.launch", "--dry-run", "--json", "--model", str(model), "--port", "8001"]
+    launch = [sys.executable, "-m", "kvelastic.launcher.command", "--dry-run", "--json", "--model", str(model), "--port", "8001"]
     done = subprocess.run(launch, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     (instance,) = json.loads(done.stdout)["instances"]

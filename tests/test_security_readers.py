@@ -1,4 +1,4 @@
-"""Readers of shared files trust none of them (issue 13, attack 6): /metrics and ``kvelastic status``.
+"""Readers of shared files trust none of them: /metrics and ``kvelastic status``.
 
 The collector runs in the API server's event loop on every scrape: a hostile
 or broken snapshot (deep nesting, a non-object, non-finite numbers, a FIFO, a

@@ -1,4 +1,4 @@
-"""The shared root's own mode (issue 46): who may rename or plant entries beside a scope's folder.
+"""The shared root's own mode: who may rename or plant entries beside a scope's folder.
 
 A world-writable root without the sticky bit let another user rename a scope's
 folder aside: engines holding the old account kept granting from it while new

@@ -1,4 +1,4 @@
-"""Sizes an account cannot store (issue 46, item 2): every writer refuses what the readers would refuse.
+"""Sizes an account cannot store: every writer refuses what the readers would refuse.
 
 The readers of an account refuse any byte count above ``units.MAX_BYTES``
 (a forged or corrupt file), so a budget or limit above it written by the CLI or
@@ -102,6 +102,6 @@ def test_the_largest_size_is_one_shared_limit_readers_and_writers_agree_on(tmp_p
 def test_the_launcher_refuses_huge_budgets_and_limits_before_anything_starts():
     for args in (["--budget", "5000000TiB"], ["--model", "m", "--port", "8001", "--limit", str(1 << 64)],
                  ["--model", "m", "--port", "8001", "--min", "5000000TiB"]):
-        done = subprocess.run([sys.executable, "-m", "kvelastic.launch", "--dry-run", *args], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "kvelastic.launcher.command", "--dry-run", *args], capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 2 and "larger than any size kvelastic can hold" in done.stderr, done.stderr

@@ -23,7 +23,7 @@ pytest.importorskip("vllm.v1.engine.core", reason="needs vllm installed")
 from kvelastic.patches import engine_core_wake  # noqa: E402
 from kvelastic.tp.idle_steps import IdleSteps  # noqa: E402
 from kvelastic.tp.protocol import UNMAP  # noqa: E402
-from kvelastic.tp.report_merger import STEP_ATTR  # noqa: E402
+from kvelastic.patches.executor_step_report import STEP_REPORT  # noqa: E402
 from tests.scheduler_harness import applied_patch, make_requests, model_output  # noqa: E402
 from tests.test_tp_real_scheduler import _forward, drive_ranks, tp_engine  # noqa: E402,F401,F811
 from tests.tp_cluster import wait_for  # noqa: E402
@@ -62,7 +62,7 @@ def _engine_class():
             result = model_output(self.scheduler, out, set())
             report = self.ranks.merged_report(out.kvelastic_plan)  # every rank's reply, as vLLM's executor merges
             if report is not None:
-                setattr(result, STEP_ATTR, report)
+                STEP_REPORT.put(result, report)
             self.scheduler.update_from_output(out, result)
             self.steps.append((out.total_num_scheduled_tokens, out.kvelastic_plan))
             return out.total_num_scheduled_tokens > 0

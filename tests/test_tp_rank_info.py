@@ -34,7 +34,7 @@ def test_a_rank_description_round_trips_with_its_layout():
 
 
 def test_a_description_carries_the_start_up_state_and_refuses_a_group_outside_its_layout_or_twice():
-    """The groups a rank mapped before its scheduler existed and its applied mark (what step mode adopts
+    """The groups a rank mapped before its scheduler existed and its applied mark (what the scheduler adopts
     instead of reading the board) come back as written; a description naming a group the layout lacks,
     or one twice, is refused like any malformed shared data."""
     import dataclasses

@@ -21,7 +21,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed
 
 from kvelastic.startup.runtime import Runtime  # noqa: E402
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.tp.report_merger import STEP_ATTR  # noqa: E402
+from kvelastic.patches.executor_step_report import STEP_REPORT  # noqa: E402
 from tests.kv_fixtures import BS, GROUP_BYTES, N, RANK_LAYERS, WORLD, group_bytes  # noqa: E402
 from tests.scheduler_harness import build_patched, drive, make_requests, make_scheduler, vllm_config  # noqa: E402
 from tests.tp_ranks import RankProcesses  # noqa: E402
@@ -62,7 +62,7 @@ def step_to_ranks(scheduler, ranks: RankProcesses, out, writes_only: bool = Fals
         return None
     if reports is not None:
         reports.append(report)
-    return {STEP_ATTR: report}
+    return {STEP_REPORT.name: report}
 
 
 def drive_ranks(scheduler, ranks: RankProcesses, waves: list[list], reports: list | None = None,

@@ -1,6 +1,6 @@
 """A shared folder another user squats, or a full one, does not stop a tensor-parallel engine from starting.
 
-Issue #46, item 3. The engine is real processes: two worker ranks (``tests/tp_ranks.py``)
+The engine is real processes: two worker ranks (``tests/tp_ranks.py``)
 and vLLM's real scheduler in this process, patched, connected from the ranks'
 descriptions. The ranks and their scheduler meet only on vLLM's calls, so neither
 opens anything in the shared folder for the protocol; the shared folder holds only

@@ -1,4 +1,4 @@
-"""Confirmations on the step's reply (docs/tp-step-protocol.md): reports, their merge, their adoption.
+"""Confirmations on the step's reply (docs/tensor-parallel.md, "The protocol"): reports, their merge, their adoption.
 
 The last tests run two rank processes with host-backed pools, as ``test_tp_protocol.py`` does
 (the harness: ``tests/tp_cluster.py``). Each step's replies come back over pipes and are merged
@@ -13,7 +13,8 @@ import pickle
 
 import pytest
 
-from kvelastic.tp.report_merger import RANK_ATTR, ReportMerger, attach_rank_report, step_report_of
+from kvelastic.patches.executor_step_report import RANK_REPORT
+from kvelastic.tp.report_merger import ReportMerger, attach_rank_report, step_report_of
 from kvelastic.tp.step_report import CommandTally, RankReport, StepReport, split_map
 
 WORLD = 2
@@ -62,12 +63,12 @@ def test_reports_ride_vllm_outputs_through_pickle_and_its_own_aggregator():
     for rank in range(WORLD):
         output = ModelRunnerOutput.with_kv_conn_output_only(KVConnectorOutput(finished_sending={"req"}))
         replies.append(pickle.loads(pickle.dumps(attach_rank_report(output, _report(rank, (9, 4 - rank))))))
-    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_ATTR), "the shared empty output was changed"
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_REPORT.name), "the shared empty output was changed"
     merged = ReportMerger(KVOutputAggregator(WORLD)).aggregate(replies, output_rank=0)
     assert merged.kv_connector_output.finished_sending == {"req"}, "the connector's own merge changed"
     assert CommandTally(WORLD).add(step_report_of(merged)) == {9: 3}
     empty = attach_rank_report(EMPTY_MODEL_RUNNER_OUTPUT, _report(0))
-    assert empty is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_ATTR)
+    assert empty is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, RANK_REPORT.name)
 
 
 # ----------------------------------------------------- two rank processes

@@ -38,7 +38,7 @@ nothing to map on it. Nothing needs holding either: there the queue balances
 never on an allocation or a free within the step (``_balance_within_step``),
 so the groups vLLM counted are still there when it takes them. The wrap would
 only cost a Python call per request per step (about 0.15 of the 0.54 ms a
-step kvelastic added to ``schedule()`` in issue #19's CPU model). Demand is requested after each
+step kvelastic added to ``schedule()`` in the CPU model of the commit guard's tests). Demand is requested after each
 step from the scheduler's queues, see :func:`kvelastic.tp.scheduler_side.demand_of`.
 """
 

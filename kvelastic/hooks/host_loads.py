@@ -3,7 +3,7 @@
 vLLM runs an asynchronous load only for a connector: the request is admitted
 with ``get_num_new_matched_tokens`` returning ``(tokens, True)``, waits in
 ``WAITING_FOR_REMOTE_KVS``, and is scheduled once its id comes back in
-``KVConnectorOutput.finished_recving`` (docs/offload-async-loads.md). Setting a
+``KVConnectorOutput.finished_recving`` (docs/offload.md, "How a host hit comes back"). Setting a
 ``kv_transfer_config`` would change vLLM's configuration well beyond that and
 take the user's connector slot, so kvelastic instead puts this object on
 ``Scheduler.connector`` where vLLM made none. The loads ride kvelastic's own

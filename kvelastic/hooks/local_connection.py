@@ -1,6 +1,6 @@
 """The scheduler and its engine's KV cache in one process (one GPU, the uniprocess executor).
 
-:class:`LocalConnection` is the :class:`~kvelastic.roles.CacheConnection` for
+:class:`LocalConnection` is the :class:`~kvelastic.hooks.connection.CacheConnection` for
 this case: the cache itself, a mapper thread that makes the driver calls off
 the scheduler's thread, a host tier pinned here with a copier on this GPU, and
 the GPU's shared account, which the engine joins where its pool has a
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvelastic.scheduler.elastic_cache import ElasticKVCache
 from kvelastic.scheduler.mapper import GroupMapper
-from kvelastic.roles import CacheConnection
+from kvelastic.hooks.connection import CacheConnection, member_terms
 
 if TYPE_CHECKING:
     from kvelastic.roles import AccountLink
@@ -68,4 +68,4 @@ class LocalConnection(CacheConnection):
             return None
         from kvelastic.scheduler.cluster_link import join_shared_account
 
-        return join_shared_account(self.cache, source, scheduler, runtime.settings, self.limit_bytes)
+        return join_shared_account(self.cache, source, member_terms(runtime.settings, scheduler), self.limit_bytes)

@@ -8,7 +8,7 @@ blocks before evicting them. The contacts are declared in
 
 The wiring (:func:`wire_offload`) is the same wherever the KV tensors live;
 only the tier and its copier differ, and the engine's
-:class:`~kvelastic.roles.CacheConnection` makes them: here
+:class:`~kvelastic.hooks.connection.CacheConnection` makes them: here
 :func:`local_host_tier`, under tensor parallelism an index on the scheduler
 and a :class:`BlockRows` copier on each rank. What runs (write-through or
 stores at eviction, the side stream, the staging buffers, loads in pieces)

@@ -6,7 +6,7 @@ lock (shared with the reclaimer thread), and the reclaimer starts. The cache
 is in this process (one GPU, uniprocess executor) or sharded over worker ranks
 in child processes (tensor parallelism, multiprocess executor: see
 :mod:`kvelastic.tp`); :func:`_connect` decides which, once, and everything
-after it works on the :class:`~kvelastic.roles.CacheConnection` it returns.
+after it works on the :class:`~kvelastic.hooks.connection.CacheConnection` it returns.
 
 Every change to the scheduler's objects goes through the activation's
 :class:`~kvelastic.patching.apply.Patcher`, on contacts the gate checked
@@ -32,7 +32,7 @@ from kvelastic.patches.scheduler_block_pool import LOCKED, RESET_PREFIX_CACHE, S
 from kvelastic.patches._common import argument
 from kvelastic.offload.plan import HostPlan, host_plan
 from kvelastic.patching.apply import Patcher
-from kvelastic.roles import CacheConnection
+from kvelastic.hooks.connection import CacheConnection
 from kvelastic.settings import Settings
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _lock_entry_points(scheduler: Any, patcher: Patcher, lock: threading.RLock, 
 
 
 def _wake_for_idle_work(scheduler: Any, patcher: Patcher, idle: "IdleSteps | None") -> None:
-    """Where commands wait for idle ranks (tensor parallelism, step mode), ``has_requests()`` says so: vLLM's
+    """Where commands wait for idle ranks (tensor parallelism), ``has_requests()`` says so: vLLM's
     engine loop, once woken, then runs a step with no tokens that carries them (:mod:`kvelastic.tp.idle_steps`).
     Not locked: it is read between steps, and a stale answer costs one empty step or waits for the next.
     The wake-up goes on the scheduler, where the engine loop's wrap (``patches/engine_core_wake.py``) finds it."""

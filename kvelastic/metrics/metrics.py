@@ -166,7 +166,7 @@ class StatsPublisher:
     publish at the same moment). Where ``/metrics`` is built from multiprocess
     files, it also writes the values there. Publishing never raises: a problem
     with the shared folder (full, unsafe) is logged once. A new publisher first
-    removes the snapshots and engine folders of engines that died.
+    removes the snapshots of engines that died.
     """
 
     _numbers = itertools.count()

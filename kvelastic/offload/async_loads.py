@@ -5,7 +5,7 @@ look like a GPU hit, and the step's forward pass waits for the load. Here a
 request's run of host-held blocks is loaded while the request waits (vLLM's
 ``WAITING_FOR_REMOTE_KVS``, reached through kvelastic's scheduler-side connector,
 ``kvelastic/hooks/host_loads.py``) and other requests compute; the request is
-scheduled once the load's fence passed (docs/offload-async-loads.md).
+scheduled once the load's fence passed (docs/offload.md, "How a host hit comes back").
 
 What this ledger guarantees, with no vLLM in sight:
 

@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvelastic.cluster.account import SharedAccount
@@ -32,7 +33,6 @@ from kvelastic.cluster.source import SharedBudgetSource
 from kvelastic.errors import ConfigError
 from kvelastic.roles import SchedulerCache
 from kvelastic.scheduler.reclaim_timing import ReclaimTiming
-from kvelastic.settings import Settings
 from kvelastic.shared.names import derived_instance_name
 from kvelastic.shared.scope import current_scope, other_scopes
 from kvelastic.units import format_size
@@ -48,9 +48,20 @@ def gpu_identity(cache: SchedulerCache) -> tuple[str, int | None]:
     return device_identity(cache.pool.backend)  # type: ignore[attr-defined]
 
 
-def default_name(settings: Settings, model: str) -> str:
+@dataclass(frozen=True)
+class MemberTerms:
+    """What an engine joins its GPU's account with, as its settings and its model say."""
+
+    name: str | None = None  # None: ``<model folder>-<port or pid>``
+    model: str = ""
+    port: int = 0
+    min_bytes: int = 0  # KVELASTIC_MIN: what the account keeps for this engine
+    shared_budget_bytes: int | None = None  # KVELASTIC_SHARED_BUDGET: the budget of an account it creates
+
+
+def default_name(terms: MemberTerms) -> str:
     """``<model folder>-<port or pid>``, made a valid instance name whatever the folder is called."""
-    return derived_instance_name(os.path.basename(model.rstrip("/")), settings.port or os.getpid(), "vllm")
+    return derived_instance_name(os.path.basename(terms.model.rstrip("/")), terms.port or os.getpid(), "vllm")
 
 
 def _warn_about_uncounted_engines() -> None:
@@ -66,8 +77,8 @@ def _warn_about_uncounted_engines() -> None:
                     "a group share one account)", scope.describe(), ", ".join(others), scope.root)
 
 
-def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", scheduler: Any,
-                        settings: Settings, limit_bytes: int | None,
+def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", terms: MemberTerms,
+                        limit_bytes: int | None,
                         device: tuple[str, int | None] | None = None, **options: Any) -> "ClusterLink | None":
     """The engine's membership in its device's account, or None (with a warning) where joining failed.
 
@@ -77,9 +88,8 @@ def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | Bud
     """
     from kvelastic.cluster.errors import NameInUse
 
-    model = str(scheduler.vllm_config.model_config.model or "")
     try:
-        return ClusterLink(cache, source, settings, model, limit_bytes, device, **options)
+        return ClusterLink(cache, source, terms, limit_bytes, device, **options)
     except NameInUse:
         raise
     except Exception as exc:  # noqa: BLE001 - sharing is an addition; serving must not depend on it
@@ -91,8 +101,8 @@ def join_shared_account(cache: SchedulerCache, source: "SharedBudgetSource | Bud
 class ClusterLink:
     """Joins the account, gates the pool with it, and keeps the two in step."""
 
-    def __init__(self, cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", settings: Settings,
-                 model: str, limit_bytes: int | None, device: tuple[str, int | None] | None = None,
+    def __init__(self, cache: SchedulerCache, source: "SharedBudgetSource | BudgetLedger", terms: MemberTerms,
+                 limit_bytes: int | None, device: tuple[str, int | None] | None = None,
                  group_bytes: int | None = None, install: bool = True):
         """``source``: what counts this engine's bytes on the device (its pool's budget layer, or the
         ledger of a worker rank's pages); ``device``: the account's id and the device's total memory,
@@ -100,15 +110,15 @@ class ClusterLink:
         (the cache's unless its ranks differ); ``install``: gate the cache with this account (False
         where a :class:`~kvelastic.scheduler.link_group.LinkGroup` gates it with several)."""
         self.gpu_id, total = device if device is not None else gpu_identity(cache)
-        self.budget = settings.shared_budget_bytes or total or 1 << 62
-        self.settings = settings
-        self.model = model
-        self.name = settings.name or default_name(settings, model)
+        self.budget = terms.shared_budget_bytes or total or 1 << 62
+        self.terms = terms
+        self.model = terms.model
+        self.name = terms.name or default_name(terms)
         self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
         self._account_limit = self.base_limit  # the pool's limit as the account's max sets it
         self._share_cap = 0  # the fair-share cap in force (0: none), see kvelastic.cluster.policy.share_cap
-        self._claim_budget = bool(settings.shared_budget_bytes)  # on the first join only, never on a rejoin
+        self._claim_budget = bool(terms.shared_budget_bytes)  # on the first join only, never on a rejoin
         self.membership = Membership(self.name, self._connect)
         self.timing = ReclaimTiming(self.name, source.lock)
         source.observer = self.timing
@@ -126,12 +136,12 @@ class ClusterLink:
         _warn_about_uncounted_engines()
 
     def _connect(self) -> Member:
-        """Open (or create) the GPU's account and join it with this engine's settings."""
+        """Open (or create) the GPU's account and join it on this engine's terms."""
         account = SharedAccount.open(self.gpu_id, self.budget, claim_budget=self._claim_budget,
                                      lock_timeout_s=LOCK_TIMEOUT_S)
         try:
-            member = account.join(self.name, model=self.model, port=self.settings.port,
-                                  min_bytes=self.settings.min_bytes, max_bytes=self.base_limit or 0)
+            member = account.join(self.name, model=self.model, port=self.terms.port,
+                                  min_bytes=self.terms.min_bytes, max_bytes=self.base_limit or 0)
         except BaseException:
             account.close()
             raise

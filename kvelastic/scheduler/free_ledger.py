@@ -69,6 +69,7 @@ class FreeBlockLedger:
             if is_mapped(layout.group_of_block(block.block_id)):
                 self.to_free(block)
         self.num_in_use = sum(self.in_use)
+        self.order.mark_fresh()
         self.note_empty(set(self._free_uncached))  # groups mapped for start-up warm-up
 
     # ------------------------------------------------------------------ counts
@@ -102,9 +103,10 @@ class FreeBlockLedger:
         self.mapped_blocks += len(self.layout.blocks_of_group(g))
         self._free_uncached[g] = set()
         if free:
-            for block_id in self.layout.blocks_of_group(g):
+            members = self.layout.blocks_of_group(g)
+            for block_id in members:
                 self._add_uncached(g, block_id)
-                self.order.append(self._blocks[block_id])
+            self.order.add_fresh(self._blocks[b] for b in members)
             self.empty.add(g)
 
     def release_empty(self, groups: list[int]) -> list[int]:

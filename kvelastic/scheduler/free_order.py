@@ -7,8 +7,13 @@ first), but a connector that walks the free queue itself (SimpleCPUOffload's
 lazy mode, from ``fake_free_list_head`` up to 0.25 and ``iter_blocks_after``
 from 0.26) expects that list. This keeps it, with two differences that follow
 from pages: only blocks of mapped groups are in it (a walker must never be
-offered memory that is not there), and the blocks of a group mapped anew count
-as freed when it is mapped (appended in block order).
+offered memory that is not there), and the blocks of a group mapped anew join
+the list where vLLM keeps blocks it never used: after the blocks free at start
+and those of earlier new groups, ahead of every block freed since. A group
+mapped a moment later (the mapper runs on its own thread) therefore lands where
+it would have landed a moment earlier, and a walker that covers a fixed number
+of blocks from the front (the lazy offload's) reaches the cached blocks no
+sooner than on vanilla vLLM.
 
 A block leaving the list because its group is released keeps a forward link to
 the head end: a walker whose saved position was that block starts over from the
@@ -35,6 +40,10 @@ class BlockOrder(Protocol):
     """What the free-block ledger tells the order as blocks come and go, and what a walker reads."""
 
     def append(self, block: Any) -> None: ...
+
+    def add_fresh(self, blocks: Iterable[Any]) -> None: ...
+
+    def mark_fresh(self) -> None: ...
 
     def move_to_head(self, blocks: list[Any]) -> None: ...
 
@@ -72,27 +81,43 @@ class FreeOrder:
         self.tail = ListEnd()
         self.head.next_free_block = self.tail
         self.tail.prev_free_block = self.head
+        self.fresh_last: Any = self.head  # the last block of the never-used part at the front
 
     def append(self, block: Any) -> None:
-        last = self.tail.prev_free_block
-        block.prev_free_block = last
-        block.next_free_block = self.tail
-        last.next_free_block = block
-        self.tail.prev_free_block = block
+        """A freed block: last."""
+        self._insert_after(self.tail.prev_free_block, block)
+
+    def add_fresh(self, blocks: Iterable[Any]) -> None:
+        """Blocks of a group mapped anew: after the never-used ones, ahead of every freed block."""
+        for block in blocks:
+            self._insert_after(self.fresh_last, block)
+            self.fresh_last = block
+
+    def mark_fresh(self) -> None:
+        """Every block in the list now counts as never used (the free blocks at start)."""
+        self.fresh_last = self.tail.prev_free_block
+
+    @staticmethod
+    def _insert_after(before: Any, block: Any) -> None:
+        after = before.next_free_block
+        block.prev_free_block = before
+        block.next_free_block = after
+        before.next_free_block = block
+        after.prev_free_block = block
 
     def move_to_head(self, blocks: list[Any]) -> None:
         """Put ``blocks`` (already in the list) first, ``blocks[0]`` at the very front."""
         for block in reversed(blocks):
             self.unlink(block)
-            first = self.head.next_free_block
-            block.prev_free_block = self.head
-            block.next_free_block = first
-            first.prev_free_block = block
-            self.head.next_free_block = block
+            self._insert_after(self.head, block)
+        if blocks and self.fresh_last is self.head:  # blocks to evict first stay ahead of new groups' too
+            self.fresh_last = blocks[-1]
 
     def unlink(self, block: Any, *, restart: bool = False) -> None:
         """Take ``block`` out; with ``restart`` its forward link leads a walker back to the head."""
         prev, nxt = block.prev_free_block, block.next_free_block
+        if block is self.fresh_last:
+            self.fresh_last = prev
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = None
@@ -119,6 +144,12 @@ class UntrackedOrder:
     """The order of an engine no connector walks: every update is free, and reading it is an error."""
 
     def append(self, block: Any) -> None:
+        return None
+
+    def add_fresh(self, blocks: Iterable[Any]) -> None:
+        return None
+
+    def mark_fresh(self) -> None:
         return None
 
     def move_to_head(self, blocks: list[Any]) -> None:

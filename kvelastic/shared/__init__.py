@@ -1,7 +1,7 @@
 """Files that several kvelastic processes share, kept where only trusted processes can touch them.
 
-Everything kvelastic writes for other processes (the GPUs' accounts, the
-tensor-parallel engine folders, the metrics snapshots) lives in one directory
+Everything kvelastic writes for other processes (the GPUs' accounts and the
+metrics snapshots) lives in one directory
 per *scope*: the user running kvelastic, or the group named by
 ``KVELASTIC_SHARED_GROUP`` (:mod:`.scope`). Every file in it is opened through
 :class:`~kvelastic.shared.files.SafeDir`, which refuses symlinks, FIFOs and

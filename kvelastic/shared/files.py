@@ -64,10 +64,6 @@ class SafeDir:
         finally:
             os.close(parent)
 
-    def subdir(self, name: str, *, create: bool) -> "SafeDir | None":
-        """A directory inside this one, with the same checks."""
-        return self._open_in(self.fd, self.path / name, self.scope, create)
-
     @classmethod
     def _open_in(cls, parent: int, path: Path, scope: Scope, create: bool,
                  scope_folder: bool = False) -> "SafeDir | None":
@@ -237,25 +233,6 @@ class SafeDir:
         try:
             os.unlink(name, dir_fd=self.fd)
         except FileNotFoundError:
-            return False
-        return True
-
-    def remove_owned_folder(self, name: str) -> bool:
-        """Remove a flat folder this user owns, with the files in it this user owns; True if it is gone."""
-        try:
-            folder = self.subdir(name, create=False)
-        except UnsafeSharedPath:
-            return False
-        if folder is None:
-            return True
-        with folder:
-            if folder.fd >= 0 and os.fstat(folder.fd).st_uid != os.geteuid():
-                return False
-            for entry in folder.names():
-                folder.unlink_owned(entry)
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-        except OSError:
             return False
         return True
 

@@ -1,6 +1,6 @@
 """What each file in a scope's directory is called, and whose process it belongs to.
 
-Every name of a file or folder one process owns carries that process's pid
+Every name of a file one process owns carries that process's pid
 namespace, pid and start time, so the sweeper can tell, from the name alone,
 whether its owner is provably dead (:mod:`kvelastic.shared.sweep`); a pid
 reused by a new process, or a pid of another pid namespace, never counts as
@@ -18,10 +18,9 @@ from typing import NamedTuple
 ACCOUNT_PREFIX = "account-"
 STATS_PREFIX = "stats-"
 STATS_SUFFIX = ".json"
-ENGINE_PREFIX = "engine-"
 TEMP_PREFIX = ".tmp-"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-_OWNED = re.compile(r"^(?:\.tmp-|stats-|engine-)(\d+)-(\d+)-(\d+)(?:[-.].*)?$")
+_OWNED = re.compile(r"^(?:\.tmp-|stats-)(\d+)-(\d+)-(\d+)(?:[-.].*)?$")
 #: The longest instance name: it fills its account record's name field exactly (ASCII: one byte a character).
 INSTANCE_NAME_MAX = 64
 #: What an instance name may be, wherever one is accepted (settings, CLI, launcher, account).
@@ -86,17 +85,13 @@ def stats_name(owner: Owner, number: int) -> str:
     return _owned(STATS_PREFIX, owner, f"-{number}{STATS_SUFFIX}")
 
 
-def engine_dir_name(owner: Owner) -> str:
-    return _owned(ENGINE_PREFIX, owner, "")
-
-
 def temp_name() -> str:
     """A fresh name for a file being written, unique, marked with this process (see :func:`owner_of`)."""
     return _owned(TEMP_PREFIX, own_owner(), f"-{secrets.token_hex(6)}")
 
 
 def owner_of(name: str) -> Owner | None:
-    """The process a stats file, engine folder or temporary file belongs to, read from its name."""
+    """The process a stats file or temporary file belongs to, read from its name."""
     match = _OWNED.fullmatch(name)
     if match is None:
         return None

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from kvelastic.shared.location import shared_location
+
 USER_PREFIX = "kvelastic-u"
 GROUP_PREFIX = "kvelastic-g"
 _SCOPE_DIR = re.compile(r"^kvelastic-[ug][0-9]+$")
@@ -142,8 +144,6 @@ def current_scope(root: str | os.PathLike | None = None, environ: Mapping[str, s
     Raises ``ConfigError`` for a relative or missing directory, or a group
     this process is not a member of.
     """
-    from kvelastic.settings import shared_location
-
     where, gid = shared_location(environ)
     return Scope(Path(root) if root is not None else where, os.geteuid(), gid)
 

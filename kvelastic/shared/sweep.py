@@ -1,7 +1,6 @@
-"""Remove what dead processes left in a scope's directory: engine folders, snapshots, temporary files.
+"""Remove what dead processes left in a scope's directory: metrics snapshots and temporary files.
 
-An engine killed with SIGKILL never removes its tensor-parallel folder or its
-metrics snapshot, and a writer killed mid-write leaves its temporary file;
+An engine killed with SIGKILL never removes its metrics snapshot, and a writer killed mid-write leaves its temporary file;
 tmpfs keeps them until reboot. The next engine and ``kvelastic status`` sweep
 them: only entries this user owns, only of processes of this pid namespace that
 are provably dead (their names say which process they belong to:
@@ -14,7 +13,7 @@ import logging
 import stat
 
 from kvelastic.shared.files import SafeDir
-from kvelastic.shared.names import ENGINE_PREFIX, owner_of
+from kvelastic.shared.names import owner_of
 
 log = logging.getLogger("kvelastic")
 
@@ -27,12 +26,9 @@ def sweep(directory: SafeDir) -> list[str]:
     try:
         for name, st in list(directory.entries()):
             owner = owner_of(name)
-            if owner is None or not provably_dead(*owner):
+            if owner is None or stat.S_ISDIR(st.st_mode) or not provably_dead(*owner):
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                if name.startswith(ENGINE_PREFIX) and directory.remove_owned_folder(name):
-                    removed.append(name)
-            elif directory.unlink_owned(name):
+            if directory.unlink_owned(name):
                 removed.append(name)
     except OSError as error:  # the directory went away, or a file system error: try again next time
         log.debug("kvelastic: sweeping %s stopped: %s", directory.path, error)

@@ -19,18 +19,16 @@ import copy
 import weakref
 from typing import Any, Callable, Sequence
 
+from kvelastic.patches.executor_step_report import RANK_REPORT, STEP_REPORT
+from kvelastic.patches.worker_execute_model import PLAN
 from kvelastic.tp.step_report import RankReport, StepReport
-
-#: The attribute a rank's reply carries its :class:`RankReport` in, and the merged output its :class:`StepReport`.
-RANK_ATTR = "kvelastic_rank_report"
-STEP_ATTR = "kvelastic_report"
 
 
 def attach_rank_report(output: Any, report: RankReport) -> Any:
     """``output`` (a ModelRunnerOutput) with ``report`` on it: a shallow copy, since vLLM
     shares one empty output object among all steps that have nothing to say."""
     carrier = copy.copy(output)
-    setattr(carrier, RANK_ATTR, report)
+    RANK_REPORT.put(carrier, report)
     return carrier
 
 
@@ -42,13 +40,13 @@ def reply_with_report(output: Any, report: RankReport) -> Any:
 
 def step_report_of(output: Any) -> StepReport | None:
     """The merged report an output brought to the scheduler, if any."""
-    return getattr(output, STEP_ATTR, None)
+    return STEP_REPORT.get(output)
 
 
 def _report_in(reply: Any) -> RankReport | None:
     if isinstance(reply, RankReport):
         return reply
-    return getattr(reply, RANK_ATTR, None) if reply is not None else None
+    return RANK_REPORT.get(reply)
 
 
 class ReportMerger:
@@ -77,7 +75,7 @@ class ReportMerger:
             return None
         self._carried = []
         if reports:
-            setattr(result, STEP_ATTR, StepReport(tuple(reports)))
+            STEP_REPORT.put(result, StepReport(tuple(reports)))
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -97,7 +95,7 @@ class ReportRouting:
 
     def execute(self, wrapped: Callable[..., Any], executor: Any, args: tuple, kwargs: dict) -> Any:
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-        plan = getattr(scheduler_output, "kvelastic_plan", None)
+        plan = PLAN.get(scheduler_output)
         if plan is None or not plan.report:
             self._awaiting_sample.pop(executor, None)
             return wrapped(*args, **kwargs)

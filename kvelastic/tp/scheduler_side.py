@@ -4,7 +4,7 @@ Called by ``attach_scheduler`` when its process holds no KV cache: the ranks
 have already made their caches, and the executor brought back their
 descriptions over vLLM's ``collective_rpc``
 (:mod:`kvelastic.tp.executor_handover`). :class:`RankConnection` is the
-scheduler's :class:`~kvelastic.roles.CacheConnection` to them: the remote
+scheduler's :class:`~kvelastic.hooks.connection.CacheConnection` to them: the remote
 mapper and sharded cache view, the host tier's index with a copier that sends
 commands, the step hook that attaches each step's commands to its
 ``SchedulerOutput``, and the reply hook that adopts the ranks' reports.
@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Sequence
 
 from kvelastic.errors import KvelasticError, PatchError
 from kvelastic.pool.backend import DoneFence, Fence
-from kvelastic.roles import CacheConnection, Copier
+from kvelastic.hooks.connection import CacheConnection, member_terms
+from kvelastic.roles import Copier
 from kvelastic.tp import rank_handover, start_state
 from kvelastic.tp.idle_steps import IdleSteps
 from kvelastic.tp.rank_hosts import ranks_elsewhere, report_gpus_left_out, split_by_host
 from kvelastic.tp.rank_info import RankInfo
 from kvelastic.tp.remote_mapper import RemoteMapper
+from kvelastic.patches.worker_execute_model import PLAN
 from kvelastic.tp.report_merger import step_report_of
 from kvelastic.tp.sharded_cache import ShardedKVCache
 
@@ -170,7 +172,7 @@ class RankConnection(CacheConnection):
             charge = Charge(BudgetLedger(), group_bytes, len(infos))
             # what the ranks hold already (counted: no member yet), handed to the account as it joins
             charge.ledger.charge(charge.bytes_for(pool.held_bytes() // largest, pool.reserve_pages * pool.page_bytes))
-            link = join_shared_account(self.cache, charge.ledger, scheduler, runtime.settings,
+            link = join_shared_account(self.cache, charge.ledger, member_terms(runtime.settings, scheduler),
                                        pool.limit_bytes and pool.limit_bytes * group_bytes // largest,
                                        device=(gpu_id, infos[0].gpu_total or None), group_bytes=group_bytes,
                                        install=len(self.infos) == 1)
@@ -217,7 +219,7 @@ def end_step(scheduler: Any, queue: "PageAwareFreeQueue", mapper: RemoteMapper, 
     """After ``schedule()``: ask for what the requests need soon, then give the step's output every
     command queued so far, as ``kvelastic_plan`` (vLLM broadcasts it to every rank)."""
     queue.want_blocks(demand_of(scheduler))
-    output.kvelastic_plan = mapper.take_plan()
+    PLAN.put(output, mapper.take_plan())
 
 
 def adopt_reply(mapper: RemoteMapper, model_runner_output: Any) -> None:

@@ -14,8 +14,8 @@ import json
 import subprocess
 from typing import Any, Mapping
 
-from kvelastic.cluster.plan import LaunchPlan
-from kvelastic.cluster.supervisor import gpu_problem, port_in_use
+from kvelastic.launcher.plan import LaunchPlan
+from kvelastic.launcher.supervisor import gpu_problem, port_in_use
 
 EXIT_FAILED, EXIT_NO_GPU, EXIT_NO_KVELASTIC, EXIT_UNSUPPORTED_VLLM = 1, 3, 4, 5
 PLUGIN_GROUP, PLUGIN_NAME = "vllm.general_plugins", "kvelastic"

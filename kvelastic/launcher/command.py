@@ -8,7 +8,7 @@ instance's ``vllm serve``::
                      --and --model m2 --port 8002 --min 2GiB
 
 or from a YAML file (``--config fleet.yaml``, format in
-:mod:`kvelastic.cluster.plan_file`). With neither, it starts two instances of
+:mod:`kvelastic.launcher.plan_file`). With neither, it starts two instances of
 the dummy-weight model shipped inside the package (``kvelastic/models/llama-1b``:
 a Llama-3.2-1B config and a small tokenizer) on ports 8001 and 8002. Launcher
 options (``--dry-run``, ``--budget``, ...) go in the first group. Relative
@@ -62,18 +62,18 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kvelastic.cluster.errors import LaunchConfigError
-from kvelastic.cluster.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
+from kvelastic.launcher.plan import (Instance, LaunchPlan, check_plan, check_size, check_util, default_plan,
                                     make_instance)
-from kvelastic.cluster.supervisor import STOP_SIGNALS, Supervisor
+from kvelastic.launcher.supervisor import STOP_SIGNALS, Supervisor
 from kvelastic.errors import ConfigError
-from kvelastic.launch_checks import (EXIT_FAILED, EXIT_NO_GPU, EXIT_NO_KVELASTIC, EXIT_UNSUPPORTED_VLLM,  # noqa: F401
+from kvelastic.launcher.checks import (EXIT_FAILED, EXIT_NO_GPU, EXIT_NO_KVELASTIC, EXIT_UNSUPPORTED_VLLM,  # noqa: F401
                                      kvelastic_problem, preflight, vllm_problem)
 from kvelastic.settings import Settings, unknown_variables
 
 PROG = "kvelastic launch"
 SEPARATOR = "--and"
 MAX_TIMEOUT_S = 7 * 86400.0
-EXIT_OK, EXIT_USAGE = 0, 2  # the others: kvelastic.launch_checks
+EXIT_OK, EXIT_USAGE = 0, 2  # the others: kvelastic.launcher.checks
 DESCRIPTION = "Start several kvelastic-enabled vLLM servers on one GPU."
 EPILOG = (f"Instances: one group of instance options each, groups separated by {SEPARATOR}; arguments after -- "
           f"in a group go to that instance's vllm serve. Launcher options go in the first group. Exit codes: 0 "
@@ -195,7 +195,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, LaunchPlan]:
     if options.config:
         if explicit:
             raise LaunchConfigError("give instances either with --model or in --config, not both")
-        from kvelastic.cluster.plan_file import load_plan
+        from kvelastic.launcher.plan_file import load_plan
 
         return options, load_plan(options.config, **settings)
     if not explicit:

@@ -30,7 +30,7 @@ from typing import IO, Iterator, Mapping, Sequence, TextIO
 
 from kvelastic.cluster.errors import LaunchFailed
 from kvelastic.cluster.liveness import group_alive
-from kvelastic.cluster.plan import Instance, LaunchPlan
+from kvelastic.launcher.plan import Instance, LaunchPlan
 
 NO_GPU_ENV = "KVELASTIC_LAUNCH_NO_GPU"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvelastic.cluster.errors import LaunchConfigError
-from kvelastic.cluster.plan import Instance, LaunchPlan, check_plan, check_size, check_util, make_instance
+from kvelastic.launcher.plan import Instance, LaunchPlan, check_plan, check_size, check_util, make_instance
 
 _TOP_KEYS = {"instances", "budget", "device", "gpu_memory_utilization", "parallel"}
 _INSTANCE_KEYS = {"model", "port", "name", "limit", "min", "gpu_memory_utilization", "vllm_args", "env"}

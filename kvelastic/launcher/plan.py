@@ -1,4 +1,4 @@
-"""What ``kvelastic.launch`` will start: instances, their commands and environments.
+"""What ``kvelastic launch`` will start: instances, their commands and environments.
 
 A plan is built from the command line or a YAML file and checked whole before
 anything starts (names and ports unique, sizes parseable), so a typo never
