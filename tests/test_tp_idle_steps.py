@@ -12,6 +12,7 @@ step with no tokens.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -46,6 +47,7 @@ def _engine_class():
             self.shutdown_state = EngineShutdownState.RUNNING
             self.publish_dp_lb_stats, self.enable_fault_tolerance = False, False
             self.stopping = False
+            self._deferred_inputs: collections.deque = collections.deque()  # read by the loop from 0.34
             self.steps: list = []  # (tokens scheduled, plan) of every step the loop ran
 
         def _handle_shutdown(self) -> bool:
@@ -128,7 +130,8 @@ def test_an_unmap_queued_while_idle_rides_an_empty_step_to_both_ranks(tp_engine)
         wake = queue_.cache.pool.idle_steps.wake
         assert getattr(scheduler, engine_core_wake.WAKE_ATTRIBUTE) is wake and not wake.ready
         with RunningLoop(scheduler, ranks) as loop:
-            assert _wait_for(lambda: wake.ready), "the wrapped run_busy_loop registered no wake-up"
+            assert _wait_for(lambda: wake.ready or loop.error), "the wrapped run_busy_loop registered no wake-up"
+            assert loop.error is None and wake.ready, f"the loop failed: {loop.error!r}"
             assert _wait_for(lambda: any(_unmapped(plan) for _, plan in loop.engine.steps)), \
                 f"no empty step carried the idle unmap (loop error: {loop.error!r})"
             assert _wait_for(lambda: not scheduler.has_requests()), "commands kept the engine stepping"
