@@ -252,6 +252,61 @@ def test_layers_of_one_group_with_different_page_sizes_map_their_blocks_whole(ba
             assert owner.setdefault(ref.page, group_index) == group_index, f"page {ref.page} shared by groups"
 
 
+def _misplaced_blocks(views: dict, cache, num_blocks: int, page_bytes: int) -> list[tuple[str, int]]:
+    """(layer, block) pairs whose bytes reach outside the pages of the block's group."""
+    return [(name, block) for name, view in views.items() for block in range(num_blocks)
+            if not block_pages(view, block, num_blocks, page_bytes)
+            <= {ref.page for ref in cache.layout.pages(cache.group_of_block(block))}]
+
+
+def _hybrid_groups() -> list:
+    """Attention and Mamba-2 layers, as vLLM plans a hybrid model: the Mamba state page padded to the
+    attention page (vLLM's hybrid config does so), the state itself a fraction of it."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    attention = specs(2, 64, 16, torch.bfloat16, False)
+    mamba = MambaSpec(block_size=16, shapes=((3, 64), (2, 16, 16)), dtypes=(torch.bfloat16, torch.bfloat16),
+                      page_size_padded=attention.page_size_bytes)
+    return [KVCacheGroupSpec(["attn0", "attn1"], attention), KVCacheGroupSpec(["mamba0", "mamba1"], mamba)]
+
+
+def _mla_groups() -> list:
+    """Multi-head latent attention (DeepSeek-V2's shape): one latent head of 576 per token, K and V in one."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return [KVCacheGroupSpec(["mla0", "mla1", "mla2"],
+                             MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16))]
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+@pytest.mark.parametrize("model", ["hybrid-mamba2", "mla"])
+def test_hybrid_and_mla_layers_lie_in_their_groups_pages(band_c, layout, model):
+    """A Mamba state and attention KV overlaid in one backing, or MLA's latent cache: every byte of every
+    block lies in its group's pages, and in the block-outermost layouts kvelastic asks vLLM for
+    (``kv_layout_preference``) no page has two groups. (Layer-outermost, a Mamba block's contiguous state
+    and an attention block's K and V halves can start pages apart: LHBNC shares pages between groups,
+    which costs granularity, never a byte outside a group's pages.)"""
+    page_bytes, num_blocks = 64 * KIB, 48
+    groups = _hybrid_groups() if model == "hybrid-mamba2" else _mla_groups()
+    config = plan(layout, groups, num_blocks)
+    multiple = layer_outermost_multiple(config, page_bytes)
+    if multiple is not None:  # what whole_page_num_blocks does
+        num_blocks -= num_blocks % multiple
+        config = plan(layout, groups, num_blocks)
+    env = band_c(page_bytes)
+    views = env.allocate(config, layout, None)
+    assert set(views) == {name for group in groups for name in group.layer_names}
+    pool = env.runtime.finish_allocation()
+    cache = publish_views(env.runtime, pool, views.values(), num_blocks,
+                          blocks_per_group=group_blocks_of_config(config, page_bytes), block_dim=VIEW_BLOCK_DIM)
+    assert not _misplaced_blocks(views, cache, num_blocks, page_bytes)
+    if layout.is_block_outermost:
+        owner: dict[int, int] = {}
+        for group_index in range(cache.num_groups):
+            for ref in cache.layout.pages(group_index):
+                assert owner.setdefault(ref.page, group_index) == group_index, f"page {ref.page} shared by groups"
+
+
 def test_block_outermost_layouts_cannot_split_kernel_blocks(band_c):
     """Why the layout preference leaves models that split kernel blocks alone (0.29-0.31 fail here)."""
     spec_groups = [KVCacheGroupSpec(["a", "b"], specs(2, 64, 32, torch.bfloat16, sliding=False))]
