@@ -29,7 +29,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.pool.kv_layout import KVGroupLayout
     from kvelastic.pool.backend import Fence
     from kvelastic.pool.lock_waits import LockWaits

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from kvelastic.cluster import SharedAccount, account_path
+from kvelastic.cluster import SharedAccount
 from kvelastic.cluster.errors import AccountVanished
 from kvelastic.cluster.membership import Membership
 from kvelastic.shared.errors import UnsafeSharedPath

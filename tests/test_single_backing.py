@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.29+ (one KV backing)")
 
 import torch  # noqa: E402
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
