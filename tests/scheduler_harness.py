@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -168,6 +169,18 @@ def repeat_waves() -> list[list]:
 def prefill(trace: list, tag: str) -> int:
     """Tokens scheduled for ``tag``'s requests in steps that were not a single decode token."""
     return sum(n for step in trace for rid, n in step if rid.startswith(tag + "-") and n > 1)
+
+
+def replayable_clock(queue) -> None:
+    """Give a page-aware queue a clock a second further on each reading, for hypothesis's state machines.
+
+    The queue caches the pool's room for a millisecond and orders cached groups by when they were used:
+    on the real clock a replayed example could take another branch (a limit change seen or not yet),
+    draw differently, and hypothesis refuses such an example as flaky. On this clock every reading
+    is later than the last and no cached figure outlives the next step.
+    """
+    ticks = itertools.count()
+    queue._clock = queue.room.clock = lambda: float(next(ticks))
 
 
 def scheduler_lock(scheduler):

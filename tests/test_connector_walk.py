@@ -12,7 +12,6 @@ holds them: least recently freed first, hash-less blocks at the front (0.23+).
 from __future__ import annotations
 
 import hashlib
-import itertools
 
 import hypothesis.strategies as st
 import pytest
@@ -24,7 +23,7 @@ from kvelastic.scheduler.free_queue import PageAwareFreeQueue
 from kvelastic.scheduler.mapper import GroupMapper
 from kvelastic.patches.offload_connectors import LAZY_WALK_MEMBERS
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache
-from tests.scheduler_harness import scheduler_patcher
+from tests.scheduler_harness import replayable_clock, scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 BlockPool = block_pool_module.BlockPool
@@ -45,11 +44,7 @@ class WalkMachine(RuleBasedStateMachine):
         self.pool, self.views, self.cache = build_cache(5)
         self.bp = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.queue: PageAwareFreeQueue = make_page_aware(self.bp, self.cache, GroupMapper(self.cache), patcher=scheduler_patcher())
-        # A clock a second further on each reading: groups freed in one step never tie on their time, and a
-        # cached room figure is never reused, so a replayed example makes the same choices (hypothesis
-        # refuses an example whose draws change between runs).
-        ticks = itertools.count()
-        self.queue._clock = self.queue.room.clock = lambda: float(next(ticks))
+        replayable_clock(self.queue)
         self.vanilla = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=BS)
         self.owned: list[int] = []    # one entry per reference held, in both pools
         self.freed: set[int] = set()  # blocks this test freed that have kept their place since

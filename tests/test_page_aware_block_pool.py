@@ -18,7 +18,7 @@ from kvelastic.hooks.block_pool import make_page_aware
 from kvelastic.scheduler.mapper import GroupMapper
 
 from tests.kv_fixtures import BS, GROUP_PAGES, N, PAGE, StandInRequest, build_cache  # noqa: E402,F401
-from tests.scheduler_harness import scheduler_patcher
+from tests.scheduler_harness import replayable_clock, scheduler_patcher
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool", reason="needs vllm installed")
 BlockPool = block_pool_module.BlockPool
@@ -36,6 +36,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool, self.views, self.cache, self.bp, self.queue = build(limit_groups=5)
+        replayable_clock(self.queue)
         self.owned: list = []          # one entry per reference we hold
         self.stamp: dict[int, int] = {}  # block id -> value written into its K and V
         self.hash_of: dict[int, bytes] = {}
