@@ -112,7 +112,6 @@ class ClusterLink:
         self.gpu_id, total = device if device is not None else gpu_identity(cache)
         self.budget = terms.shared_budget_bytes or total or 1 << 62
         self.terms = terms
-        self.model = terms.model
         self.name = terms.name or default_name(terms)
         self.base_limit = limit_bytes or None  # the start-up cap: vLLM's profiled KV bytes or KVELASTIC_LIMIT
         self._restore_tried = False  # wrote the start-up cap back over the account's current 0
@@ -140,7 +139,7 @@ class ClusterLink:
         account = SharedAccount.open(self.gpu_id, self.budget, claim_budget=self._claim_budget,
                                      lock_timeout_s=LOCK_TIMEOUT_S)
         try:
-            member = account.join(self.name, model=self.model, port=self.terms.port,
+            member = account.join(self.name, model=self.terms.model, port=self.terms.port,
                                   min_bytes=self.terms.min_bytes, max_bytes=self.base_limit or 0)
         except BaseException:
             account.close()
