@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import pytest
 from kvelastic.cluster import AccountCorrupt, SharedAccount, account_path
 from kvelastic.cluster.records import Header, MemberRecord, record_offset
 from kvelastic.errors import ConfigError
+from tests.tiny_tmpfs import mounted_tiny_tmpfs
 
 FORK = multiprocessing.get_context("fork")
 GPU = "GPU-crash"
@@ -149,15 +149,8 @@ def test_enospc_at_any_write_of_account_creation_never_leaves_a_broken_account(s
 # ----------------------------------------------------------- a tiny tmpfs
 @pytest.fixture
 def tiny_tmpfs():
-    where = Path(tempfile.mkdtemp(prefix="kvelastic-tiny-"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the injected-ENOSPC tests cover it")
-    yield where
-    subprocess.run(["umount", str(where)], check=False)
-    where.rmdir()
+    with mounted_tiny_tmpfs("kvelastic-tiny-", without="; the injected-ENOSPC tests cover it") as where:
+        yield where
 
 
 def test_a_full_tmpfs_is_a_clear_error_at_account_creation(tiny_tmpfs, monkeypatch):

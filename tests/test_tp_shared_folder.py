@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from kvelastic.settings import Settings  # noqa: E402
 from tests.kv_fixtures import GROUP_BYTES  # noqa: E402
 from tests.other_user import OTHER_UID, as_user, needs_root, shared_root  # noqa: E402,F401 (a fixture)
 from tests.scheduler_harness import make_requests  # noqa: E402
+from tests.tiny_tmpfs import mounted_tiny_tmpfs  # noqa: E402
 from tests.test_tp_real_scheduler import close_engines, drive_ranks, engine_over  # noqa: E402
 from tests.tp_ranks import RankProcesses  # noqa: E402
 
@@ -50,20 +49,11 @@ def squatted(shared_root) -> Path:  # noqa: F811 - shared_root: a /dev/shm-like 
 @pytest.fixture
 def full(monkeypatch):
     """A ``/dev/shm``-like tmpfs of 64 KiB, filled: no account file fits."""
-    where = Path(tempfile.mkdtemp(prefix="kvelastic-full-"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()})")
-    monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(where))
-    monkeypatch.delenv("KVELASTIC_SHARED_GROUP", raising=False)
-    (where / "filler").write_bytes(b"x" * 64 * 1024)  # as much as the tmpfs takes
-    try:
+    with mounted_tiny_tmpfs("kvelastic-full-") as where:
+        monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(where))
+        monkeypatch.delenv("KVELASTIC_SHARED_GROUP", raising=False)
+        (where / "filler").write_bytes(b"x" * 64 * 1024)  # as much as the tmpfs takes
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=False)
-        where.rmdir()
 
 
 def _serve_a_wave(kv_log) -> list[str]:
