@@ -161,6 +161,20 @@ def specs(heads: int, head_size: int, block_size: int, dtype: torch.dtype, slidi
                              sliding_window=4 * block_size)
 
 
+def _misplaced_blocks(views: dict, cache, num_blocks: int, page_bytes: int) -> list[tuple[str, int]]:
+    """(layer, block) pairs whose bytes reach outside the pages of the block's group."""
+    return [(name, block) for name, view in views.items() for block in range(num_blocks)
+            if not block_pages(view, block, num_blocks, page_bytes)
+            <= {ref.page for ref in cache.layout.pages(cache.group_of_block(block))}]
+
+
+def _pages_of_two_groups(cache) -> list[int]:
+    """Pages that more than one page group's layout names."""
+    owner: dict[int, int] = {}
+    return [ref.page for group in range(cache.num_groups) for ref in cache.layout.pages(group)
+            if owner.setdefault(ref.page, group) != group]
+
+
 LAYOUTS = st.sampled_from(list(KVCacheLayout))
 
 
@@ -195,22 +209,14 @@ def test_every_block_of_every_layer_lies_in_its_groups_pages(band_c, layout, lay
     assert pool.stats().mapped_bytes == 0  # nothing is mapped before the layout is published
     k = group_blocks_of_config(config, page_bytes)
     cache = publish_views(env.runtime, pool, views.values(), num_blocks, blocks_per_group=k, block_dim=VIEW_BLOCK_DIM)
-    layout_of_groups = cache.layout
-    assert layout_of_groups.blocks_per_group == k
+    assert cache.layout.blocks_per_group == k
     for name, view in views.items():  # no tensor in an assert: pytest's repr would read unmapped pages
-        view_region = pool.region_of(view).region_id
-        assert view_region == region.region_id, name
-        for block in range(num_blocks):
-            group_pages = {ref.page for ref in layout_of_groups.pages(layout_of_groups.group_of_block(block))}
-            touched = block_pages(view, block, num_blocks, page_bytes)
-            assert touched <= group_pages, (name, block, sorted(touched - group_pages))
+        assert pool.region_of(view).region_id == region.region_id, name
+    assert not _misplaced_blocks(views, cache, num_blocks, page_bytes)
     aligned = multiple is None or num_blocks % multiple == 0
     whole = whole_page_blocks(min(t.block_stride for t in config.kv_cache_tensors), page_bytes) is not None
     if aligned and whole:
-        seen: dict[int, int] = {}
-        for group in range(layout_of_groups.num_groups):
-            for ref in layout_of_groups.pages(group):
-                assert seen.setdefault(ref.page, group) == group, f"page {ref.page} shared by groups"
+        assert not _pages_of_two_groups(cache)
 
 
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
@@ -241,22 +247,8 @@ def test_layers_of_one_group_with_different_page_sizes_map_their_blocks_whole(ba
                           blocks_per_group=group_blocks_of_config(config, page_bytes), block_dim=VIEW_BLOCK_DIM)
     strides = {runs.block_stride for runs in cache.layout.regions}
     assert len(strides) == (2 if not layout.is_block_outermost else 1)
-    owner: dict[int, int] = {}
-    for name, view in views.items():
-        for block in range(num_blocks):
-            group_pages = {ref.page for ref in cache.layout.pages(cache.group_of_block(block))}
-            touched = block_pages(view, block, num_blocks, page_bytes)
-            assert touched <= group_pages, (name, block, sorted(touched - group_pages))
-    for group_index in range(cache.num_groups):
-        for ref in cache.layout.pages(group_index):
-            assert owner.setdefault(ref.page, group_index) == group_index, f"page {ref.page} shared by groups"
-
-
-def _misplaced_blocks(views: dict, cache, num_blocks: int, page_bytes: int) -> list[tuple[str, int]]:
-    """(layer, block) pairs whose bytes reach outside the pages of the block's group."""
-    return [(name, block) for name, view in views.items() for block in range(num_blocks)
-            if not block_pages(view, block, num_blocks, page_bytes)
-            <= {ref.page for ref in cache.layout.pages(cache.group_of_block(block))}]
+    assert not _misplaced_blocks(views, cache, num_blocks, page_bytes)
+    assert not _pages_of_two_groups(cache)
 
 
 def _hybrid_groups() -> list:
@@ -301,10 +293,7 @@ def test_hybrid_and_mla_layers_lie_in_their_groups_pages(band_c, layout, model):
                           blocks_per_group=group_blocks_of_config(config, page_bytes), block_dim=VIEW_BLOCK_DIM)
     assert not _misplaced_blocks(views, cache, num_blocks, page_bytes)
     if layout.is_block_outermost:
-        owner: dict[int, int] = {}
-        for group_index in range(cache.num_groups):
-            for ref in cache.layout.pages(group_index):
-                assert owner.setdefault(ref.page, group_index) == group_index, f"page {ref.page} shared by groups"
+        assert not _pages_of_two_groups(cache)
 
 
 def test_block_outermost_layouts_cannot_split_kernel_blocks(band_c):
