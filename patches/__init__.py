@@ -37,6 +37,7 @@ from kvelastic.patches import (
     v2_initialize_kv_cache,
     v2_single_backing,
     vllm_logging,
+    warmup_blocks,
     whole_page_num_blocks,
     worker_capacity,
     worker_execute_model,
@@ -63,4 +64,5 @@ ALL_PATCHES: tuple[Patch, ...] = (
     release_kv_cache_refusal.PATCH,
     vllm_logging.PATCH,
     extensible_kv_cache.PATCH,
+    warmup_blocks.PATCH,
 )

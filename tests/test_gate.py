@@ -90,7 +90,7 @@ def test_installed_version_is_read_without_importing_vllm_and_is_supported():
 def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
     version = installed_vllm_version()
     result = gate.check(ALL_PATCHES, version)
-    assert len(ALL_PATCHES) == 20
+    assert len(ALL_PATCHES) == 21
     assert result.patches == CLAIMED
     names = {p.name for p in CLAIMED}
     one_backing = version >= Version(0, 29)
@@ -109,7 +109,7 @@ def test_installed_vllm_passes_the_gate_and_claims_every_patch_written_for_it():
 
 def test_patch_names_are_unique():
     names = [patch.name for patch in ALL_PATCHES]
-    assert len(set(names)) == len(names) == 20
+    assert len(set(names)) == len(names) == 21
 
 
 def _named(function, name: str) -> bool:

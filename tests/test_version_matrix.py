@@ -42,7 +42,7 @@ EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_repor
 #: activation (0.31+ configures it only when an engine starts), the engine loop's wake-up (0.18+), vLLM's own
 #: extensible KV cache turned off (0.34+).
 SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging",
-                 "engine_core_wake", "extensible_kv_cache"}
+                 "engine_core_wake", "extensible_kv_cache", "warmup_blocks"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 
 

@@ -41,3 +41,17 @@ def request_memory_as_extensible(request_memory: Callable[..., int], args: tuple
     bound = inspect.signature(request_memory).bind(*args, **kwargs)
     bound.arguments["cache_config"] = as_budget_cap(bound.arguments["cache_config"])
     return int(request_memory(*bound.args, **bound.kwargs))
+
+
+def map_warmup_blocks(cache: Any, num_blocks: int) -> None:
+    """Map the page groups of blocks ``[0, num_blocks)``, which vLLM's warm-up is about to address.
+
+    vLLM 0.34's warm-ups run made-up requests on blocks numbered from 1 (one per
+    ``max_num_seqs`` for the kernel warm-up) and first ask for those blocks through
+    ``ensure_kv_cache_blocks``, the call its extensible cache commits a prefix on.
+    ``cache``: this process's published KV cache (None before one is published).
+    """
+    if cache is None or num_blocks <= 0:
+        return
+    last = cache.group_of_block(min(int(num_blocks), cache.num_blocks) - 1)
+    cache.map_groups(range(last + 1), force=True)
