@@ -126,3 +126,34 @@ def test_reverting_gives_vllms_methods_back(patched):
     patched.revert()
     assert gpu_worker.request_memory is utils.request_memory
     assert not hasattr(gpu_worker.Worker.__dict__[method], "__wrapped__")
+
+
+def test_the_blocks_warm_up_ensures_are_mapped_before_it_addresses_them():
+    """vLLM 0.34's warm-ups ask ``ensure_kv_cache_blocks(runner, n)`` before using blocks ``[0, n)``: with
+    vLLM's extensible cache off, the pool maps exactly the groups of those blocks, through every name
+    the warm-ups call, and a release after revert maps nothing."""
+    import importlib
+
+    from kv_fixtures import build_cache
+    from kvelastic.patches import warmup_blocks
+
+    _, _, cache = build_cache(num_blocks=256)
+    runtime = types.SimpleNamespace(cache=cache)
+    runner = types.SimpleNamespace(extensible_kv_cache=None)  # vLLM's own cache off, as kvelastic has it
+    patcher = Patcher(installed_vllm_version(), warmup_blocks.PATCH.targets)
+    warmup_blocks.PATCH.apply(patcher, runtime)
+    try:
+        mapped = cache.pool.is_mapped
+        assert [g for g in range(cache.num_groups) if mapped(g)] == [0]  # the null block's group alone
+        warmup = importlib.import_module("vllm.v1.worker.gpu.warmup")
+        warmup.ensure_kv_cache_blocks(runner, 1 + 2 * cache.blocks_per_group)  # the name warmup.py calls
+        assert [g for g in range(cache.num_groups) if mapped(g)] == [0, 1, 2]
+        defined = importlib.import_module("vllm.v1.worker.extensible_kv_cache")
+        defined.ensure_kv_cache_blocks(runner, 10 ** 6)  # more than the cache has: all of it, no error
+        assert all(mapped(g) for g in range(cache.num_groups))
+    finally:
+        patcher.revert()
+    _, _, fresh = build_cache(num_blocks=256)
+    runtime.cache = fresh
+    warmup.ensure_kv_cache_blocks(runner, 256)  # vLLM's function again: nothing of kvelastic's runs
+    assert [g for g in range(fresh.num_groups) if fresh.pool.is_mapped(g)] == [0]
