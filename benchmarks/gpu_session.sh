@@ -31,6 +31,8 @@
 #   bash benchmarks/gpu_session.sh gpu-tests          # no vLLM: tests/gpu
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+# a no-op for vLLM 0.34's MiniMax-M3 warm-up where the bundle lacks NVIDIA's CuTe DSL (bundle_env/sitecustomize.py)
+export PYTHONPATH="$(pwd -P)/benchmarks/bundle_env${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-./gpu-out}
 stage=$1
 W=$OUT/w-$stage
