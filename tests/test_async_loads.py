@@ -390,3 +390,23 @@ def test_spills_made_by_the_allocation_of_a_host_hit_do_not_push_its_run_out_of_
     assert [copier.gpu[i] for i in ids] == [("data", k) for k in keys_of(b)[:19]]
     assert connector.loads.counters.failed_loads == 0
     assert not any(tier.policy.is_pinned(k) for k in keys_of(b))
+
+
+def test_a_run_offered_again_is_not_pinned_again_and_only_what_changed_moves():
+    """vLLM asks a waiting request's run at every step: the same offer pins nothing more; a longer or
+    shorter one pins or lets go only the keys that joined or left, and each offer's keys stay pinned."""
+    loads, tier, _ = ledger(["a", "b", "c", "d"], capacity=4)
+    calls: list[tuple[str, str]] = []
+    pin, unpin = tier.pin, tier.unpin
+    tier.pin = lambda key: (calls.append(("pin", key)), pin(key))[1]
+    tier.unpin = lambda key: (calls.append(("unpin", key)), unpin(key))[1]
+    loads.promise("r", ["a", "b"])
+    loads.promise("r", ["a", "b"])
+    assert calls == [("pin", "a"), ("pin", "b")]
+    loads.promise("r", ["a", "b", "c"])
+    assert calls[2:] == [("pin", "c")]
+    loads.promise("r", ["a"])
+    assert sorted(calls[3:]) == [("unpin", "b"), ("unpin", "c")]
+    assert tier.policy.is_pinned("a") and not any(tier.policy.is_pinned(k) for k in "bcd")
+    loads.promise("r", [])
+    assert not tier.policy.is_pinned("a")

@@ -114,12 +114,24 @@ class AsyncLoads:
     def promise(self, request_id: str, keys: Sequence[Hashable]) -> None:
         """``keys`` (a run :meth:`host_run` just counted) are offered to ``request_id``: pinned until
         :meth:`plan` takes them or ``schedule()`` ends (:meth:`issue`), replacing what was offered to
-        that request before. An empty ``keys`` only withdraws the earlier offer."""
-        self._withdraw(request_id)
+        that request before. An empty ``keys`` only withdraws the earlier offer.
+
+        vLLM asks a waiting request's run again at every step it stays waiting, mostly for the same
+        run: only the keys that joined or left the offer are pinned or let go, each key's pin count
+        never dipping to zero in between."""
+        keys = tuple(keys)
+        before = self._promised.pop(request_id, ())
         if keys:
-            for key in keys:
+            self._promised[request_id] = keys
+        if keys == before:
+            return
+        kept = set(before).intersection(keys)
+        for key in keys:
+            if key not in kept:
                 self.tier.pin(key)
-            self._promised[request_id] = tuple(keys)
+        for key in before:
+            if key not in kept:
+                self.tier.unpin(key)
 
     def _withdraw(self, request_id: str) -> None:
         for key in self._promised.pop(request_id, ()):
