@@ -50,11 +50,11 @@ ENGINE_CORE_PROC = Target(  # read: the queue the loop blocks on while it has no
     shapes=(Attributes(_FROM, ("input_queue",)),),
 )
 ENGINE_CORE = Target(  # read: the engine's scheduler, on which kvelastic's attachment left the wake-up
-    module=_CORE,
+    module=_CORE,       # (and the hibernation, patches/sleep_mode.py: every release)
     qualname="EngineCore",
     kind="class",
     use="read",
-    shapes=(Attributes(_FROM, ("scheduler",)),),
+    shapes=(Attributes(ALL, ("scheduler",)),),
 )
 REQUEST_TYPE = Target(  # read: the request posted to wake the loop
     module="vllm.v1.engine",

@@ -18,9 +18,8 @@ pytest.importorskip("vllm.v1.kv_cache_layout", reason="needs vLLM 0.29+ installe
 
 import torch  # noqa: E402
 
-from kvelastic.errors import UnsupportedOperation  # noqa: E402
 from kvelastic.startup.runtime import Runtime  # noqa: E402
-from kvelastic.patches import kv_layout_preference, release_kv_cache_refusal, whole_page_num_blocks  # noqa: E402
+from kvelastic.patches import kv_layout_preference, whole_page_num_blocks  # noqa: E402
 from kvelastic.patching.apply import Patcher  # noqa: E402
 from kvelastic.patching.spec import Patch  # noqa: E402
 from kvelastic.patching.versions import installed_vllm_version  # noqa: E402
@@ -184,34 +183,3 @@ def test_block_outermost_and_user_overrides_are_left_as_planned(engine_core_plan
     assert _plan("LBNHC", 1000)[1][0].num_blocks == 1000
     config, (planned,) = _plan("LBNHC", 1003, override=901)
     assert planned.num_blocks == 901 and config.cache_config.num_gpu_blocks_override == 901
-
-
-def test_release_kv_cache_memory_is_refused_before_vllm_resets_or_discards_anything():
-    if not release_kv_cache_refusal.PATCH.claims(installed_vllm_version()):
-        pytest.skip("release_kv_cache_memory arrived in vLLM 0.31")
-    from vllm.v1.engine.core import EngineCore
-
-    calls: list[str] = []
-
-    class Paused:  # what vLLM's own method would touch first: the pause check, then the caches
-        def is_scheduler_paused(self):
-            calls.append("is_scheduler_paused")
-            return True
-
-        def _reset_caches(self):
-            calls.append("_reset_caches")
-
-    vanilla = EngineCore.release_kv_cache_memory
-    patcher = patcher_for(release_kv_cache_refusal.PATCH)
-    release_kv_cache_refusal.PATCH.apply(patcher, None)
-    try:
-        with pytest.raises(UnsupportedOperation, match="release_kv_cache_memory is not supported") as refused:
-            EngineCore.release_kv_cache_memory(Paused())
-        assert isinstance(refused.value, RuntimeError)  # what vLLM's own refusals of this call raise
-        assert calls == []
-    finally:
-        patcher.revert()
-    assert EngineCore.release_kv_cache_memory is vanilla
-    with pytest.raises(AttributeError):  # vLLM's own method runs again: it reads state the stand-in lacks
-        EngineCore.release_kv_cache_memory(Paused())
-    assert calls == ["is_scheduler_paused"]

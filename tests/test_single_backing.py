@@ -484,14 +484,23 @@ def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layou
     assert cache.pool.is_mapped(0)  # the null block's group, and start-up warm-up's
 
 
-def test_sleep_mode_is_refused_before_anything_is_allocated(band_c):
+@pytest.mark.parametrize("executor", [None, "mp"], ids=["in-process", "worker-ranks"])
+def test_sleep_mode_is_served_in_process_and_refused_under_worker_ranks_before_anything_is_allocated(band_c,
+                                                                                                   executor):
+    """In one process the engine core gives the pages back on sleep (``patches/sleep_mode.py``); under worker
+    ranks it could not, so sleep mode stops the KV cache's initialisation there."""
     from kvelastic.errors import PatchError
     from kvelastic.worker.single_backing import publish_one_backing
 
     env = band_c()
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     runner, initialize = _runner(KVCacheLayout.BLNHC, env, sleep_mode=True)
-    with pytest.raises(PatchError, match="sleep mode"):
+    runner.vllm_config.parallel_config.distributed_executor_backend = executor
+    if executor is None:
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
+        assert env.runtime.cache is not None and env.runtime.cache.pool.is_mapped(0)
+        return
+    with pytest.raises(PatchError, match="sleep mode .* under worker ranks"):
         publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
     assert env.runtime.allocation_pool() is None and env.runtime.cache is None
 

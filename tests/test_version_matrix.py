@@ -36,12 +36,12 @@ V2_PATCHES = {"v2_allocate_kv_cache", "v2_initialize_kv_cache"}
 ONE_BACKING_BY_RUNNER = {"V1": "v1_single_backing", "V2": "v2_single_backing"}
 ONE_BACKING = {*ONE_BACKING_BY_RUNNER.values(), "kv_layout_preference", "whole_page_num_blocks"}
 EVERY_RELEASE = {"worker_capacity", "worker_execute_model", "executor_step_report", "executor_handover",
-                 "scheduler_block_pool"}
-#: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), refusals of
-#: what arrived later (HiSparse in 0.30, release_kv_cache_memory in 0.31), vLLM's logging set up at
-#: activation (0.31+ configures it only when an engine starts), the engine loop's wake-up (0.18+), vLLM's own
-#: extensible KV cache turned off (0.34+).
-SOME_RELEASES = {"admission_check", "hisparse_refusal", "release_kv_cache_refusal", "vllm_logging",
+                 "scheduler_block_pool", "sleep_mode"}
+#: What only some releases need: 0.19.0-0.20.1's admission check (tested on its own below), the refusal of
+#: what arrived later (HiSparse in 0.30), vLLM's logging set up at activation (0.31+ configures it only when
+#: an engine starts), the engine loop's wake-up (0.18+), vLLM's own extensible KV cache turned off and its
+#: warm-up's blocks mapped (0.34+).
+SOME_RELEASES = {"admission_check", "hisparse_refusal", "vllm_logging",
                  "engine_core_wake", "extensible_kv_cache", "warmup_blocks"}
 BY_NAME = {patch.name: patch for patch in ALL_PATCHES}
 

@@ -60,6 +60,8 @@ class UpkeepThread:
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ticking = threading.Lock()  # held for a whole tick: pause() waits for the one under way
+        self._paused = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvelastic-upkeep", daemon=True)
@@ -77,15 +79,27 @@ class UpkeepThread:
             except Exception:  # noqa: BLE001 - upkeep must never take the engine down
                 log.exception("kvelastic: upkeep tick failed; will retry")
 
+    def pause(self) -> None:
+        """Run no job until :meth:`resume`; returns once a tick under way has ended. Called without the
+        scheduler's lock (a tick may be waiting for it)."""
+        with self._ticking:
+            self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
     def tick(self) -> None:
-        """One round of every job; safe to call from tests without the thread."""
-        now = self.clock()
-        for job in self.jobs:
-            if job.under_scheduler_lock:
-                with self.lock:
+        """One round of every job (none while paused); safe to call from tests without the thread."""
+        with self._ticking:
+            if self._paused:
+                return
+            now = self.clock()
+            for job in self.jobs:
+                if job.under_scheduler_lock:
+                    with self.lock:
+                        job.run(now)
+                else:
                     job.run(now)
-            else:
-                job.run(now)
 
 
 def engine_upkeep(queue: "PageAwareFreeQueue", cache: SchedulerCache, lock: ContextManager, *,

@@ -28,7 +28,7 @@ model is refused here, before any page is mapped.
 
 After a runner's ``initialize_kv_cache`` the views are published in whole-page
 groups (:func:`publish_one_backing`). Refused before vLLM's method allocates
-anything: sleep mode (``sleep_mode.py``) and a KV connector that allocates the
+anything: sleep mode under worker ranks (``sleep_mode.py``) and a KV connector that allocates the
 KV cache in a memory pool of its own (:func:`refuse_connector_pool`).
 """
 
@@ -175,7 +175,7 @@ def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tu
                         connector_has_pool: Callable[[], bool]) -> Any:
     """A runner's ``initialize_kv_cache``: refusals first, then vLLM's, then its views published.
 
-    Refused before anything is allocated: sleep mode, and a KV connector with a
+    Refused before anything is allocated: sleep mode under worker ranks, and a KV connector with a
     memory pool of its own (``connector_has_pool``, from
     ``patches/kv_connector_pool.py``). The group size is whole pages of the one
     backing where that stays small
@@ -184,9 +184,10 @@ def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tu
     """
     from kvelastic.worker.allocation import publish_after_initialize
     from kvelastic.worker.page_alignment import group_blocks_of_config
+    from kvelastic.tp.worker_side import scheduler_elsewhere
     from kvelastic.worker.sleep_mode import refuse_sleep_mode
 
-    refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode)
+    refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode, scheduler_elsewhere(runner))
     refuse_connector_pool(connector_has_pool())
     return publish_after_initialize(runtime, initialize, runner, args, kwargs, group_blocks=group_blocks_of_config,
                                     block_dim=VIEW_BLOCK_DIM)

@@ -1,0 +1,80 @@
+"""Sleep and wake of an engine whose KV pages kvelastic holds, on vLLM's real scheduler (every band).
+
+vLLM's sleep (levels 1 and 2) and ``release_kv_cache_memory`` reset the prefix cache and
+then, through kvelastic's engine-core wraps (``patches/sleep_mode.py``), call the
+scheduler's hibernation. Here the scheduler is vLLM's own over a host-backed pool that
+joined a shared account, so what is mapped and held is the pool's real bookkeeping; the
+engine core's own calls are run in ``test_sleep_mode.py`` (0.29+).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="needs vllm installed")
+
+from kvelastic.errors import PoolLimitExceeded  # noqa: E402
+from kvelastic.patches.sleep_mode import HIBERNATION_ATTRIBUTE  # noqa: E402
+from tests.kv_fixtures import GROUP_BYTES  # noqa: E402
+from tests.scheduler_harness import (blocks_in_use_are_all_mapped, cached_blocks_are_all_mapped, drive,  # noqa: E402
+                                     make_requests, make_scheduler, scheduler_lock)
+from tests.test_real_scheduler import patched  # noqa: E402, F401 (a fixture)
+
+
+def wave(tag: str) -> list:
+    return make_requests(tag, 4, 320, 320, seed=0)  # the same prompts each wave: all but the last token hit
+
+
+def reset(scheduler) -> None:
+    with scheduler_lock(scheduler):
+        assert scheduler.reset_prefix_cache()
+
+
+def test_asleep_the_engine_holds_only_the_null_blocks_group_and_awake_it_serves_as_vanilla(patched):
+    scheduler, pool, _ = patched(shared=True, cache_ttl_s=math.inf)  # nothing idles out by itself
+    hibernation = getattr(scheduler, HIBERNATION_ATTRIBUTE)
+    first = drive(scheduler, [wave("a")])
+    assert pool.stats().held_bytes > GROUP_BYTES
+    reset(scheduler)  # what vLLM does before it sleeps
+
+    assert hibernation.sleep() == GROUP_BYTES == pool.stats().held_bytes
+    assert pool.mapped_groups() == frozenset({0}) and hibernation.asleep
+    scheduler.kvelastic_reclaimer.tick()  # the upkeep runs no job while asleep: no reserve, no new limit
+    assert pool.stats().held_bytes == GROUP_BYTES
+
+    with pytest.raises(PoolLimitExceeded):  # asleep, no group maps (vLLM schedules nothing meanwhile)
+        pool.map_groups([1])
+
+    hibernation.wake()
+    assert not hibernation.asleep
+    again = drive(scheduler, [wave("b")], after_step=lambda s: blocks_in_use_are_all_mapped(s, pool) or pytest.fail(
+        "a block in use lies in an unmapped group"))
+    vanilla = make_scheduler()
+    expected = drive(vanilla, [wave("a")])
+    assert vanilla.reset_prefix_cache()
+    assert first == expected and again == drive(vanilla, [wave("b")])
+
+
+def test_sleep_evicts_what_vllm_left_cached_and_a_second_sleep_or_wake_changes_nothing(patched):
+    """Before 0.17 the engine core's sleep does not reset the prefix cache (``LLM.sleep`` does): what is
+    cached outside the null block's group is evicted from vLLM's map, so no later lookup hits a block whose
+    page is gone (blocks cached in that group keep their page)."""
+    scheduler, pool, _ = patched(cache_ttl_s=math.inf)
+    hibernation = getattr(scheduler, HIBERNATION_ATTRIBUTE)
+    drive(scheduler, [make_requests("a", 4, 320, 0, seed=1)])  # 80 blocks cached, in three groups
+    block_pool = scheduler.kv_cache_manager.block_pool
+    assert len(block_pool.cached_block_hash_to_block) > 0
+
+    cached = len(block_pool.cached_block_hash_to_block)
+    hibernation.sleep()
+    assert pool.mapped_groups() == frozenset({0}) and cached_blocks_are_all_mapped(scheduler, pool)
+    assert len(block_pool.cached_block_hash_to_block) < cached
+    assert hibernation.sleep() == GROUP_BYTES  # asleep already
+    hibernation.wake()
+    hibernation.wake()  # awake already
+    limit = pool.stats().limit_bytes
+    assert limit is None or limit > GROUP_BYTES
+    assert drive(scheduler, [wave("b")])  # serves again, every block it hits mapped
+    assert cached_blocks_are_all_mapped(scheduler, pool)
