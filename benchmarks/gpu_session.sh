@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_session.sh startup            # 1B start-up with a 48 GiB host tier against vanilla and the connector
 #   bash benchmarks/gpu_session.sh serve              # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh demo               # two 1B servers on one GPU through the launcher
+#   bash benchmarks/gpu_session.sh sleep              # 1B sleep mode, levels 1 and 2: generate, sleep, wake, generate
 #   bash benchmarks/gpu_session.sh colocate           # vLLM 0.34+: two plain `vllm serve`, no utilization set, loaded in turns
 #   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic
 #   bash benchmarks/gpu_session.sh colocate-split     # the same without kvelastic, a hand split of 0.45 each
@@ -113,6 +114,9 @@ serve)
 colocate|colocate-vanilla|colocate-split)  # two plain `vllm serve` (0.34+) on one GPU, no utilization set
     bash benchmarks/colocate_serve.sh "$(case $stage in colocate) echo kvelastic;; *) echo "${stage#colocate-}";; esac)" \
         2>&1 | tee "$W/$stage.log" ;;
+sleep)  # about 5 min: 4 engines (vanilla, kvelastic at levels 1 and 2); SLEEP_MODEL for the 8B shape
+    python3 benchmarks/check_sleep.py --model ${SLEEP_MODEL:-scripts/models/llama-1b} --outdir "$W/sleep" 2>&1 \
+        | tee "$W/sleep.log" ;;
 demo)
     python3 benchmarks/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 tp)
