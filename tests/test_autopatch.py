@@ -35,7 +35,7 @@ MARK = "KVELASTIC-TEST-RESULT:"
 def _wrapped_targets() -> int:
     """Functions the patches claiming the installed release wrap (instance-level and read-only targets aside)."""
     version = installed_vllm_version()
-    return sum(t.use == "wrap" for p in ALL_PATCHES if p.claims(version) for t in p.targets)
+    return sum(t.use == "wrap" and t.exists_in(version) for p in ALL_PATCHES if p.claims(version) for t in p.targets)
 
 
 def pth_line() -> str:
