@@ -12,9 +12,10 @@ page back but the null block's group. A sleep that waits for requests to finish
 use them.
 
 Under worker ranks (tensor or pipeline parallelism) the pages are given back by
-commands on the ranks' steps, and a sleeping engine runs none: both calls are
-refused before vLLM's method changes anything (and ``--enable-sleep-mode`` at
-start-up, ``kvelastic/worker/sleep_mode.py``).
+commands on the ranks' steps, and a sleeping engine runs none: a sleep that frees
+memory (level 1 or 2) and the release are refused before vLLM's method changes
+anything (and ``--enable-sleep-mode`` at start-up, ``kvelastic/worker/sleep_mode.py``).
+A pause (level 0) frees nothing and is left alone.
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ def _level(wrapped: Any, args: tuple, kwargs: dict) -> int:
 
 
 def _sleep(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    hibernation = _hibernation(instance, "sleep")
     level = _level(wrapped, args, kwargs)
+    if level < 1:
+        return wrapped(*args, **kwargs)  # level 0 pauses scheduling only: nothing is freed
+    hibernation = _hibernation(instance, "sleep")
     result = wrapped(*args, **kwargs)
-    if hibernation is _ABSENT or level < 1:
-        return result  # level 0 pauses scheduling only: nothing is freed
+    if hibernation is _ABSENT:
+        return result
     if isinstance(result, Future):
         result.add_done_callback(lambda done: done.exception() is None and hibernation.sleep())
     else:
