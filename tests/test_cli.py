@@ -124,13 +124,17 @@ def test_status_without_accounts_or_instances_exits_4(shared):
         assert "(no live instances)" in result.stdout
 
 
+def ctrl_c_as_in_the_foreground() -> None:
+    """Ctrl-C reaches a command in the foreground; a suite run in the background inherits SIGINT ignored
+    (and Python then installs no handler), so a command the test interrupts starts with SIGINT at its default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_refreshes_until_interrupted(fleet, shared):
     env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
-    # Ctrl-C reaches a command in the foreground; a suite run in the background inherits SIGINT ignored
-    # (and Python then installs no handler), so the watcher starts with SIGINT at its default here.
     watcher = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "status", "--watch", "0.1"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               preexec_fn=ctrl_c_as_in_the_foreground)
     seen, deadline = [], time.time() + 30
     while sum("GPU GPU-aaaa" in line for line in seen) < 2 and time.time() < deadline:
         seen.append(watcher.stdout.readline())  # the watcher flushes after every refresh
@@ -370,7 +374,8 @@ def test_top_refreshes_count_times_and_refuses_a_bad_interval(fleet, shared):
 def test_top_without_a_terminal_prints_each_refresh_as_it_comes_each_line_ending(fleet, shared):
     env = {**os.environ, "KVELASTIC_SHARED_DIR": str(shared)}
     top = subprocess.Popen([sys.executable, "-m", "kvelastic.cli", "top", "--interval", "0.2"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=ctrl_c_as_in_the_foreground)
     try:
         ready, _, _ = select.select([top.stdout], [], [], 30)  # while it runs: the first refresh comes out
         assert ready, "top printed nothing while it ran"
