@@ -113,6 +113,12 @@ class ElasticKVCache(GroupedBlocks):
         self.pool.map_groups(groups, force=force)
         self.forget_device_free()
 
+    def map_first_blocks(self, count: int, *, force: bool = False) -> None:
+        """Map the groups of blocks ``[0, count)``, the null block's at least (what vLLM addresses before a
+        scheduler hands blocks out: start-up warm-up)."""
+        last = self.group_of_block(min(max(1, count), self.num_blocks) - 1)
+        self.map_groups(range(last + 1), force=force)
+
     def map_as_many(self, groups: Sequence[int], *, force: bool = False) -> int:
         """Map ``groups`` in order, as far as the pool allows; return how many, counted from the front.
 

@@ -62,11 +62,10 @@ class Hibernation:
                 self._limit_awake = (pool.stats().limit_bytes,)
                 pool.set_limit(self.cache.group_bytes)
                 self.queue.reclaim_cached(groups_wanted=self.cache.num_groups)
-                self.queue.set_idle()  # no group kept ahead: every empty one is released
-            self.mapper.map_now([])  # the unmaps just asked for are carried out
-            with self.lock:  # a map asked for before the limit dropped may have landed meanwhile: it goes too
-                self.queue.set_idle()
-            self.mapper.map_now([])
+            for _ in range(2):  # twice: a map asked for before the limit dropped may land during the first
+                with self.lock:
+                    self.queue.set_idle()  # no group kept ahead: every empty one is released
+                self.mapper.map_now([])  # the unmaps just asked for are carried out
             pool.collect(wait=True)  # and their pages released once the GPU is done with them
             pool.set_limit(self.cache.group_bytes)  # pages parked or kept warm meanwhile go too
         except BaseException:

@@ -88,8 +88,7 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
         per_view.append((region.region_id, stride, runs))
     layout = KVGroupLayout(merge_runs(per_view), num_blocks, pool.page_bytes, blocks_per_group)
     cache = ElasticKVCache(pool, layout)
-    last = layout.group_of_block(min(num_blocks, max(1, premap_blocks)) - 1)
-    cache.map_groups(range(last + 1))
+    cache.map_first_blocks(premap_blocks)
     runtime.publish(cache)
     stats = pool.stats()
     log.info("kvelastic: %d KV tensors, %s virtual, %d blocks in %d groups of %d (%s per group), "

@@ -51,7 +51,5 @@ def map_warmup_blocks(cache: Any, num_blocks: int) -> None:
     ``ensure_kv_cache_blocks``, the call its extensible cache commits a prefix on.
     ``cache``: this process's published KV cache (None before one is published).
     """
-    if cache is None or num_blocks <= 0:
-        return
-    last = cache.group_of_block(min(int(num_blocks), cache.num_blocks) - 1)
-    cache.map_groups(range(last + 1), force=True)
+    if cache is not None and num_blocks > 0:
+        cache.map_first_blocks(int(num_blocks), force=True)
