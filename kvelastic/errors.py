@@ -70,5 +70,9 @@ class EngineCoreUnknown(PatchError):
     the rank stops rather than serve a KV cache that no scheduler maps."""
 
 
+class ConnectorUnsupported(KvelasticError):
+    """vLLM's KV connector reaches the KV cache in a way the elastic pool cannot serve (refused at start-up)."""
+
+
 class UnsupportedOperation(KvelasticError, RuntimeError):
     """A vLLM operation that would do something other than it says while kvelastic backs the KV cache."""

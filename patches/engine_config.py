@@ -1,7 +1,8 @@
 """The configuration objects kvelastic reads, on the scheduler and in the workers.
 
 Nothing here is wrapped: these are the fields read off ``VllmConfig`` (the
-parallel layout, the model's name, the block size, the batch size; from 0.29
+parallel layout, the model's name, the block size, the batch size, the KV
+connector's configuration (``kv_connector_access.py``); from 0.29
 also whether sleep mode is on and the block count override). Declaring
 them lets the gate refuse a release that renamed one, where a ``getattr`` with
 a default would have carried on with a wrong value.
@@ -17,7 +18,8 @@ VLLM_CONFIG = Target(
     qualname="VllmConfig",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("model_config", "parallel_config", "cache_config", "scheduler_config")),),
+    shapes=(Attributes(ALL, ("model_config", "parallel_config", "cache_config", "scheduler_config",
+                           "kv_transfer_config")),),
 )
 PARALLEL_CONFIG = Target(  # pipeline stages refuse start-up; the world size counts the ranks to wait for
     module="vllm.config",

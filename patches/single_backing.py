@@ -28,7 +28,7 @@ from typing import Any, Callable
 from kvelastic.patching.spec import Absent, Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import BAND_C, BAND_D, FROM_BAND_C
-from kvelastic.patches import kv_connector_pool
+from kvelastic.patches import kv_connector_access, kv_connector_pool
 from kvelastic.patches.engine_config import MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import ALLOCATION, PUBLISHING, host_resident_test
 
@@ -64,17 +64,19 @@ def _allocate(runtime: Any, is_host_resident: Callable[[Any], bool], hook: bool,
     return allocate_in_pool(runtime, wrapped, args, kwargs, is_host_resident=is_host_resident, hook=hook)
 
 
-def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], wrapped: Any, instance: Any, args: tuple,
-                kwargs: dict) -> Any:
+def _initialize(runtime: Any, connector_has_pool: Callable[[], bool], outside_access: Callable[[Any], str | None],
+                wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     from kvelastic.worker.single_backing import publish_one_backing
 
-    return publish_one_backing(runtime, wrapped, instance, args, kwargs, connector_has_pool=connector_has_pool)
+    return publish_one_backing(runtime, wrapped, instance, args, kwargs, connector_has_pool=connector_has_pool,
+                               outside_access=outside_access)
 
 
 def _apply(allocate: Target, initialize: Target, patcher: Any, runtime: Any) -> None:
     patcher.wrap(allocate, functools.partial(_allocate, runtime, host_resident_test(patcher),
                                              takes_allocate_hook(patcher)))
-    patcher.wrap(initialize, functools.partial(_initialize, runtime, kv_connector_pool.connector_pool_test(patcher)))
+    patcher.wrap(initialize, functools.partial(_initialize, runtime, kv_connector_pool.connector_pool_test(patcher),
+                                               kv_connector_access.outside_access_test(patcher)))
 
 
 def single_backing_patch(name: str, runner: str, allocate: Target, initialize: Target, runner_class: Target,
@@ -84,5 +86,6 @@ def single_backing_patch(name: str, runner: str, allocate: Target, initialize: T
     return Patch(name, f"{runner} runner: the one KV backing over CUDA virtual memory, vLLM's own views, "
                        "published in whole-page groups", versions,
                  (allocate, initialize, ALLOCATOR, runner_class, *dict.fromkeys((*ALLOCATION, *PUBLISHING)),
-                  VLLM_CONFIG, MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, *kv_connector_pool.TARGETS),
+                  VLLM_CONFIG, MODEL_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG, *kv_connector_pool.TARGETS,
+                  *kv_connector_access.TARGETS),
                  functools.partial(_apply, allocate, initialize))

@@ -12,6 +12,7 @@ from typing import Any
 from kvelastic.patching.spec import Absent, Patch, Signature, Target
 from kvelastic.patching.versions import VersionRange
 from kvelastic.patches._common import BAND_C, BAND_D, BEFORE_BAND_C, before
+from kvelastic.patches import kv_connector_access
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V1_RUNNER
 
@@ -32,8 +33,10 @@ TARGET = Target(
 def apply(patcher: Any, runtime: Any) -> None:
     from kvelastic.worker.allocation import publish_after_initialize
 
-    patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime))
+    patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime,
+                                           outside_access=kv_connector_access.outside_access_test(patcher)))
 
 
 PATCH = Patch("v1_initialize_kv_cache", "V1 runner: publish the KV block layout to the scheduler",
-              BEFORE_BAND_C, (TARGET, V1_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)
+              BEFORE_BAND_C, (TARGET, V1_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG,
+               *kv_connector_access.TARGETS), apply)

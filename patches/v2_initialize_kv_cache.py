@@ -11,6 +11,7 @@ from typing import Any
 
 from kvelastic.patching.spec import Patch, Signature, Target
 from kvelastic.patches._common import BAND_C, BAND_D, BEFORE_BAND_C
+from kvelastic.patches import kv_connector_access
 from kvelastic.patches.engine_config import PARALLEL_CONFIG, SCHEDULER_CONFIG, VLLM_CONFIG
 from kvelastic.patches.kv_cache_objects import PUBLISHING, V2_RUNNER
 
@@ -28,8 +29,10 @@ TARGET = Target(
 def apply(patcher: Any, runtime: Any) -> None:
     from kvelastic.worker.allocation import publish_after_initialize
 
-    patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime))
+    patcher.wrap(TARGET, functools.partial(publish_after_initialize, runtime,
+                                           outside_access=kv_connector_access.outside_access_test(patcher)))
 
 
 PATCH = Patch("v2_initialize_kv_cache", "V2 runner: publish the KV block layout to the scheduler",
-              BEFORE_BAND_C, (TARGET, V2_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG), apply)
+              BEFORE_BAND_C, (TARGET, V2_RUNNER, *PUBLISHING, VLLM_CONFIG, PARALLEL_CONFIG, SCHEDULER_CONFIG,
+               *kv_connector_access.TARGETS), apply)

@@ -474,7 +474,8 @@ def test_initialize_publishes_whole_page_groups_of_the_one_backing(band_c, layou
     spec_groups = [KVCacheGroupSpec(["a", "b", "c"], specs(2, 64, 16, torch.bfloat16, sliding=False))]
     config = plan(layout, spec_groups, 256)
     runner, initialize = _runner(layout, env)
-    publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
+    publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False,
+                        outside_access=lambda _: None)
     cache = env.runtime.cache
     assert cache is not None and env.runtime.allocation_pool() is None
     assert cache.blocks_per_group == group_blocks_of_config(config, 64 * KIB)
@@ -497,11 +498,13 @@ def test_sleep_mode_is_served_in_process_and_refused_under_worker_ranks_before_a
     runner, initialize = _runner(KVCacheLayout.BLNHC, env, sleep_mode=True)
     runner.vllm_config.parallel_config.distributed_executor_backend = executor
     if executor is None:
-        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False,
+                        outside_access=lambda _: None)
         assert env.runtime.cache is not None and env.runtime.cache.pool.is_mapped(0)
         return
     with pytest.raises(PatchError, match="sleep mode .* under worker ranks"):
-        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False)
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=lambda: False,
+                        outside_access=lambda _: None)
     assert env.runtime.allocation_pool() is None and env.runtime.cache is None
 
 
@@ -511,7 +514,7 @@ def test_a_connector_with_its_own_kv_memory_pool_is_refused_before_anything_is_a
 
     from vllm.distributed.kv_transfer import kv_transfer_state
 
-    from kvelastic.errors import PatchError
+    from kvelastic.errors import ConnectorUnsupported
     from kvelastic.worker.single_backing import publish_one_backing
     from kvelastic.patches import kv_connector_pool
 
@@ -535,6 +538,7 @@ def test_a_connector_with_its_own_kv_memory_pool_is_refused_before_anything_is_a
     assert has_pool() is True
     config = plan(KVCacheLayout.BLNHC, [KVCacheGroupSpec(["a"], specs(1, 64, 16, torch.bfloat16, False))], 8)
     runner, initialize = _runner(KVCacheLayout.BLNHC, env)
-    with pytest.raises(PatchError, match="memory pool of its own"):
-        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=has_pool)
+    with pytest.raises(ConnectorUnsupported, match="memory pool of its own"):
+        publish_one_backing(env.runtime, initialize, runner, (config,), {}, connector_has_pool=has_pool,
+                            outside_access=lambda _: None)
     assert env.runtime.allocation_pool() is None and env.runtime.cache is None

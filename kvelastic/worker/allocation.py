@@ -99,17 +99,24 @@ def publish_views(runtime: Runtime, pool: PagePool, views: Iterable[Any], num_bl
 
 
 def publish_after_initialize(runtime: Runtime, wrapped: Any, instance: Any, args: tuple, kwargs: dict, *,
+                             outside_access: Callable[[Any], str | None],
                              group_blocks: Callable[[Any, int], int | None] | None = None,
                              block_dim: int | None = None) -> Any:
     """Wrapper body shared by both runners' ``initialize_kv_cache``: run it, then publish the views.
 
-    Both runners bind their reshaped KV views to ``runner.kv_caches`` before
-    returning; the allocation in progress (if it went to the pool) is published.
+    A KV connector that reaches the KV cache from outside the process
+    (``outside_access``, from ``patches/kv_connector_access.py``) is refused first,
+    before vLLM allocates the cache or the connector registers it. Both runners
+    bind their reshaped KV views to ``runner.kv_caches`` before returning; the
+    allocation in progress (if it went to the pool) is published.
     ``group_blocks(kv_cache_config, page_bytes)`` chooses the blocks per page group
     (None: the layout's default); ``block_dim`` is passed on to :func:`publish_views`.
     """
     import inspect
 
+    from kvelastic.worker.connector_access import refuse_outside_access
+
+    refuse_outside_access(instance.vllm_config.kv_transfer_config, outside_access)
     result = wrapped(*args, **kwargs)
     pool = runtime.finish_allocation()
     if pool is not None:

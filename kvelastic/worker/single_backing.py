@@ -28,8 +28,8 @@ model is refused here, before any page is mapped.
 
 After a runner's ``initialize_kv_cache`` the views are published in whole-page
 groups (:func:`publish_one_backing`). Refused before vLLM's method allocates
-anything: sleep mode under worker ranks (``sleep_mode.py``) and a KV connector that allocates the
-KV cache in a memory pool of its own (:func:`refuse_connector_pool`).
+anything: sleep mode under worker ranks (``sleep_mode.py``) and the KV connectors the pool cannot
+serve (``connector_access.py``).
 """
 
 from __future__ import annotations
@@ -163,21 +163,15 @@ def refuse_raw_layers(views: dict[str, Any], backing: Any) -> None:
                           "which bytes their blocks use. Run this model with KVELASTIC=0")
 
 
-def refuse_connector_pool(connector_has_pool: bool) -> None:
-    """A KV connector that allocates the KV cache in its own pool (0.31+) would never get kvelastic's pages."""
-    if connector_has_pool:
-        raise PatchError("kvelastic: this KV connector allocates the KV cache in a memory pool of its own "
-                         "(get_mem_pool_context, such as Mooncake's), but kvelastic serves the KV cache from its "
-                         "page pool, so the connector would not hold it. Run this connector with KVELASTIC=0")
-
-
 def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tuple, kwargs: dict, *,
-                        connector_has_pool: Callable[[], bool]) -> Any:
+                        connector_has_pool: Callable[[], bool],
+                        outside_access: Callable[[Any], str | None]) -> Any:
     """A runner's ``initialize_kv_cache``: refusals first, then vLLM's, then its views published.
 
-    Refused before anything is allocated: sleep mode under worker ranks, and a KV connector with a
+    Refused before anything is allocated: sleep mode under worker ranks, a KV connector with a
     memory pool of its own (``connector_has_pool``, from
-    ``patches/kv_connector_pool.py``). The group size is whole pages of the one
+    ``patches/kv_connector_pool.py``) and one that reaches the KV cache from outside the
+    process (``outside_access``, :mod:`kvelastic.worker.connector_access`). The group size is whole pages of the one
     backing where that stays small
     (:func:`~kvelastic.worker.page_alignment.group_blocks_of_config`), and the
     views' block dimension is known (:data:`VIEW_BLOCK_DIM`).
@@ -185,9 +179,10 @@ def publish_one_backing(runtime: Runtime, initialize: Any, runner: Any, args: tu
     from kvelastic.worker.allocation import publish_after_initialize
     from kvelastic.worker.page_alignment import group_blocks_of_config
     from kvelastic.tp.worker_side import scheduler_elsewhere
+    from kvelastic.worker.connector_access import refuse_connector_pool
     from kvelastic.worker.sleep_mode import refuse_sleep_mode
 
     refuse_sleep_mode(runner.vllm_config.model_config.enable_sleep_mode, scheduler_elsewhere(runner))
     refuse_connector_pool(connector_has_pool())
-    return publish_after_initialize(runtime, initialize, runner, args, kwargs, group_blocks=group_blocks_of_config,
-                                    block_dim=VIEW_BLOCK_DIM)
+    return publish_after_initialize(runtime, initialize, runner, args, kwargs, outside_access=outside_access,
+                                    group_blocks=group_blocks_of_config, block_dim=VIEW_BLOCK_DIM)
