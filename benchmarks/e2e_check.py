@@ -69,6 +69,8 @@ def summary(r: dict) -> dict:
            "end_gib": memory[-1][1] / 2**30}
     if len(r["passes"]) > 1:  # the same prompts again: the cache is warm
         row["warm_seconds"] = r["passes"][1]["seconds"]
+    # prompt tokens served from the prefix cache, per pass (None where vLLM reports none)
+    row["cached_tokens"] = [sum(n or 0 for n in p.get("cached_tokens") or []) for p in r["passes"]]
     per_gpu = r.get("memory_per_gpu") or []
     if per_gpu and len(per_gpu[0][1]) > 1:  # several GPUs: each one's peak and its last sample
         row["peak_gib_per_gpu"] = [max(s[1][i] for s in per_gpu) / 2**30 for i in range(len(per_gpu[0][1]))]
@@ -147,6 +149,8 @@ def main() -> int:
               f"{k['tok_s'] / v['tok_s']:>6.3f} {warm_ratio(v, k):>10} {v['ttft_p50']:>11.3f} {k['ttft_p50']:>11.3f} "
               f"{v['peak_gib']:>13.1f} {k['ready_gib']:>9.1f} / {k['peak_gib']:.1f} / {k['end_gib']:.1f}")
     for row in rows:
+        print(f"{row['config']:<12} prefix-cache hits per pass (tokens): vanilla {row['vanilla']['cached_tokens']}, "
+              f"kvelastic {row['kvelastic']['cached_tokens']}")
         for label in ("vanilla", "kvelastic"):
             if row["connector"][label]:
                 print(f"{row['config']:<12} {label:<9} connector {row['connector'][label]}")

@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh serve              # vllm serve --api-server-count 2: kvelastic_* on /metrics (1B)
 #   bash benchmarks/gpu_session.sh demo               # two 1B servers on one GPU through the launcher
 #   bash benchmarks/gpu_session.sh sleep              # 1B sleep mode, levels 1 and 2: generate, sleep, wake, generate
+#   bash benchmarks/gpu_session.sh families           # MLA, Mamba-2 hybrid, interleaved sliding window, fp8 KV, n-gram drafts
 #   bash benchmarks/gpu_session.sh colocate           # vLLM 0.34+: two plain `vllm serve`, no utilization set, loaded in turns
 #   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic
 #   bash benchmarks/gpu_session.sh colocate-split     # the same without kvelastic, a hand split of 0.45 each
@@ -117,6 +118,27 @@ colocate|colocate-vanilla|colocate-split)  # two plain `vllm serve` (0.34+) on o
 sleep)  # about 5 min: 4 engines (vanilla, kvelastic at levels 1 and 2); SLEEP_MODEL for the 8B shape
     python3 benchmarks/check_sleep.py --model ${SLEEP_MODEL:-scripts/models/llama-1b} --outdir "$W/sleep" 2>&1 \
         | tee "$W/sleep.log" ;;
+families)  # about 6 min eager: each 1B shape of benchmarks/models (and llama-1b with fp8 KV, n-gram drafts) against vanilla
+    ver=$(vllm_version)
+    family() {  # NAME MODEL [vllm_run.py arguments]: prefix caching on (vllm_run's default) in every one
+        local name=$1 model=$2; shift 2
+        e2e --model "$model" --outdir "$W/$name" --matrix v2 --label="-$name-vllm$ver" --kve-env KVELASTIC_CACHE_TTL=2 \
+            --summary "$W/$name/summary.json" --extra --eager --idle-after 6 "$@" 2>&1 | tee "$W/$name.log"
+        grep -h "kvelastic: .*KV tensors" "$W/$name"/*-kve-*.log | head -2  # the groups the pool made
+    }
+    r=0
+    for entry in ${FAMILIES:-mla hybrid swa fp8 ngram}; do
+        case $entry in
+        mla) family mla benchmarks/models/mla-1b ;;
+        hybrid) family hybrid benchmarks/models/hybrid-1b ;;
+        swa) family swa benchmarks/models/swa-1b ;;
+        fp8) family fp8 scripts/models/llama-1b --engine-arg kv_cache_dtype=fp8 ;;
+        ngram) family ngram scripts/models/llama-1b --engine-arg \
+            'speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}' ;;
+        *) echo "unknown family $entry" >&2; false ;;
+        esac || r=1
+    done
+    (exit $r) ;;
 demo)
     python3 benchmarks/demo_two_instances.py --outdir "$W/demo" --enforce-eager 2>&1 | tee "$W/demo.log" ;;
 tp)

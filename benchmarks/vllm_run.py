@@ -113,6 +113,9 @@ def parse_args() -> argparse.Namespace:
                    help="--kv-cache-memory-bytes for a run without kvelastic only (kvelastic: KVELASTIC_LIMIT)")
     p.add_argument("--connector", choices=sorted(CONNECTORS), default=None, help="one of vLLM's offload connectors")
     p.add_argument("--cpu-bytes", type=int, default=4 << 30, help="the connector's cpu_bytes_to_use")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="one more argument for vLLM's LLM(), VALUE read as JSON where it parses "
+                        "(kv_cache_dtype=fp8, speculative_config='{\"method\": \"ngram\", ...}')")
     return p.parse_args()
 
 
@@ -145,7 +148,22 @@ def build_llm(args: argparse.Namespace):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": args.cpu_bytes,
                                                                               **extra})
+    kwargs.update(engine_args(args.engine_arg))
     return LLM(**kwargs)
+
+
+def engine_args(pairs: list[str]) -> dict:
+    """``NAME=VALUE`` pairs as LLM() keyword arguments; a VALUE that is not JSON stays a string."""
+    parsed = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--engine-arg wants NAME=VALUE, got {pair!r}")
+        try:
+            parsed[name] = json.loads(text)
+        except json.JSONDecodeError:
+            parsed[name] = text
+    return parsed
 
 
 def count_connector_transfers(llm) -> dict:
