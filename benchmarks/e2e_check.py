@@ -38,6 +38,7 @@ CONFIGS = {
     "simple-lazy": ["--connector", "simple-lazy"],
     "offload-lru": ["--connector", "offload-lru"],
     "offload-arc": ["--connector", "offload-arc"],
+    "lmcache": ["--connector", "lmcache"],  # a bundle with lmcache (its kernels built for the bundle's torch)
 }
 
 
@@ -101,8 +102,8 @@ def compare_run(name: str, vanilla: dict, elastic: dict, suffix: str) -> dict | 
         return None
     same, total = compare(vanilla, elastic)
     counted = elastic.get("connector")
-    if counted is not None and not counted["loaded_blocks"]:
-        print(f"== {name}{suffix}: the connector loaded nothing on kvelastic: the workload did not exercise it")
+    if counted is not None and not counted["external_tokens"]:
+        print(f"== {name}{suffix}: the connector served nothing on kvelastic: the workload did not exercise it")
         return None
     return {"config": name + suffix, "identical": same, "total": total,
             "vanilla": summary(vanilla), "kvelastic": summary(elastic),

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh overhead           # 8B: vanilla against kvelastic, 150 long prompts (OVERHEAD_CHUNKS=8)
 #   bash benchmarks/gpu_session.sh connectors-simple  # SimpleCPUOffloadConnector eager, lazy on the elastic pool (1B)
 #   bash benchmarks/gpu_session.sh connectors-offload # OffloadingConnector lru, arc on the elastic pool (1B)
+#   bash benchmarks/gpu_session.sh connectors-lmcache # LMCache's in-process connector on the elastic pool (a bundle with lmcache)
 #   bash benchmarks/gpu_session.sh offload            # 1B multi-turn, engines one after another (MULTITURN_ARGS)
 #   bash benchmarks/gpu_session.sh offload-paired     # 1B multi-turn, LRU, ARC, kvelastic interleaved (PAIRED_ROUNDS, default 9)
 #   bash benchmarks/gpu_session.sh offload-paired-8b  # the same on the 8B shape (32 conversations, 4 GiB GPU, 24 GiB host)
@@ -79,11 +80,18 @@ overhead)
     ver=$(vllm_version)
     python3 benchmarks/bench_overhead.py --model scripts/models/llama-8b --chunks ${OVERHEAD_CHUNKS:-8} \
         --outdir "$W/overhead-$ver" --json "$W/overhead-$ver/overhead.json" 2>&1 | tee "$W/overhead-$ver.log" ;;
-connectors-simple|connectors-offload)  # each about 4-6 min on an H100 (4 engines, enforce-eager)
+connectors-simple|connectors-offload|connectors-lmcache)  # each about 4-6 min on an H100 (4 engines, enforce-eager)
     # 256 MiB of GPU KV (vanilla: --kv-cache-memory-bytes, kvelastic: KVELASTIC_LIMIT) under 48 prompts of up
     # to ~2.5k tokens, twice: the second pass loads from the connector's CPU copies. Outputs token-identical
     # to the same connector on vanilla; memory after 8 idle seconds (TTL 2 s).
-    if [ "$stage" = connectors-simple ]; then modes="simple-eager simple-lazy"; else modes="offload-lru offload-arc"; fi
+    # connectors-lmcache needs lmcache in the staged bundle, its kernels built for the bundle's torch:
+    # ../shared/gpu/make-vllm-bundle 0.32.0 lmcache==0.5.6 (0.5.6 is built for torch 2.13, vLLM 0.29-0.32's)
+    case $stage in
+    connectors-simple) modes="simple-eager simple-lazy" ;;
+    connectors-offload) modes="offload-lru offload-arc" ;;
+    *) python3 -c 'import lmcache' 2>/dev/null || { echo "no lmcache in the staged vLLM bundle" >&2; exit 2; }
+       modes="lmcache" ;;
+    esac
     ver=$(vllm_version)
     e2e --model scripts/models/llama-1b --outdir "$W/$stage-$ver" --matrix $modes --label="-vllm$ver" \
         --kve-env KVELASTIC_LIMIT=256MiB KVELASTIC_CACHE_TTL=2 --summary "$W/$stage-$ver/summary.json" \

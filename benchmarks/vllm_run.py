@@ -6,8 +6,9 @@ Run it twice, with and without ``KVELASTIC=1``, and compare the JSON files:
     python benchmarks/vllm_run.py --model scripts/models/llama-1b --out run.json [--v1] [--offload]
 
 ``--connector MODE`` runs one of vLLM's own offload connectors (SimpleCPUOffloadConnector
-eager or lazy, OffloadingConnector lru or arc) with the engine core in this process, and
-counts the GPU blocks it stores and loads from its own scheduler-side metadata.
+eager or lazy, OffloadingConnector lru or arc) or LMCache's in-process connector with the
+engine core in this process, and counts the prompt tokens it serves and (vLLM's connectors)
+the GPU blocks it stores and loads from its own scheduler-side metadata.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ CONNECTORS = {  # mode: (connector, extra config besides cpu_bytes_to_use)
     "simple-lazy": ("SimpleCPUOffloadConnector", {"lazy_offload": True}),
     "offload-lru": ("OffloadingConnector", {"block_size": 16, "eviction_policy": "lru"}),
     "offload-arc": ("OffloadingConnector", {"block_size": 16, "eviction_policy": "arc"}),
+    # LMCache's in-process connector, its CPU store sized from --cpu-bytes (LMCACHE_* variables, set below)
+    "lmcache": ("LMCacheConnectorV1", {}),
 }
 
 
@@ -111,7 +114,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-bytes", type=str, default=None, help="--kv-cache-memory-bytes for vLLM")
     p.add_argument("--vanilla-kv-bytes", type=int, default=None,
                    help="--kv-cache-memory-bytes for a run without kvelastic only (kvelastic: KVELASTIC_LIMIT)")
-    p.add_argument("--connector", choices=sorted(CONNECTORS), default=None, help="one of vLLM's offload connectors")
+    p.add_argument("--connector", choices=sorted(CONNECTORS), default=None, help="one of vLLM's offload connectors, or LMCache's")
     p.add_argument("--cpu-bytes", type=int, default=4 << 30, help="the connector's cpu_bytes_to_use")
     p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="one more argument for vLLM's LLM(), VALUE read as JSON where it parses "
@@ -145,6 +148,9 @@ def build_llm(args: argparse.Namespace):
         from vllm.config import KVTransferConfig
 
         name, extra = CONNECTORS[args.connector]
+        if name == "LMCacheConnectorV1":  # LMCache reads its configuration from the environment
+            os.environ.update(LMCACHE_CHUNK_SIZE="256", LMCACHE_LOCAL_CPU="True",
+                              LMCACHE_MAX_LOCAL_CPU_SIZE=str(args.cpu_bytes / 2**30))
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": args.cpu_bytes,
                                                                               **extra})
@@ -167,7 +173,8 @@ def engine_args(pairs: list[str]) -> dict:
 
 
 def count_connector_transfers(llm) -> dict:
-    """GPU blocks the connector asks its workers to store and load, read off its own metadata each step.
+    """The prompt tokens the connector serves (vLLM's ``update_state_after_alloc``) and, for vLLM's offload
+    connectors, the GPU blocks it asks its workers to store and load, read off its own metadata each step.
 
     Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
     """
@@ -177,7 +184,18 @@ def count_connector_transfers(llm) -> dict:
     from kvelastic_dev.connector_transfers import transfers_of
 
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    counts = {"connector": type(connector).__name__, "stored_blocks": 0, "loaded_blocks": 0, "steps_with_loads": 0}
+    counts = {"connector": type(connector).__name__, "external_tokens": 0, "requests_with_external_tokens": 0}
+    after_alloc = connector.update_state_after_alloc
+
+    def counting_hits(request, blocks, num_external_tokens):  # vLLM's call once a request's blocks are allocated
+        counts["external_tokens"] += num_external_tokens
+        counts["requests_with_external_tokens"] += num_external_tokens > 0
+        return after_alloc(request, blocks, num_external_tokens)
+
+    connector.update_state_after_alloc = counting_hits
+    if counts["connector"] == "LMCacheConnectorV1":  # its metadata is its own: the hits above are its count
+        return counts
+    counts.update(stored_blocks=0, loaded_blocks=0, steps_with_loads=0)
     build = connector.build_connector_meta
 
     def counting(scheduler_output):
