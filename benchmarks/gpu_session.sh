@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu_session.sh colocate           # vLLM 0.34+: two plain `vllm serve`, no utilization set, loaded in turns
 #   bash benchmarks/gpu_session.sh colocate-vanilla   # the same without kvelastic
 #   bash benchmarks/gpu_session.sh colocate-split     # the same without kvelastic, a hand split of 0.45 each
+#   bash benchmarks/gpu_session.sh colocate-sleep     # `colocate` with sleep mode: the idle server sleeps each turn
 #   bash benchmarks/gpu_session.sh tp                 # 8B TP=2: identical outputs, both GPUs' KV memory rising and falling
 #   bash benchmarks/gpu_session.sh tp-spill           # `tp`, then TP=2 with a 1 GiB limit and an 8 GiB host tier
 #   bash benchmarks/gpu_session.sh pp                 # 8B PP=2: identical outputs, memory on both GPUs
@@ -120,7 +121,7 @@ startup)  # about 5 min: engine starts with vanilla between the others
         2>&1 | tee "$W/startup.log" ;;
 serve)
     python3 benchmarks/check_serve_metrics.py --outdir "$W/serve" 2>&1 | tee "$W/serve.log" ;;
-colocate|colocate-vanilla|colocate-split)  # two plain `vllm serve` (0.34+) on one GPU, no utilization set
+colocate|colocate-vanilla|colocate-split|colocate-sleep)  # two plain `vllm serve` (0.34+) on one GPU, no utilization set
     bash benchmarks/colocate_serve.sh "$(case $stage in colocate) echo kvelastic;; *) echo "${stage#colocate-}";; esac)" \
         2>&1 | tee "$W/$stage.log" ;;
 sleep)  # about 5 min: 4 engines (vanilla, kvelastic at levels 1 and 2); SLEEP_MODEL for the 8B shape
