@@ -33,19 +33,22 @@ def vllm_config(num_blocks: int, max_num_seqs: int = 8, max_num_batched_tokens: 
     return config
 
 
-def make_scheduler(num_blocks: int = N, asynchronous: bool = False, **batch):
+def make_scheduler(num_blocks: int = N, asynchronous: bool = False, kv_cache_config=None, config=None, **batch):
     """vLLM's Scheduler, or with ``asynchronous`` the AsyncScheduler that async scheduling uses;
-    ``batch``: :func:`vllm_config`'s batch limits."""
+    ``batch``: :func:`vllm_config`'s batch limits. ``kv_cache_config`` and ``config`` (a VllmConfig), where
+    given, replace the one full-attention group and :func:`vllm_config`'s config."""
     import torch
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    config = vllm_config(num_blocks, **batch)
+    config = vllm_config(num_blocks, **batch) if config is None else config
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
-    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
+    kv_config = kv_cache_config
+    if kv_config is None:
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                  kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
     return (AsyncScheduler if asynchronous else Scheduler)(vllm_config=config, kv_cache_config=kv_config,
                      structured_output_manager=StructuredOutputManager(config), block_size=BS, log_stats=False)
 
@@ -301,14 +304,18 @@ class PatchedSchedulers:
     def __init__(self) -> None:
         self.made: list = []
 
-    def make(self, pool, views, cache, settings, asynchronous: bool = False, budget_source=None):
-        """``budget_source``: the pool's shared-account gate, so the scheduler joins the GPU's account."""
+    def make(self, pool, views, cache, settings, asynchronous: bool = False, budget_source=None,
+             kv_cache_config=None, config=None):
+        """``budget_source``: the pool's shared-account gate, so the scheduler joins the GPU's account;
+        ``kv_cache_config``, ``config``: :func:`make_scheduler`'s."""
         from kvelastic.startup.runtime import Runtime
 
         runtime = Runtime(settings)
         runtime.cache = cache
         runtime.budget = budget_source
-        scheduler, patcher = build_patched(runtime, lambda: make_scheduler(asynchronous=asynchronous))
+        scheduler, patcher = build_patched(runtime, lambda: make_scheduler(asynchronous=asynchronous,
+                                                                            kv_cache_config=kv_cache_config,
+                                                                            config=config))
         self.made.append((scheduler, pool, views, patcher))  # the views keep the KV tensors' memory alive
         return scheduler
 
