@@ -79,3 +79,22 @@ def test_sleep_evicts_what_vllm_left_cached_and_a_second_sleep_or_wake_changes_n
     assert limit is None or limit > GROUP_BYTES
     assert drive(scheduler, [wave("b")])  # serves again, every block it hits mapped
     assert cached_blocks_are_all_mapped(scheduler, pool)
+
+
+def test_sleep_drops_the_host_tiers_copies_even_where_vllm_did_not_reset(patched):
+    """An RL loop loads new weights while the engine sleeps: no KV of the old ones may come back from the
+    host tier after wake. Before 0.17 the engine core's own sleep resets nothing (the front ends do), and
+    the hibernation's eviction spills what was cached: the hibernation drops the host copies itself."""
+    scheduler, pool, _ = patched(cache_ttl_s=math.inf, cpu_bytes=16 * GROUP_BYTES)
+    hibernation = getattr(scheduler, HIBERNATION_ATTRIBUTE)
+    tier = scheduler.kvelastic_offload.tier
+    first = drive(scheduler, [wave("a")])
+    assert len(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block) > 0  # no reset before sleep
+
+    hibernation.sleep()
+    assert tier.stats().slots_used == 0 and pool.mapped_groups() == frozenset({0})
+    hibernation.wake()
+    hits = tier.stats().hits
+    again = drive(scheduler, [wave("a")])
+    assert tier.stats().hits == hits  # none of the prompts came back from the host
+    assert sum(n for step in again for _, n in step) > sum(n for step in first for _, n in step) / 2  # recomputed

@@ -80,6 +80,12 @@ class Executor:
     def reset_encoder_cache(self) -> None:
         self.calls.append("reset_encoder_cache")
 
+    def get_kv_connector_handshake_metadata(self) -> list:
+        """Asked on wake where the scheduler has a connector (the host tier's loads): a worker without a KV
+        connector of vLLM's answers None."""
+        self.calls.append("get_kv_connector_handshake_metadata")
+        return [None]
+
 
 def engine_core(scheduler, executor: Executor):
     """vLLM's ``EngineCoreProc`` around ``scheduler``, without its ``__init__`` (that starts workers on a device)."""
@@ -110,15 +116,6 @@ def utility(proc, method: str, *args: Any):
     """One utility call as a client sends it; the decoded ``UtilityOutput``."""
     frames = MsgpackEncoder().encode((0, 1, method, args))
     return MsgpackDecoder(EngineCoreOutputs).decode(serve_utility(proc, frames)).utility_output
-
-
-def prefix_cache_of(scheduler) -> int:
-    return len(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
-
-
-def wave(tag: str) -> list:
-    """Four prompts of 20 blocks each, none shared: 80 blocks at once, more than one page group holds."""
-    return make_requests(tag, 4, 320, 0, seed=1)
 
 
 def prefix_cache_of(scheduler) -> int:
@@ -164,6 +161,29 @@ def test_asleep_only_the_null_blocks_group_is_held_and_awake_it_serves_as_after_
     assert utility(proc, "is_sleeping").result.result is False
     again = drive(scheduler, [wave("b")])
     assert first + again == as_vanilla_after_a_reset() and cached_blocks_are_all_mapped(scheduler, pool)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_with_a_host_tier_sleep_drops_its_copies_so_no_kv_of_the_old_weights_comes_back(band_c_scheduler,
+                                                                                       wrapped, level):
+    """An RL loop changes the weights while the engine sleeps: the host tier's copies, computed with the old
+    ones, must not serve a prompt after wake. Every level drops them, as vLLM drops its prefix cache."""
+    scheduler, pool, _, cache = band_c_scheduler(KVCacheLayout.LBNHC, cache_ttl_s=IDLE_FOREVER,
+                                                 cpu_bytes=16 * 1024 * 1024)
+    tier = scheduler.kvelastic_offload.tier
+    proc = engine_core(scheduler, Executor())
+    first = drive(scheduler, [wave("a")])
+    assert tier.stats().slots_used > 0  # the wave's blocks were stored on the host as they were computed
+
+    assert utility(proc, "sleep", level).failure_message is None
+    assert tier.stats().slots_used == 0 and pool.stats().held_bytes == cache.group_bytes
+    assert utility(proc, "wake_up", None).failure_message is None
+    hits = tier.stats().hits
+    again = drive(scheduler, [wave("a")])  # the same prompts: on vanilla, computed afresh after the reset
+    vanilla = make_scheduler()
+    assert first + again == drive(vanilla, [wave("a")]) + (vanilla.reset_prefix_cache() and
+                                                          drive(vanilla, [wave("a")]))
+    assert tier.stats().hits == hits  # none of them came from the host
 
 
 def test_level_0_pauses_and_gives_nothing_back(band_c_scheduler, wrapped):

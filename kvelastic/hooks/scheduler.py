@@ -92,7 +92,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                               after_tick=runtime.retire_unused_pools,
                               reloads=_reload_reserve(offload, cache))
     patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
-    _attach_hibernation(scheduler, connection, queue, reclaimer, lock, patcher)
+    _attach_hibernation(scheduler, connection, queue, reclaimer, lock, patcher, offload)
     reclaimer.start()
     started.append(reclaimer)
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
@@ -101,15 +101,18 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
 
 
 def _attach_hibernation(scheduler: Any, connection: CacheConnection, queue: PageAwareFreeQueue,
-                        upkeep: UpkeepThread, lock: threading.RLock, patcher: Patcher) -> None:
+                        upkeep: UpkeepThread, lock: threading.RLock, patcher: Patcher,
+                        offload: OffloadManager | None) -> None:
     """What vLLM's sleep and ``release_kv_cache_memory`` call on (``patches/sleep_mode.py``): the engine's
-    pages given back, where its pool is in this process; None under worker ranks, where both are refused."""
+    pages (and host-tier copies) given back, where its pool is in this process; None under worker ranks,
+    where both are refused."""
     from kvelastic.patches.sleep_mode import HIBERNATION_ATTRIBUTE
     from kvelastic.scheduler.hibernation import Hibernation
 
     hibernation = None
     if connection.unmaps_between_steps:
-        hibernation = Hibernation(queue, connection.cache, connection.mapper, upkeep, lock)
+        hibernation = Hibernation(queue, connection.cache, connection.mapper, upkeep, lock,
+                                  drop_host_copies=None if offload is None else offload.reset)
     patcher.add_attribute(scheduler, HIBERNATION_ATTRIBUTE, hibernation)
 
 

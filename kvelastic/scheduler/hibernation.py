@@ -13,12 +13,18 @@ While asleep the pool's limit is that one group and the upkeep runs no job (its
 account sync would raise the limit again, its warm reserve would grow), so nothing
 maps: a request scheduled meanwhile waits, as at any limit. Waking gives the limit
 back; groups then map as requests use them, as after start-up.
+
+A host tier's copies go too, whatever path reached the sleep: an RL loop loads new
+weights while the engine sleeps, and KV computed with the old ones must never come
+back. vLLM's own reset of the prefix cache drops them where it runs (every engine
+core from 0.17; before, the ``LLM`` and ``AsyncLLM`` front ends); the hibernation
+drops them again after its release, which also spilled what was still cached.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 if TYPE_CHECKING:
     from kvelastic.roles import Mapper
@@ -33,13 +39,16 @@ class Hibernation:
     """Sleep and wake for one engine whose KV cache is in this process."""
 
     def __init__(self, queue: "PageAwareFreeQueue", cache: "ElasticKVCache", mapper: "Mapper",
-                 upkeep: "UpkeepThread", lock: ContextManager):
-        """``lock``: the scheduler's lock (taken by every entry point and upkeep job that changes the pool)."""
+                 upkeep: "UpkeepThread", lock: ContextManager,
+                 drop_host_copies: Callable[[], None] | None = None):
+        """``lock``: the scheduler's lock (taken by every entry point and upkeep job that changes the pool);
+        ``drop_host_copies``: the host tier's reset, where the engine has one."""
         self.queue = queue
         self.cache = cache
         self.mapper = mapper
         self.upkeep = upkeep
         self.lock = lock
+        self.drop_host_copies = drop_host_copies
         self._limit_awake: tuple[int | None] | None = None  # the pool's limit before sleep; None: awake
 
     @property
@@ -68,6 +77,9 @@ class Hibernation:
                 self.mapper.map_now([])  # the unmaps just asked for are carried out
             pool.collect(wait=True)  # and their pages released once the GPU is done with them
             pool.set_limit(self.cache.group_bytes)  # pages parked or kept warm meanwhile go too
+            if self.drop_host_copies is not None:
+                with self.lock:
+                    self.drop_host_copies()
         except BaseException:
             if self._limit_awake is None:
                 self.upkeep.resume()
