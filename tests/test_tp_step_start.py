@@ -64,6 +64,29 @@ def test_the_descriptions_give_the_start_every_rank_shares():
         rank_handover.forget()
 
 
+def test_groups_a_warm_up_maps_after_the_cache_was_published_are_in_the_description_and_adopted():
+    """vLLM 0.34's kernel warm-up maps the groups of its blocks (``warmup_blocks``) after each rank published
+    its cache and started serving its scheduler; the engine core asks for the descriptions only after the
+    warm-up: they carry those groups, so the scheduler adopts them (and later releases them) rather than
+    leave them mapped on the ranks behind its back."""
+    from kvelastic.tp import rank_handover
+    from kvelastic.worker.extensible import map_warmup_blocks
+
+    made = _ranks_in_this_process(((1,), (1,)))
+    try:
+        for _, worker in made:  # the warm-up, after start_rank: blocks [0, 4 groups)
+            map_warmup_blocks(worker.cache, 4 * BLOCKS_PER_GROUP)
+        infos = [worker.describe() for _, worker in made]
+        assert start_state.of_descriptions(infos).adopted == (0, 1, 2, 3)
+        sent = decode_info(rank_handover.describe(None), "the description sent back")  # the last rank's
+        assert sent.start_groups == (0, 1, 2, 3)
+    finally:
+        for pool, worker in made:
+            worker.close()
+            pool.close()
+        rank_handover.forget()
+
+
 def test_commands_are_numbered_on_from_the_highest_mark_any_rank_described():
     from kvelastic.tp.scheduler_side import RankConnection
 

@@ -62,6 +62,17 @@ class RankWorker:
         self._reserve_short = True  # that fit left the reserve below its target: try again next tick
 
     # ----------------------------------------------------------------- steps
+    def describe(self) -> RankInfo:
+        """This rank's description as the engine core asks for it: the groups mapped now and the mark.
+
+        Asked once vLLM's start-up is over (the executor's ``initialize_from_config``,
+        warm-up and CUDA graph capture included) and before any command: the groups
+        a warm-up mapped after the KV cache was published (vLLM 0.34's kernel
+        warm-up, ``patches/warmup_blocks.py``) are in it, so the scheduler adopts and
+        later releases them like any other."""
+        return dataclasses.replace(self.info, start_groups=tuple(sorted(self.cache.pool.mapped_groups())),
+                                   applied=self.applied)
+
     def at_first_step(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the first step arrives: vLLM's start-up (CUDA graph capture) is over."""
         if self._first_step is None:

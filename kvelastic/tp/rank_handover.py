@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kvelastic.errors import EngineCoreUnknown
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 _engine_pid: int | None = None  # the engine core that said it drives this rank (Ray)
-_description: bytes | None = None  # this rank's description, for describe()
+_description: "Callable[[], RankInfo] | None" = None  # this rank's description, for describe()
 
 
 def host_identity() -> str:
@@ -66,18 +66,19 @@ def engine_core(backend: str) -> int:
     return _engine_pid
 
 
-def keep_description(info: "RankInfo") -> None:
-    """Keep this rank's description for :func:`describe`."""
+def keep_description(describe_now: "Callable[[], RankInfo]") -> None:
+    """Keep how this rank describes itself, for :func:`describe`."""
     global _description
-    from kvelastic.tp.rank_info import encode_info
-
-    _description = encode_info(info)
+    _description = describe_now
 
 
 def describe(worker: Any) -> bytes | None:
-    """This rank's description, as bounded JSON, or None where it serves no kvelastic cache; runs on each rank
-    through ``collective_rpc`` once vLLM's ``initialize_from_config`` returned. ``worker``: vLLM's, unused."""
-    return _description
+    """This rank's description as it is now, as bounded JSON, or None where it serves no kvelastic cache; runs
+    on each rank through ``collective_rpc`` once vLLM's ``initialize_from_config`` returned (vLLM's warm-up
+    over). ``worker``: vLLM's, unused."""
+    from kvelastic.tp.rank_info import encode_info
+
+    return None if _description is None else encode_info(_description())
 
 
 def forget() -> None:

@@ -7,8 +7,9 @@ blocks may be handed out at once), a group only some ranks mapped is unmapped
 with the first step (a block of it would be missing on the others), and the
 commands it sends are numbered on from the highest mark, so that no rank skips
 a number it has seen as applied. The picture comes in the descriptions the
-ranks send back over vLLM's ``collective_rpc``, taken once their KV caches
-exist and before any command: nothing changes a rank's maps in between.
+ranks send back over vLLM's ``collective_rpc``, each taken when the engine core
+asks, once vLLM's start-up (warm-up and CUDA graph capture included) is over and
+before any command: nothing changes a rank's maps in between.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def start_rank(cache: ElasticKVCache, rank: int, world: int, limit_bytes: int | 
                     limit_bytes=limit_bytes, host_slots=memory.slots if memory else 0, slot_bytes=slot_bytes,
                     gpu_id=gpu_id, gpu_total=gpu_total or 0, host=rank_handover.host_identity())
     worker = RankWorker(cache, info, copier)
-    rank_handover.keep_description(worker.info)  # with its start-up state: the engine core asks for it
+    rank_handover.keep_description(worker.describe)  # what the engine core asks for once vLLM's start-up is over
     if memory is not None:
         memory.watch(worker.pinned)
         worker.at_first_step(memory.begin)  # not while vLLM captures CUDA graphs (HostMemory's docstring)
