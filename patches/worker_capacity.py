@@ -1,32 +1,67 @@
-"""Worker: the KV cache's size is its virtual capacity; what vLLM profiled becomes the physical limit."""
+"""Worker: the KV cache's size is its virtual capacity; what vLLM profiled becomes the physical limit.
+
+The profile is read as if the other engines kvelastic serves on the GPU had
+stood still while this one started (``kvelastic/worker/profile_neighbours.py``):
+``init_device`` is wrapped to note their bytes once vLLM took its start snapshot
+(``Worker.init_snapshot``, a ``MemorySnapshot``), and the snapshot is corrected
+by their change for the length of vLLM's ``determine_available_memory``.
+"""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from kvelastic.patching.spec import Patch, Signature, Target
+from kvelastic.patching.spec import Attributes, Patch, Signature, Target
 from kvelastic.patches._common import ALL
 
+_WORKER = "vllm.v1.worker.gpu_worker"
 TARGET = Target(
-    module="vllm.v1.worker.gpu_worker",
+    module=_WORKER,
     qualname="Worker.determine_available_memory",
     kind="method",
     shapes=(Signature(ALL, ("self",)),),
 )
+INIT_DEVICE = Target(module=_WORKER, qualname="Worker.init_device", kind="method", shapes=(Signature(ALL, ("self",)),))
+WORKER = Target(  # the start snapshot init_device takes and determine_available_memory reads
+    module=_WORKER,
+    qualname="Worker",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("init_snapshot",), set_in=("init_device",)),),
+)
+MEMORY_SNAPSHOT = Target(  # the fields that count other processes' memory (profile_neighbours.RISES, FALLS)
+    module="vllm.utils.mem_utils",
+    qualname="MemorySnapshot",
+    kind="class",
+    use="read",
+    shapes=(Attributes(ALL, ("free_memory", "cuda_memory", "non_torch_memory")),),
+)
+TARGETS = (TARGET, INIT_DEVICE, WORKER, MEMORY_SNAPSHOT)
 
 
-def _determine(runtime: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> int:
+def _init_device(correction: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    result = wrapped(*args, **kwargs)
+    correction.snapshot_taken()
+    return result
+
+
+def _determine(runtime: Any, correction: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> int:
     import torch
 
-    profiled = int(wrapped(*args, **kwargs))
+    with correction.applied(instance.init_snapshot):
+        profiled = int(wrapped(*args, **kwargs))
     total = torch.cuda.mem_get_info()[1]
     return runtime.plan_capacity(profiled_bytes=profiled, device_total_bytes=total).virtual_bytes
 
 
 def apply(patcher: Any, runtime: Any) -> None:
-    patcher.wrap(TARGET, functools.partial(_determine, runtime))
+    from kvelastic.worker.profile_neighbours import NeighbourCorrection, neighbours_on_this_device
+
+    correction = NeighbourCorrection(functools.partial(neighbours_on_this_device, runtime.settings.shared_dir))
+    patcher.wrap(TARGET, functools.partial(_determine, runtime, correction))
+    patcher.wrap(INIT_DEVICE, functools.partial(_init_device, correction))
 
 
-PATCH = Patch("worker_capacity", "Worker: virtual KV capacity, profiled bytes become the physical limit",
-              ALL, (TARGET,), apply)
+PATCH = Patch("worker_capacity", "Worker: virtual KV capacity, profiled bytes become the physical limit, the "
+              "profile read as if neighbours had stood still", ALL, TARGETS, apply)

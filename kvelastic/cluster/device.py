@@ -22,6 +22,11 @@ def device_identity(backend: Any) -> tuple[str, int | None]:
     """A name for the device's account file, and its total memory when known."""
     if backend.name != "cuda":
         return f"{backend.name}-{socket.gethostname()}", None
+    return current_cuda_identity()
+
+
+def current_cuda_identity() -> tuple[str, int]:
+    """The account id and total memory of this process's current CUDA device."""
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())

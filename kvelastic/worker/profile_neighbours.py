@@ -1,0 +1,102 @@
+"""A starting engine's memory profile, as if its kvelastic neighbours on the GPU had stood still.
+
+vLLM measures the device's free memory as a worker starts (``init_snapshot``,
+taken in ``init_device``) and again after its profiling run, loads the weights
+in between, and counts the difference as the engine's own memory. It asserts
+that free memory did not rise ("Error in memory profiling ... other processes
+... release GPU memory"). Neighbours that kvelastic serves on the same GPU map
+and unmap KV pages as their load moves, so one that gave back more than the new
+engine took in that window stopped its start, and one that grew was counted as
+the new engine's own memory: its KV cap came out smaller by as much, for its
+whole life.
+
+Their physical KV bytes are in the GPU's shared account. Read after
+``init_device`` and again just before vLLM profiles, the change is taken out of
+the start snapshot for the profile (free memory, device memory and non-torch
+memory alike) and put back after. What neighbours change during the profiling
+run itself (seconds, against the minutes of a model load) is not corrected, nor
+is any process kvelastic does not serve. A read waits at most
+:data:`READ_DEADLINE_S` for the account's lock; an account that is busy, absent
+or unreadable means no correction, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from kvelastic.cluster.account import SharedAccount
+from kvelastic.cluster.errors import ClusterError
+from kvelastic.cluster.storage import account_path
+from kvelastic.shared.errors import SharedFileError
+
+log = logging.getLogger("vllm.kvelastic")
+
+READ_DEADLINE_S = 0.02
+#: The fields of vLLM's ``MemorySnapshot`` that count other processes' memory: free memory rises by what
+#: the neighbours give back, device and non-torch memory fall by it.
+RISES, FALLS = ("free_memory",), ("cuda_memory", "non_torch_memory")
+
+
+def neighbours_bytes(gpu_id: str, shared_dir: str | Path | None) -> int | None:
+    """The physical KV bytes the live members of ``gpu_id``'s shared account hold; None where it cannot tell."""
+    try:
+        account = SharedAccount.attach(account_path(gpu_id, shared_dir), lock_timeout_s=READ_DEADLINE_S)
+    except (ClusterError, SharedFileError, OSError):  # no account (no neighbour), busy, or unreadable
+        return None
+    try:
+        return sum(member.mapped_bytes for member in account.members())
+    except (ClusterError, SharedFileError, OSError):
+        return None
+    finally:
+        account.close()
+
+
+class NeighbourCorrection:
+    """The neighbours' bytes when the start snapshot was taken, and the profile corrected by their change."""
+
+    def __init__(self, read: Callable[[], int | None]):
+        """``read``: the neighbours' bytes now (:func:`neighbours_bytes` for this device), or None."""
+        self.read = read
+        self.at_start: int | None = None
+
+    def snapshot_taken(self) -> None:
+        """vLLM took its start snapshot (``init_device`` returned): note the neighbours' bytes."""
+        self.at_start = self.read()
+
+    @contextlib.contextmanager
+    def applied(self, snapshot: Any) -> Iterator[int]:
+        """``snapshot`` (vLLM's start snapshot) as if the neighbours still held what they held when it was
+        taken, for the block; yields the bytes they gave back meanwhile (negative: took)."""
+        now = None if self.at_start is None else self.read()
+        released = 0 if now is None or self.at_start is None else self.at_start - now
+        if released:
+            log.info("kvelastic: the other engines on this GPU %s %d MiB while this one loaded; vLLM's "
+                     "profile counts them as they were", "gave back" if released > 0 else "took",
+                     abs(released) >> 20)
+        shift(snapshot, released)
+        try:
+            yield released
+        finally:
+            shift(snapshot, -released)
+
+
+def shift(snapshot: Any, released: int) -> None:
+    """Move ``released`` bytes of other processes' memory back into ``snapshot``'s free memory."""
+    for name in RISES:
+        setattr(snapshot, name, getattr(snapshot, name) + released)
+    for name in FALLS:
+        setattr(snapshot, name, getattr(snapshot, name) - released)
+
+
+def neighbours_on_this_device(shared_dir: str | Path | None) -> int | None:
+    """:func:`neighbours_bytes` of this process's current CUDA device."""
+    from kvelastic.cluster.device import current_cuda_identity
+
+    try:
+        gpu_id, _ = current_cuda_identity()
+    except (RuntimeError, AssertionError):  # no CUDA device here: nothing to correct
+        return None
+    return neighbours_bytes(gpu_id, shared_dir)
