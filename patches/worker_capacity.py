@@ -3,8 +3,9 @@
 The profile is read as if the other engines kvelastic serves on the GPU had
 stood still while this one started (``kvelastic/worker/profile_neighbours.py``):
 ``init_device`` is wrapped to note their bytes once vLLM took its start snapshot
-(``Worker.init_snapshot``, a ``MemorySnapshot``), and the snapshot is corrected
-by their change for the length of vLLM's ``determine_available_memory``.
+(``Worker.init_snapshot``, a ``MemorySnapshot``), and a copy corrected by their
+change stands in for it (a change the Patcher records and undoes) for the length
+of vLLM's ``determine_available_memory``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ TARGET = Target(
     shapes=(Signature(ALL, ("self",)),),
 )
 INIT_DEVICE = Target(module=_WORKER, qualname="Worker.init_device", kind="method", shapes=(Signature(ALL, ("self",)),))
-WORKER = Target(  # the start snapshot init_device takes and determine_available_memory reads
+WORKER = Target(  # the start snapshot init_device takes, replaced by a corrected copy while vLLM profiles
     module=_WORKER,
     qualname="Worker",
     kind="class",
-    use="read",
+    use="instance",
     shapes=(Attributes(ALL, ("init_snapshot",), set_in=("init_device",)),),
 )
 MEMORY_SNAPSHOT = Target(  # the fields that count other processes' memory (profile_neighbours.RISES, FALLS)
@@ -35,7 +36,7 @@ MEMORY_SNAPSHOT = Target(  # the fields that count other processes' memory (prof
     qualname="MemorySnapshot",
     kind="class",
     use="read",
-    shapes=(Attributes(ALL, ("free_memory", "cuda_memory", "non_torch_memory")),),
+    shapes=(Attributes(ALL, ("free_memory", "cuda_memory", "non_torch_memory", "auto_measure")),),
 )
 TARGETS = (TARGET, INIT_DEVICE, WORKER, MEMORY_SNAPSHOT)
 
@@ -46,11 +47,17 @@ def _init_device(correction: Any, wrapped: Any, instance: Any, args: tuple, kwar
     return result
 
 
-def _determine(runtime: Any, correction: Any, wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> int:
+def _determine(runtime: Any, patcher: Any, correction: Any, wrapped: Any, instance: Any, args: tuple,
+               kwargs: dict) -> int:
     import torch
 
-    with correction.applied(instance.init_snapshot):
+    corrected = correction.corrected(instance.init_snapshot)
+    change = None if corrected is None else patcher.replace_attribute(instance, WORKER, "init_snapshot", corrected)
+    try:
         profiled = int(wrapped(*args, **kwargs))
+    finally:
+        if change is not None:
+            patcher.undo(change)  # vLLM's own snapshot back
     total = torch.cuda.mem_get_info()[1]
     return runtime.plan_capacity(profiled_bytes=profiled, device_total_bytes=total).virtual_bytes
 
@@ -59,7 +66,7 @@ def apply(patcher: Any, runtime: Any) -> None:
     from kvelastic.worker.profile_neighbours import NeighbourCorrection, neighbours_on_this_device
 
     correction = NeighbourCorrection(functools.partial(neighbours_on_this_device, runtime.settings.shared_dir))
-    patcher.wrap(TARGET, functools.partial(_determine, runtime, correction))
+    patcher.wrap(TARGET, functools.partial(_determine, runtime, patcher, correction))
     patcher.wrap(INIT_DEVICE, functools.partial(_init_device, correction))
 
 

@@ -69,22 +69,25 @@ def test_a_busy_account_means_no_correction_after_a_short_wait(shared):
 def test_the_profile_sees_only_this_engines_own_memory(neighbour_change, kv_log):
     """This engine takes 4 GiB (weights, activations) while a neighbour gives back 6 GiB (or takes 6): vLLM's
     check fails on the raw snapshot when the neighbour gave back more, and its count of this engine's memory
-    is off by the neighbour's change; corrected, both are this engine's own, and the snapshot is put back."""
+    is off by the neighbour's change; on the corrected copy both are this engine's own, and vLLM's snapshot
+    itself is left as measured."""
     own = 4 * GIB
     held = iter([20 * GIB, 20 * GIB + neighbour_change])  # the account: at the snapshot, then at the profile
     correction = NeighbourCorrection(lambda: next(held))
     start = snapshot(free=50 * GIB)
     correction.snapshot_taken()
     after = snapshot(free=50 * GIB - own - neighbour_change, torch_memory=own)
-    raw_ok = start.free_memory >= after.free_memory  # vLLM's assertion
-    assert raw_ok == (neighbour_change >= -own)
+    assert (start.free_memory >= after.free_memory) == (neighbour_change >= -own)  # vLLM's assertion, raw
     before = dataclasses.asdict(start)
-    with correction.applied(start) as released:
-        assert released == -neighbour_change
-        assert start.free_memory >= after.free_memory  # vLLM's assertion holds
-        assert start.free_memory - after.free_memory == own  # its count of this engine's memory
-        assert (after - start).non_torch_memory == 0  # the non-torch increase: none of it is this engine's
+    corrected = correction.corrected(start)
     assert dataclasses.asdict(start) == before
+    if neighbour_change == 0:
+        assert corrected is None and not kv_log.text
+        return
+    assert type(corrected) is MemorySnapshot and corrected.auto_measure is False
+    assert corrected.free_memory >= after.free_memory  # vLLM's assertion holds
+    assert corrected.free_memory - after.free_memory == own  # its count of this engine's memory
+    assert (after - corrected).non_torch_memory == 0  # the non-torch increase: none of it is this engine's
     assert ("gave back" in kv_log.text) == (neighbour_change < 0) and ("took" in kv_log.text) == (neighbour_change > 0)
 
 
@@ -92,10 +95,46 @@ def test_without_a_reading_at_either_end_nothing_is_corrected():
     for readings in ([None, 5 * GIB], [5 * GIB, None]):
         held = iter(readings)
         correction = NeighbourCorrection(lambda: next(held))
-        start = snapshot(free=50 * GIB)
         correction.snapshot_taken()
-        with correction.applied(start) as released:
-            assert released == 0 and start.free_memory == 50 * GIB
+        assert correction.corrected(snapshot(free=50 * GIB)) is None
+
+
+def test_vllm_reads_the_corrected_copy_while_it_profiles_and_its_own_snapshot_after(monkeypatch):
+    """Through the patch's own wrapper and a Patcher cleared for its targets: the worker's ``init_snapshot`` is
+    the corrected copy for the length of the call (what vLLM's ``determine_available_memory`` reads) and
+    vLLM's own object again after it, also when the call raises."""
+    import torch
+
+    from kvelastic.patches import worker_capacity
+    from kvelastic.patching.apply import Patcher
+    from kvelastic.patching.versions import installed_vllm_version
+    from kvelastic.settings import Settings
+    from kvelastic.startup.runtime import Runtime
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * GIB, 80 * GIB))
+    patcher = Patcher(installed_vllm_version(), worker_capacity.TARGETS)
+    held = iter([20 * GIB, 14 * GIB, 20 * GIB, 14 * GIB])
+    correction = NeighbourCorrection(lambda: next(held))
+    worker = type("Worker", (), {})()  # what the wrapper touches of vLLM's worker: its start snapshot
+    worker.init_snapshot = own = snapshot(free=50 * GIB)
+    seen = []
+
+    def profile(fail: bool) -> int:
+        seen.append(worker.init_snapshot)
+        if fail:
+            raise RuntimeError("profiling failed")
+        return 8 * GIB
+
+    runtime = Runtime(Settings(enabled=True))
+    for fail in (False, True):
+        correction.snapshot_taken()
+        if fail:
+            with pytest.raises(RuntimeError):
+                worker_capacity._determine(runtime, patcher, correction, profile, worker, (True,), {})
+        else:
+            assert worker_capacity._determine(runtime, patcher, correction, profile, worker, (False,), {}) > 0
+        assert seen[-1] is not own and seen[-1].free_memory == own.free_memory + 6 * GIB
+        assert worker.init_snapshot is own and patcher.changes == ()
 
 
 def test_the_account_read_belongs_to_this_users_scope(shared):

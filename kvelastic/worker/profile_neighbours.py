@@ -12,20 +12,21 @@ whole life.
 
 Their physical KV bytes are in the GPU's shared account. Read after
 ``init_device`` and again just before vLLM profiles, the change is taken out of
-the start snapshot for the profile (free memory, device memory and non-torch
-memory alike) and put back after. What neighbours change during the profiling
-run itself (seconds, against the minutes of a model load) is not corrected, nor
-is any process kvelastic does not serve. A read waits at most
+a copy of the start snapshot (free memory, device memory and non-torch memory
+alike), which vLLM reads for the profile in place of its own, put back after.
+What neighbours change during the profiling run itself (seconds, against the
+minutes of a model load) is not corrected, nor is any process kvelastic does
+not serve. A read waits at most
 :data:`READ_DEADLINE_S` for the account's lock; an account that is busy, absent
 or unreadable means no correction, as before.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from kvelastic.cluster.account import SharedAccount
 from kvelastic.cluster.errors import ClusterError
@@ -55,7 +56,7 @@ def neighbours_bytes(gpu_id: str, shared_dir: str | Path | None) -> int | None:
 
 
 class NeighbourCorrection:
-    """The neighbours' bytes when the start snapshot was taken, and the profile corrected by their change."""
+    """The neighbours' bytes when the start snapshot was taken, and that snapshot corrected by their change."""
 
     def __init__(self, read: Callable[[], int | None]):
         """``read``: the neighbours' bytes now (:func:`neighbours_bytes` for this device), or None."""
@@ -66,29 +67,18 @@ class NeighbourCorrection:
         """vLLM took its start snapshot (``init_device`` returned): note the neighbours' bytes."""
         self.at_start = self.read()
 
-    @contextlib.contextmanager
-    def applied(self, snapshot: Any) -> Iterator[int]:
-        """``snapshot`` (vLLM's start snapshot) as if the neighbours still held what they held when it was
-        taken, for the block; yields the bytes they gave back meanwhile (negative: took)."""
+    def corrected(self, snapshot: Any) -> Any | None:
+        """A copy of ``snapshot`` (vLLM's start ``MemorySnapshot``, a dataclass) as if the neighbours still
+        held what they held when it was taken; None where nothing changed or either reading is missing."""
         now = None if self.at_start is None else self.read()
         released = 0 if now is None or self.at_start is None else self.at_start - now
-        if released:
-            log.info("kvelastic: the other engines on this GPU %s %d MiB while this one loaded; vLLM's "
-                     "profile counts them as they were", "gave back" if released > 0 else "took",
-                     abs(released) >> 20)
-        shift(snapshot, released)
-        try:
-            yield released
-        finally:
-            shift(snapshot, -released)
-
-
-def shift(snapshot: Any, released: int) -> None:
-    """Move ``released`` bytes of other processes' memory back into ``snapshot``'s free memory."""
-    for name in RISES:
-        setattr(snapshot, name, getattr(snapshot, name) + released)
-    for name in FALLS:
-        setattr(snapshot, name, getattr(snapshot, name) - released)
+        if not released:
+            return None
+        log.info("kvelastic: the other engines on this GPU %s %d MiB while this one loaded; vLLM's profile "
+                 "counts them as they were", "gave back" if released > 0 else "took", abs(released) >> 20)
+        moved = {name: getattr(snapshot, name) + released for name in RISES}
+        moved.update({name: getattr(snapshot, name) - released for name in FALLS})
+        return dataclasses.replace(snapshot, auto_measure=False, **moved)  # measured already: never again
 
 
 def neighbours_on_this_device(shared_dir: str | Path | None) -> int | None:
