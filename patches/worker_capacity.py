@@ -51,7 +51,8 @@ def _determine(runtime: Any, patcher: Any, correction: Any, wrapped: Any, instan
                kwargs: dict) -> int:
     import torch
 
-    corrected = correction.corrected(instance.init_snapshot)
+    measured = vars(instance).get("init_snapshot")  # taken by init_device on a CUDA device only
+    corrected = None if measured is None else correction.corrected(measured)
     change = None if corrected is None else patcher.replace_attribute(instance, WORKER, "init_snapshot", corrected)
     try:
         profiled = int(wrapped(*args, **kwargs))
