@@ -48,6 +48,9 @@ class AccountLink(Protocol):
     def tick(self, queue: Any, offload: Any) -> int:
         """Report, apply the limit; the bytes other engines want back."""
 
+    def withdraw_want(self) -> bool:
+        """The engine wants nothing now (asleep); False where an account could not hear it."""
+
     def leave(self) -> None: ...
 
 

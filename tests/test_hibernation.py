@@ -98,3 +98,42 @@ def test_sleep_drops_the_host_tiers_copies_even_where_vllm_did_not_reset(patched
     again = drive(scheduler, [wave("a")])
     assert tier.stats().hits == hits  # none of the prompts came back from the host
     assert sum(n for step in again for _, n in step) > sum(n for step in first for _, n in step) / 2  # recomputed
+
+
+def test_while_one_engine_sleeps_the_other_uses_its_memory_and_it_comes_back_on_wake(patched):
+    """Two engines in one GPU account of 6 groups: ``a`` holds most of it when it goes to sleep; ``b``'s wave,
+    which needs the whole budget, then runs on everything but ``a``'s null group. Awake again, ``a`` gets its
+    memory back from an idle ``b`` and serves. Together they never hold more than the budget."""
+    from tests.test_fair_share_schedulers import _step
+
+    budget = 6 * GROUP_BYTES
+    settings = dict(shared=True, shared_budget_bytes=budget, cache_ttl_s=math.inf, reserve_bytes=0)
+    a, a_pool, _ = patched(name="a", **settings)
+    b, b_pool, _ = patched(name="b", **settings)
+
+    def run(engine, wave, held_by_b: list) -> None:
+        for request in wave:
+            engine.add_request(request)
+        for _ in range(600):
+            if not engine.has_requests():
+                return
+            _step(engine)
+            a.kvelastic_reclaimer.tick()
+            b.kvelastic_reclaimer.tick()
+            together = a_pool.stats().held_bytes + b_pool.stats().held_bytes
+            assert together <= budget, f"the engines hold {together} bytes together"
+            held_by_b.append(b_pool.stats().held_bytes)
+        pytest.fail("a wave never finished")
+
+    run(a, make_requests("a", 8, 460, 0, seed=3, max_tokens=20), [])
+    assert a_pool.stats().held_bytes > budget // 2  # a's cached wave keeps most of the budget
+    assert getattr(a, HIBERNATION_ATTRIBUTE).sleep() == GROUP_BYTES
+
+    held_by_b: list[int] = []
+    run(b, make_requests("b", 8, 460, 0, seed=4, max_tokens=20), held_by_b)
+    assert max(held_by_b) == budget - GROUP_BYTES  # all of it but a's null group
+
+    getattr(a, HIBERNATION_ATTRIBUTE).wake()
+    held_by_b.clear()
+    run(a, make_requests("c", 8, 460, 0, seed=5, max_tokens=20), held_by_b)
+    assert min(held_by_b) < budget // 2 <= max(held_by_b)  # b's idle cache went back to a

@@ -134,6 +134,13 @@ class Member:
             snap.write(me)
             return True
 
+    def withdraw_want(self) -> None:
+        """This member needs nothing more now (its engine went to sleep): its want, and the fair share a
+        recent refusal claims for it, no longer hold the others back."""
+        with self._mine() as (snap, me):
+            me.wanted_bytes, me.wanted_at, me.waiting_since, me.heartbeat = 0, 0.0, 0.0, snap.now
+            snap.write(me)
+
     def acquire(self, nbytes: int) -> bool:
         """Take ``nbytes`` of the budget if the rules allow (see :mod:`kvelastic.cluster.policy`)."""
         return self.request(nbytes).granted

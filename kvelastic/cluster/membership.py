@@ -79,6 +79,11 @@ class Membership:
         """The member's :meth:`~kvelastic.cluster.member.Member.want`; False when busy or without an account."""
         return self._ask(lambda m: m.want(nbytes), busy=False, gone=False)
 
+    def withdraw_want(self) -> bool:
+        """The member's :meth:`~kvelastic.cluster.member.Member.withdraw_want`; False when busy or without
+        an account."""
+        return self._ask(lambda m: m.withdraw_want() or True, busy=False, gone=False)
+
     def _ask(self, question: Callable[[Member], T], *, busy: T, gone: T) -> T:
         """``question`` put to the member: ``busy`` if the lock stayed taken, ``gone`` without an account."""
         member = self.member

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvelastic.hooks.commit_guard import CommitGuard
     from kvelastic.scheduler.free_queue import PageAwareFreeQueue
     from kvelastic.offload.manager import OffloadManager
+    from kvelastic.roles import AccountLink
     from kvelastic.scheduler.reload_reserve import ReloadReserve
     from kvelastic.tp.idle_steps import IdleSteps
 
@@ -92,7 +93,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
                               after_tick=runtime.retire_unused_pools,
                               reloads=_reload_reserve(offload, cache))
     patcher.add_attribute(scheduler, "kvelastic_reclaimer", reclaimer)
-    _attach_hibernation(scheduler, connection, queue, reclaimer, lock, patcher, offload)
+    _attach_hibernation(scheduler, connection, queue, reclaimer, lock, patcher, offload, link)
     reclaimer.start()
     started.append(reclaimer)
     log.info("kvelastic: scheduler block pool is page-aware: %d blocks in %d groups of %d blocks",
@@ -102,7 +103,7 @@ def _attach(scheduler: Any, runtime: Runtime, patcher: Patcher, started: list[An
 
 def _attach_hibernation(scheduler: Any, connection: CacheConnection, queue: PageAwareFreeQueue,
                         upkeep: UpkeepThread, lock: threading.RLock, patcher: Patcher,
-                        offload: OffloadManager | None) -> None:
+                        offload: OffloadManager | None, link: AccountLink | None) -> None:
     """What vLLM's sleep and ``release_kv_cache_memory`` call on (``patches/sleep_mode.py``): the engine's
     pages (and host-tier copies) given back, where its pool is in this process; None under worker ranks,
     where both are refused."""
@@ -112,7 +113,8 @@ def _attach_hibernation(scheduler: Any, connection: CacheConnection, queue: Page
     hibernation = None
     if connection.unmaps_between_steps:
         hibernation = Hibernation(queue, connection.cache, connection.mapper, upkeep, lock,
-                                  drop_host_copies=None if offload is None else offload.reset)
+                                  drop_host_copies=None if offload is None else offload.reset,
+                                  withdraw_want=None if link is None else link.withdraw_want)
     patcher.add_attribute(scheduler, HIBERNATION_ATTRIBUTE, hibernation)
 
 

@@ -189,6 +189,11 @@ class ClusterLink:
             with self.source.lock:
                 self.timing.refused(nbytes)
 
+    def withdraw_want(self) -> bool:
+        """The engine went to sleep: it wants nothing, and claims no share it was short of lately (the
+        lock is waited for 5 ms at most; False where the account was busy or absent)."""
+        return self.membership.withdraw_want()
+
     def tick(self, queue: Any, offload: Any) -> int:
         """Report, apply the current limit; return the bytes other engines want back from us."""
         limit, pressure = self.assess(queue, offload)

@@ -14,7 +14,9 @@ account sync would raise the limit again, its warm reserve would grow), so nothi
 maps: a request scheduled meanwhile waits, as at any limit. Waking gives the limit
 back; groups then map as requests use them, as after start-up.
 
-A host tier's copies go too, whatever path reached the sleep: an RL loop loads new
+The engine's want in the account goes too: a refusal it met just before sleeping
+would otherwise hold the other engines to their fair shares for a few seconds
+more, while it needs nothing. A host tier's copies go too, whatever path reached the sleep: an RL loop loads new
 weights while the engine sleeps, and KV computed with the old ones must never come
 back. vLLM's own reset of the prefix cache drops them where it runs (every engine
 core from 0.17; before, the ``LLM`` and ``AsyncLLM`` front ends); the hibernation
@@ -40,15 +42,18 @@ class Hibernation:
 
     def __init__(self, queue: "PageAwareFreeQueue", cache: "ElasticKVCache", mapper: "Mapper",
                  upkeep: "UpkeepThread", lock: ContextManager,
-                 drop_host_copies: Callable[[], None] | None = None):
+                 drop_host_copies: Callable[[], None] | None = None,
+                 withdraw_want: Callable[[], object] | None = None):
         """``lock``: the scheduler's lock (taken by every entry point and upkeep job that changes the pool);
-        ``drop_host_copies``: the host tier's reset, where the engine has one."""
+        ``drop_host_copies``: the host tier's reset, where the engine has one; ``withdraw_want``: tells the
+        GPU's shared account the engine wants nothing, where it is a member."""
         self.queue = queue
         self.cache = cache
         self.mapper = mapper
         self.upkeep = upkeep
         self.lock = lock
         self.drop_host_copies = drop_host_copies
+        self.withdraw_want = withdraw_want
         self._limit_awake: tuple[int | None] | None = None  # the pool's limit before sleep; None: awake
 
     @property
@@ -80,6 +85,8 @@ class Hibernation:
             if self.drop_host_copies is not None:
                 with self.lock:
                     self.drop_host_copies()
+            if self.withdraw_want is not None:  # a want from before sleep would hold the others to shares
+                self.withdraw_want()
         except BaseException:
             if self._limit_awake is None:
                 self.upkeep.resume()

@@ -43,6 +43,10 @@ class LinkGroup:
         for link in self.links:
             link.want(nbytes * link.group_bytes // self.cache.group_bytes)
 
+    def withdraw_want(self) -> bool:
+        """Every GPU's account hears that this engine wants nothing now; False if any could not."""
+        return all([link.withdraw_want() for link in self.links])
+
     def tick(self, queue: Any, offload: Any) -> int:
         """Report to every account, apply the least limit; the most bytes any account wants back."""
         limits, pressure = [], 0
