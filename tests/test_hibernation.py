@@ -103,7 +103,7 @@ def test_sleep_drops_the_host_tiers_copies_even_where_vllm_did_not_reset(patched
 def test_while_one_engine_sleeps_the_other_uses_its_memory_and_it_comes_back_on_wake(patched):
     """Two engines in one GPU account of 6 groups: ``a`` holds most of it when it goes to sleep; ``b``'s wave,
     which needs the whole budget, then runs on everything but ``a``'s null group. Awake again, ``a`` gets its
-    memory back from an idle ``b`` and serves. Together they never hold more than the budget."""
+    memory back from an idle ``b`` (at least down to ``b``'s fair share) and serves. Together they never hold more than the budget."""
     from tests.test_fair_share_schedulers import _step
 
     budget = 6 * GROUP_BYTES
@@ -136,4 +136,5 @@ def test_while_one_engine_sleeps_the_other_uses_its_memory_and_it_comes_back_on_
     getattr(a, HIBERNATION_ATTRIBUTE).wake()
     held_by_b.clear()
     run(a, make_requests("c", 8, 460, 0, seed=5, max_tokens=20), held_by_b)
-    assert min(held_by_b) < budget // 2 <= max(held_by_b)  # b's idle cache went back to a
+    # b's idle cache went back to a: all of it, or (b was refused within the want's 5 s) down to b's fair share
+    assert min(held_by_b) <= budget // 2 < max(held_by_b)
