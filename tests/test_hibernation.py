@@ -103,7 +103,8 @@ def test_sleep_drops_the_host_tiers_copies_even_where_vllm_did_not_reset(patched
 def test_while_one_engine_sleeps_the_other_uses_its_memory_and_it_comes_back_on_wake(patched):
     """Two engines in one GPU account of 6 groups: ``a`` holds most of it when it goes to sleep; ``b``'s wave,
     which needs the whole budget, then runs on everything but ``a``'s null group. Awake again, ``a`` gets its
-    memory back from an idle ``b`` (at least down to ``b``'s fair share) and serves. Together they never hold more than the budget."""
+    memory back from an idle ``b`` (at least down to ``b``'s fair share) and serves. Together they never hold
+    more than the budget."""
     from tests.test_fair_share_schedulers import _step
 
     budget = 6 * GROUP_BYTES
