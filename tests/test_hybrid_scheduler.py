@@ -31,18 +31,12 @@ from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvelastic.settings import Settings  # noqa: E402
-from kvelastic.worker.allocation import publish_views  # noqa: E402
-from kvelastic.worker.page_alignment import group_blocks_of_config, layer_outermost_multiple  # noqa: E402
-from kvelastic.worker.single_backing import VIEW_BLOCK_DIM  # noqa: E402
 from tests.kv_fixtures import BS, N  # noqa: E402
 from tests.scheduler_harness import (PatchedSchedulers, cached_blocks_are_all_mapped, check_every_step,  # noqa: E402
                                      drive, make_requests, make_scheduler, repeat_waves, scheduler_lock,
                                      vllm_config, wait_unmapped)
 from tests.test_single_backing import BandC, _hybrid_groups, plan  # noqa: E402
-
-KIB = 1024
-PAGE = 16 * KIB
-LAYOUTS = [KVCacheLayout.BLNHC, KVCacheLayout.LBNHC]
+from tests.test_single_backing_scheduler import LAYOUTS, PAGE, published  # noqa: E402
 TTL = 3600.0  # longer than any run: nothing idles out while the schedules are compared
 
 
@@ -70,14 +64,7 @@ def hybrid(tmp_path, monkeypatch):
 
     def make(layout: KVCacheLayout, **settings):
         kv_config = plan(layout, hybrid_groups(), N)
-        multiple = layer_outermost_multiple(kv_config, PAGE)
-        assert multiple is None or N % multiple == 0  # the layout's groups own whole pages
-        env = BandC(PAGE)
-        envs.append(env)
-        views = env.allocate(kv_config, layout, None)
-        pool = env.runtime.finish_allocation()
-        cache = publish_views(env.runtime, pool, views.values(), N, premap_blocks=1,
-                              blocks_per_group=group_blocks_of_config(kv_config, PAGE), block_dim=VIEW_BLOCK_DIM)
+        views, pool, cache = published(kv_config, layout, envs)
         scheduler = schedulers.make(pool, views, cache, Settings(enabled=True, chunk_bytes=PAGE, **settings),
                                     kv_cache_config=kv_config, config=hybrid_config())
         return scheduler, pool, cache, kv_config

@@ -35,6 +35,20 @@ LAYERS = ("l0", "l1", "l2")  # the layer names the harness's scheduler config us
 LAYOUTS = [KVCacheLayout.BLNHC, KVCacheLayout.LBNHC]
 
 
+def published(config, layout: KVCacheLayout, envs: list[BandC]) -> tuple[dict, object, object]:
+    """vLLM's views of ``config`` (planned in ``layout``) allocated through the patched allocator of a new
+    band-C runtime (kept in ``envs`` for closing), and the pool and cache published over them."""
+    multiple = layer_outermost_multiple(config, PAGE)
+    assert multiple is None or N % multiple == 0  # the layout's groups own whole pages
+    env = BandC(PAGE)
+    envs.append(env)
+    views = env.allocate(config, layout, None)
+    pool = env.runtime.finish_allocation()
+    cache = publish_views(env.runtime, pool, views.values(), N, premap_blocks=1,
+                          blocks_per_group=group_blocks_of_config(config, PAGE), block_dim=VIEW_BLOCK_DIM)
+    return views, pool, cache
+
+
 @pytest.fixture
 def band_c_scheduler(tmp_path, monkeypatch):
     monkeypatch.setenv("KVELASTIC_SHARED_DIR", str(tmp_path))
@@ -44,14 +58,7 @@ def band_c_scheduler(tmp_path, monkeypatch):
     def make(layout: KVCacheLayout, limit_blocks: int | None = None, **settings):
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
         config = plan(layout, [KVCacheGroupSpec(list(LAYERS), spec)], N)
-        multiple = layer_outermost_multiple(config, PAGE)
-        assert multiple is None or N % multiple == 0  # the layout's groups own whole pages
-        env = BandC(PAGE)
-        envs.append(env)
-        views = env.allocate(config, layout, None)
-        pool = env.runtime.finish_allocation()
-        cache = publish_views(env.runtime, pool, views.values(), N, premap_blocks=1,
-                              blocks_per_group=group_blocks_of_config(config, PAGE), block_dim=VIEW_BLOCK_DIM)
+        views, pool, cache = published(config, layout, envs)
         group_bytes = len(cache.layout.pages(1)) * PAGE
         limit = limit_blocks and -(-limit_blocks // cache.blocks_per_group) * group_bytes
         if limit:

@@ -16,11 +16,14 @@ back; groups then map as requests use them, as after start-up.
 
 The engine's want in the account goes too: a refusal it met just before sleeping
 would otherwise hold the other engines to their fair shares for a few seconds
-more, while it needs nothing. A host tier's copies go too, whatever path reached the sleep: an RL loop loads new
-weights while the engine sleeps, and KV computed with the old ones must never come
-back. vLLM's own reset of the prefix cache drops them where it runs (every engine
-core from 0.17; before, the ``LLM`` and ``AsyncLLM`` front ends); the hibernation
-drops them again after its release, which also spilled what was still cached.
+more, while it needs nothing.
+
+A host tier's copies go too, whatever path reached the sleep: an RL loop loads
+new weights while the engine sleeps, and KV computed with the old ones must never
+come back. vLLM's own reset of the prefix cache drops them where it runs (every
+engine core from 0.17; before, the ``LLM`` and ``AsyncLLM`` front ends); the
+hibernation drops them again after its release, which also spilled what was
+still cached.
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ class NeighbourCorrection:
     def corrected(self, snapshot: Any) -> Any | None:
         """A copy of ``snapshot`` (vLLM's start ``MemorySnapshot``, a dataclass) as if the neighbours still
         held what they held when it was taken; None where nothing changed or either reading is missing."""
-        now = None if self.at_start is None else self.read()
-        released = 0 if now is None or self.at_start is None else self.at_start - now
+        if self.at_start is None or (now := self.read()) is None:
+            return None
+        released = self.at_start - now
         if not released:
             return None
         log.info("kvelastic: the other engines on this GPU %s %d MiB while this one loaded; vLLM's profile "
